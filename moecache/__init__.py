@@ -1,0 +1,3 @@
+"""moecache: measure, simulate and run Mixture-of-Experts expert offloading policies."""
+
+__version__ = "0.1.0"

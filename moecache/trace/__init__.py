@@ -1,0 +1,1 @@
+"""Routing traces: the canonical format, the asynchronous logger, the model hooks and importers."""

@@ -1,0 +1,259 @@
+"""The opt-in, asynchronous routing logger.
+
+The inference path calls `RoutingLogger.log(layer_id, expert_ids_TK, weights_TK)` from a router hook.
+That call only snapshots the two small tensors (a non-blocking device-to-host copy on CUDA, a clone
+on the CPU) and puts one compact record into a bounded queue: it never waits on I/O. A background
+thread expands records into one row per (token, layer) and writes Parquet row groups and/or JSON Lines.
+
+A full queue is never a silent drop: `on_overflow="raise"` raises `RoutingLogOverflow` in the
+inference path; `on_overflow="block"` applies back-pressure (the inference path waits for the writer)
+and the number of such waits and the time spent are counted in `stats`. `close()` writes every
+record, or raises if any was lost.
+
+Legend: T tokens routed in one forward step, K top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from moecache.errors import MoecacheError
+from moecache.trace.schema import CACHE_COLUMNS, SCHEMA, TraceMeta, schema_with_meta
+
+FORMATS = ("parquet", "jsonl")
+OVERFLOW_MODES = ("raise", "block")
+PARQUET_NAME = "trace.parquet"
+JSONL_NAME = "trace.jsonl"
+
+
+class RoutingLogOverflow(MoecacheError):
+    """The bounded record buffer was full and `on_overflow` is `raise`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggerConfig:
+    formats: tuple[str, ...] = FORMATS
+    queue_size: int = 4096
+    on_overflow: str = "raise"
+    row_group_rows: int = 65536
+
+    def __post_init__(self):
+        bad = [f for f in self.formats if f not in FORMATS]
+        if bad or not self.formats:
+            raise MoecacheError(f"logging.formats={list(self.formats)}: each must be one of {list(FORMATS)}")
+        if self.on_overflow not in OVERFLOW_MODES:
+            raise MoecacheError(f"logging.on_overflow={self.on_overflow!r}: expected one of {list(OVERFLOW_MODES)}")
+        if self.queue_size < 1:
+            raise MoecacheError(f"logging.queue_size={self.queue_size}: must be at least 1")
+        if self.row_group_rows < 1:
+            raise MoecacheError(f"logging.row_group_rows={self.row_group_rows}: must be at least 1")
+
+    @classmethod
+    def from_cfg(cls, cfg) -> LoggerConfig:
+        return cls(
+            formats=tuple(cfg.formats),
+            queue_size=int(cfg.queue_size),
+            on_overflow=str(cfg.on_overflow),
+            row_group_rows=int(cfg.row_group_rows),
+        )
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Where the next routing decisions belong: set once per forward step by the caller."""
+
+    request_id: str
+    step_index: int
+    phase: str  # "prefill" | "decode"
+    first_token_index: int  # token_index of the step's first token within the request
+
+
+@dataclass
+class LoggerStats:
+    records_in: int = 0
+    records_written: int = 0
+    rows_written: int = 0
+    overflow_events: int = 0  # times the queue was full
+    blocked_seconds: float = 0.0  # inference-path time spent waiting on a full queue (block mode)
+
+
+@dataclass
+class _Record:
+    ctx: StepContext
+    layer_id: int
+    expert_ids_TK: torch.Tensor
+    weights_TK: torch.Tensor
+    ready: torch.cuda.Event | None  # set when the device-to-host copy was non-blocking
+
+
+_STOP = object()
+
+
+class RoutingLogger:
+    """Collects routing records in memory and writes them from a background thread."""
+
+    def __init__(self, out_dir: str | Path, meta: TraceMeta, run_id: str, config: LoggerConfig | None = None):
+        self.config = config or LoggerConfig()
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.meta = meta
+        self.run_id = run_id
+        self.stats = LoggerStats()
+        self._ctx: StepContext | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=self.config.queue_size)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._parquet: pq.ParquetWriter | None = None
+        self._jsonl = open(self.out_dir / JSONL_NAME, "w") if "jsonl" in self.config.formats else None  # noqa: SIM115
+        if "parquet" in self.config.formats:
+            self._parquet = pq.ParquetWriter(self.out_dir / PARQUET_NAME, schema_with_meta(meta))
+        self._pending: list[_Record] = []
+        self._pending_rows = 0
+        self._thread = threading.Thread(target=self._writer_loop, name="moecache-routing-writer", daemon=True)
+        self._thread.start()
+
+    # ---- inference path -------------------------------------------------------------------------
+
+    def set_step(self, ctx: StepContext) -> None:
+        self._ctx = ctx
+
+    def log(self, layer_id: int, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+        """Record one layer's routing for the current step. Never waits on I/O."""
+        if self._error is not None:
+            raise MoecacheError(f"routing log writer failed: {self._error}") from self._error
+        if self._closed:
+            raise MoecacheError("routing logger is closed")
+        if self._ctx is None:
+            raise MoecacheError("routing logger: log() before set_step(): the step is unknown")
+        ready = None
+        if expert_ids_TK.is_cuda:
+            ids = expert_ids_TK.detach().to("cpu", non_blocking=True)
+            weights = weights_TK.detach().float().to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            ids = expert_ids_TK.detach().clone()
+            weights = weights_TK.detach().float().clone()
+        record = _Record(self._ctx, layer_id, ids, weights, ready)
+        self.stats.records_in += 1
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self.stats.overflow_events += 1
+            if self.config.on_overflow == "raise":
+                self.stats.records_in -= 1
+                raise RoutingLogOverflow(
+                    f"routing log buffer full ({self.config.queue_size} records, overflow #{self.stats.overflow_events}): "
+                    "the writer cannot keep up; raise logging.queue_size or set logging.on_overflow=block"
+                ) from None
+            start = time.perf_counter()
+            self._queue.put(record)
+            self.stats.blocked_seconds += time.perf_counter() - start
+
+    # ---- writer thread --------------------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _STOP:
+                    self._flush()
+                    return
+                if item.ready is not None:
+                    item.ready.synchronize()
+                self._pending.append(item)
+                self._pending_rows += item.expert_ids_TK.shape[0]
+                if self._pending_rows >= self.config.row_group_rows:
+                    self._flush()
+        except BaseException as exc:  # surfaced by log() and close()
+            self._error = exc
+            while True:  # keep draining so a blocked producer can see the error
+                if self._queue.get() is _STOP:
+                    return
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        table = self._records_to_table(self._pending)
+        if self._parquet is not None:
+            self._parquet.write_table(table, row_group_size=self.config.row_group_rows)
+        if self._jsonl is not None:
+            self._jsonl.write(_table_to_jsonl(table))
+        self.stats.records_written += len(self._pending)
+        self.stats.rows_written += table.num_rows
+        self._pending = []
+        self._pending_rows = 0
+
+    def _records_to_table(self, records: list[_Record]) -> pa.Table:
+        counts = np.array([r.expert_ids_TK.shape[0] for r in records], dtype=np.int64)
+        n = int(counts.sum())
+        ids_NK = np.concatenate([r.expert_ids_TK.numpy().astype(np.int16, copy=False) for r in records])
+        w_NK = np.concatenate([r.weights_TK.numpy().astype(np.float32, copy=False) for r in records])
+        k = ids_NK.shape[1]
+        offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
+        first = np.repeat(np.array([r.ctx.first_token_index for r in records], dtype=np.int64), counts)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        columns = {
+            "run_id": pa.array([self.run_id] * n, pa.string()),
+            "request_id": pa.array(np.repeat([r.ctx.request_id for r in records], counts).tolist(), pa.string()),
+            "step_index": pa.array(np.repeat([r.ctx.step_index for r in records], counts).astype(np.int32)),
+            "token_index": pa.array((first + np.arange(n) - starts).astype(np.int32)),
+            "phase": pa.array(np.repeat([r.ctx.phase for r in records], counts).tolist(), pa.string()),
+            "layer_id": pa.array(np.repeat([r.layer_id for r in records], counts).astype(np.int16)),
+            "expert_ids": pa.ListArray.from_arrays(offsets, pa.array(ids_NK.reshape(-1))),
+            "router_weights": pa.ListArray.from_arrays(offsets, pa.array(w_NK.reshape(-1))),
+        }
+        for name in CACHE_COLUMNS:
+            columns[name] = pa.nulls(n, SCHEMA.field(name).type)
+        return pa.table(columns, schema=SCHEMA)
+
+    # ---- shutdown -------------------------------------------------------------------------------
+
+    def close(self) -> LoggerStats:
+        """Write every queued record and close the files. Raises if any record was not written."""
+        if self._closed:
+            return self.stats
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        if self._parquet is not None:
+            self._parquet.close()
+        if self._jsonl is not None:
+            self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
+            self._jsonl.close()
+        if self._error is not None:
+            raise MoecacheError(f"routing log writer failed: {self._error}") from self._error
+        if self.stats.records_written != self.stats.records_in:
+            raise MoecacheError(
+                f"routing logger wrote {self.stats.records_written} of {self.stats.records_in} records"
+            )
+        return self.stats
+
+    def stats_dict(self) -> dict:
+        return asdict(self.stats)
+
+    def __enter__(self) -> RoutingLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _table_to_jsonl(table: pa.Table) -> str:
+    """One JSON object per row, keys in schema order; float32 weights written exactly (as float64 text)."""
+    cols = table.to_pydict()
+    names = table.column_names
+    lines = [json.dumps({name: cols[name][i] for name in names}, separators=(",", ":")) for i in range(table.num_rows)]
+    return "\n".join(lines) + "\n"

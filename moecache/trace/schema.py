@@ -1,0 +1,152 @@
+"""The canonical routing-trace format: one Parquet row per (request, token, MoE layer).
+
+See docs/trace-format.md for the meaning of every column and the metadata keys. Any Parquet file
+with these columns and the `moecache.trace` metadata is a valid input to every later stage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moecache.errors import MoecacheError
+
+FORMAT_VERSION = 1
+METADATA_KEY = b"moecache.trace"
+PHASES = ("prefill", "decode")
+
+# Keys in the cache columns (`resident_experts`, `admitted`, `evicted`) are global expert keys:
+# key = layer_id * num_experts + expert_id.
+SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("step_index", pa.int32(), nullable=False),
+        pa.field("token_index", pa.int32(), nullable=False),
+        pa.field("phase", pa.string(), nullable=False),
+        pa.field("layer_id", pa.int16(), nullable=False),
+        pa.field("expert_ids", pa.list_(pa.int16()), nullable=False),
+        pa.field("router_weights", pa.list_(pa.float32()), nullable=False),
+        pa.field("resident_experts", pa.list_(pa.int32())),
+        pa.field("cache_hit", pa.list_(pa.bool_())),
+        pa.field("admitted", pa.list_(pa.int32())),
+        pa.field("evicted", pa.list_(pa.int32())),
+        pa.field("copy_enqueued_ns", pa.int64()),
+        pa.field("copy_ready_ns", pa.int64()),
+        pa.field("copy_bytes", pa.int64()),
+        pa.field("copy_duration_ns", pa.int64()),
+        pa.field("cpu_duration_ns", pa.int64()),
+        pa.field("cuda_duration_ns", pa.int64()),
+    ]
+)
+REQUIRED_COLUMNS = ("request_id", "step_index", "token_index", "phase", "layer_id", "expert_ids")
+CACHE_COLUMNS = tuple(f.name for f in SCHEMA if f.nullable)
+
+
+@dataclass
+class TraceMeta:
+    """What a stage needs to know about a trace besides its rows."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    model: str = "unknown"
+    source: str = "unknown"
+    run: dict = field(default_factory=dict)  # run metadata: versions, machine, seed, workload, ...
+
+    def to_json(self) -> str:
+        return json.dumps({"format_version": FORMAT_VERSION, **asdict(self)}, sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> TraceMeta:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MoecacheError(f"{where}: metadata '{METADATA_KEY.decode()}' is not JSON ({exc})") from exc
+        for key in ("num_layers", "num_experts", "top_k", "expert_bytes"):
+            value = raw.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise MoecacheError(f"{where}: trace metadata key '{key}' must be a non-negative integer, got {value!r}")
+        version = raw.get("format_version", FORMAT_VERSION)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise MoecacheError(f"{where}: trace metadata key 'format_version' must be an integer, got {version!r}")
+        if version > FORMAT_VERSION:
+            raise MoecacheError(
+                f"{where}: trace format_version {raw['format_version']} is newer than this moecache ({FORMAT_VERSION})"
+            )
+        known = {k: raw[k] for k in ("num_layers", "num_experts", "top_k", "expert_bytes", "model", "source", "run") if k in raw}
+        return cls(**known)
+
+
+def schema_with_meta(meta: TraceMeta) -> pa.Schema:
+    return SCHEMA.with_metadata({METADATA_KEY: meta.to_json().encode()})
+
+
+def empty_cache_columns(num_rows: int) -> dict[str, pa.Array]:
+    """Null cache columns, for traces recorded while no cache runs."""
+    return {name: pa.nulls(num_rows, SCHEMA.field(name).type) for name in CACHE_COLUMNS}
+
+
+def read_trace(path: str | Path, meta_override: dict | None = None) -> tuple[pa.Table, TraceMeta]:
+    """Read and validate a canonical trace; every failure names the file and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise MoecacheError(f"{path}: no such trace file")
+    try:
+        pf = pq.ParquetFile(path)
+        table = pf.read()
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise MoecacheError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from exc
+    raw_meta = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
+    try:
+        meta_dict = json.loads(raw_meta) if raw_meta else {}
+    except json.JSONDecodeError as exc:
+        raise MoecacheError(f"{path}: metadata '{METADATA_KEY.decode()}' is not JSON ({exc})") from exc
+    if not isinstance(meta_dict, dict):
+        raise MoecacheError(f"{path}: metadata '{METADATA_KEY.decode()}' must be a JSON object")
+    meta_dict.update(meta_override or {})
+    if not {"num_layers", "num_experts", "top_k", "expert_bytes"} <= meta_dict.keys():
+        raise MoecacheError(
+            f"{path}: not a moecache trace: metadata '{METADATA_KEY.decode()}' must give num_layers, "
+            f"num_experts, top_k and expert_bytes (found {sorted(meta_dict)})"
+        )
+    meta = TraceMeta.from_json(json.dumps(meta_dict), str(path))
+    validate_table(table, meta, str(path))
+    return table, meta
+
+
+def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise MoecacheError(f"{where}: missing trace column(s) {missing}; found {table.column_names}")
+    for name in REQUIRED_COLUMNS:
+        want = SCHEMA.field(name).type
+        got = table.schema.field(name).type
+        if not (got == want or (pa.types.is_integer(want) and pa.types.is_integer(got))
+                or (pa.types.is_list(want) and pa.types.is_list(got))):
+            raise MoecacheError(f"{where}: column '{name}' has type {got}, expected {want}")
+    if table.num_rows == 0:
+        return
+    import pyarrow.compute as pc
+
+    layer_min, layer_max = pc.min_max(table["layer_id"]).values()
+    if layer_min.as_py() < 0 or layer_max.as_py() >= meta.num_layers:
+        raise MoecacheError(
+            f"{where}: layer_id ranges {layer_min}..{layer_max}, outside 0..{meta.num_layers - 1} (num_layers)"
+        )
+    lengths = pc.list_value_length(table["expert_ids"])
+    len_min, len_max = pc.min_max(lengths).values()
+    if len_min.as_py() < 1 or len_max.as_py() > meta.top_k:
+        raise MoecacheError(f"{where}: expert_ids lists hold {len_min}..{len_max} experts; top_k is {meta.top_k}")
+    flat = pc.list_flatten(table["expert_ids"])
+    e_min, e_max = pc.min_max(flat).values()
+    if e_min.as_py() < 0 or e_max.as_py() >= meta.num_experts:
+        raise MoecacheError(f"{where}: expert_ids range {e_min}..{e_max}, outside 0..{meta.num_experts - 1}")
+    bad_phase = pc.invert(pc.is_in(table["phase"], value_set=pa.array(PHASES)))
+    if pc.any(bad_phase).as_py():
+        raise MoecacheError(f"{where}: column 'phase' holds values other than {PHASES}")
