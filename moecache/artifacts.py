@@ -86,7 +86,9 @@ class ArtifactStore:
     def get(self, artifact_id: str) -> Artifact:
         found = self.find(artifact_id)
         if found is None:
-            raise MoecacheError(f"no artifact '{artifact_id}' under {self.root}/ (see `moecache artifacts list`)")
+            raise MoecacheError(
+                f"no artifact '{artifact_id}' under {self.root}/ (see `moecache artifacts list`)"
+            )
         return found
 
     def resolve(self, ref: str) -> Artifact:

@@ -26,7 +26,10 @@ err_console = Console(stderr=True)
 # subcommand -> (module in moecache.stages, help)
 STAGES = {
     "collect": ("collect", "Run a model on a workload with the routing logger on; write a trace artifact."),
-    "calibrate": ("calibrate", "Measure CPU/CUDA expert time and H2D bandwidth; write a cost-profile artifact."),
+    "calibrate": (
+        "calibrate",
+        "Measure CPU/CUDA expert time and H2D bandwidth; write a cost-profile artifact.",
+    ),
     "import-trace": ("import_trace", "Convert an external routing trace into a canonical trace artifact."),
 }
 
@@ -46,7 +49,8 @@ def _print_summary(stage: str, result) -> None:
 
 
 def _run_stage(stage: str, overrides: list[str], multirun: bool) -> None:
-    from moecache.config import compose, multirun as hydra_multirun
+    from moecache.config import compose
+    from moecache.config import multirun as hydra_multirun
 
     module = importlib.import_module(f"moecache.stages.{STAGES[stage][0]}")
 
@@ -73,7 +77,9 @@ def _make_stage_command(stage: str, help_text: str) -> None:
     )
     def _command(
         ctx: typer.Context,
-        multirun: bool = typer.Option(False, "-m", "--multirun", help="Hydra multirun over comma-separated values."),
+        multirun: bool = typer.Option(
+            False, "-m", "--multirun", help="Hydra multirun over comma-separated values."
+        ),
     ) -> None:
         _run_stage(stage, list(ctx.args), multirun)
 
@@ -82,14 +88,23 @@ for _stage, (_module, _help) in STAGES.items():
     _make_stage_command(_stage, _help)
 
 
+def _default_output_root() -> str:
+    import os
+
+    return os.environ.get("MOECACHE_OUTPUT_ROOT", "outputs")
+
+
 @artifacts_app.command("list")
 def artifacts_list(
     stage: str = typer.Option(None, help="Only this stage."),
-    output_root: str = typer.Option("outputs", help="The artifact folder."),
+    output_root: str = typer.Option(
+        None, help="The artifact folder (default: $MOECACHE_OUTPUT_ROOT or outputs)."
+    ),
 ) -> None:
     """One line per artifact: id, stage, created time, inputs."""
     from moecache.artifacts import ArtifactStore
 
+    output_root = output_root or _default_output_root()
     table = Table()
     for col in ("artifact id", "stage", "created", "inputs"):
         table.add_column(col)
@@ -103,13 +118,15 @@ def artifacts_list(
 @artifacts_app.command("show")
 def artifacts_show(
     artifact: str = typer.Argument(..., help="Artifact id or folder."),
-    output_root: str = typer.Option("outputs", help="The artifact folder."),
+    output_root: str = typer.Option(
+        None, help="The artifact folder (default: $MOECACHE_OUTPUT_ROOT or outputs)."
+    ),
 ) -> None:
     """Print an artifact's manifest (JSON) and its files."""
     from moecache.artifacts import ArtifactStore
 
     try:
-        art = ArtifactStore(output_root).resolve(artifact)
+        art = ArtifactStore(output_root or _default_output_root()).resolve(artifact)
     except MoecacheError as exc:
         _fail("artifacts show", exc)
     print(json.dumps(art.manifest, indent=2, sort_keys=True))

@@ -39,10 +39,15 @@ def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> Di
 
 def to_container(cfg: DictConfig) -> dict:
     """A plain, fully resolved dict; a missing mandatory value is a clear error naming its key."""
+    from omegaconf.errors import MissingMandatoryValue
+
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as exc:
+        raise MoecacheError(f"config: {exc.full_key} is required (pass {exc.full_key}=...)") from exc
     except OmegaConfBaseException as exc:
-        raise MoecacheError(f"config: {_one_line(exc)}") from exc
+        key = getattr(exc, "full_key", None)
+        raise MoecacheError(f"config: {key + ': ' if key else ''}{_one_line(exc)}") from exc
 
 
 def multirun(stage: str, fn: Callable[[DictConfig], object], overrides: list[str], conf_dir: Path = CONF_DIR):

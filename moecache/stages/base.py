@@ -24,7 +24,9 @@ def store_for(cfg: DictConfig) -> ArtifactStore:
     return ArtifactStore(cfg.output_root)
 
 
-def reusable(cfg: DictConfig, stage: str, schema_version: int, config: dict, inputs: list[str]) -> Path | None:
+def reusable(
+    cfg: DictConfig, stage: str, schema_version: int, config: dict, inputs: list[str]
+) -> Path | None:
     """The finished artifact with this exact id, unless `force=true` asks for a re-run."""
     if cfg.get("force", False):
         return None
@@ -39,7 +41,9 @@ def torch_device(cfg: DictConfig) -> str:
     if want == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if want.startswith("cuda") and not torch.cuda.is_available():
-        raise MoecacheError(f"device={want}: CUDA is not available on this machine (use device=cpu or device=auto)")
+        raise MoecacheError(
+            f"device={want}: CUDA is not available on this machine (use device=cpu or device=auto)"
+        )
     if want != "cpu" and not want.startswith("cuda"):
         raise MoecacheError(f"device={want}: expected auto, cpu or cuda[:N]")
     return want

@@ -70,7 +70,9 @@ def run(cfg: DictConfig) -> StageResult:
     config = _artifact_config(c, device, loaded.revision)
     existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, inputs=[])
     if existing is not None:
-        return StageResult(existing, reused=True, summary=json.loads((existing / "run_metadata.json").read_text())["summary"])
+        return StageResult(
+            existing, reused=True, summary=json.loads((existing / "run_metadata.json").read_text())["summary"]
+        )
 
     wcfg = cfg.workload
     max_new = c["generation"]["max_new_tokens"] or wcfg.max_new_tokens
@@ -108,19 +110,24 @@ def run(cfg: DictConfig) -> StageResult:
     n_requests = sum(len(conv.turns) for conv in conversations)
     console = Console(stderr=True)
     per_request = []
-    with store_for(cfg).create(STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=[], seed=int(cfg.seed)) as tmp:
+    with store_for(cfg).create(
+        STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=[], seed=int(cfg.seed)
+    ) as tmp:
         logger = RoutingLogger(tmp, meta, run_id, LoggerConfig.from_cfg(cfg.logging))
         texts = open(tmp / "texts.jsonl", "w") if cfg.logging.log_text else None  # noqa: SIM115
         try:
-            with RoutingRecorder(loaded.model, adapter, logger) as recorder, Progress(
-                TextColumn("[bold]collect[/] {task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[tokens]} tokens, {task.fields[tps]:.1f} tok/s"),
-                TimeElapsedColumn(),
-                console=console,
-                transient=False,
-            ) as progress:
+            with (
+                RoutingRecorder(loaded.model, adapter, logger) as recorder,
+                Progress(
+                    TextColumn("[bold]collect[/] {task.description}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TextColumn("{task.fields[tokens]} tokens, {task.fields[tps]:.1f} tok/s"),
+                    TimeElapsedColumn(),
+                    console=console,
+                    transient=False,
+                ) as progress,
+            ):
                 task = progress.add_task(wcfg.name, total=n_requests, tokens=0, tps=0.0)
                 generated_total, gen_seconds = 0, 0.0
                 for conv in conversations:
@@ -132,18 +139,39 @@ def run(cfg: DictConfig) -> StageResult:
                         torch.manual_seed(int(cfg.seed))
                         recorder.start_request(request_id)
                         start = time.perf_counter()
-                        new_ids = _generate(loaded.model, prompt_ids, c["generation"], int(max_new), device, pad_id)
+                        new_ids = _generate(
+                            loaded.model, prompt_ids, c["generation"], int(max_new), device, pad_id
+                        )
                         seconds = time.perf_counter() - start
                         answer = tokenizer.decode(new_ids, skip_special_tokens=True)
                         messages.append({"role": "assistant", "content": answer})
                         if texts is not None:
-                            texts.write(json.dumps({"request_id": request_id, "messages": messages[:-1], "completion": answer}) + "\n")
+                            texts.write(
+                                json.dumps(
+                                    {
+                                        "request_id": request_id,
+                                        "messages": messages[:-1],
+                                        "completion": answer,
+                                    }
+                                )
+                                + "\n"
+                            )
                         per_request.append(
-                            {"request_id": request_id, "prompt_tokens": len(prompt_ids), "new_tokens": len(new_ids), "seconds": seconds}
+                            {
+                                "request_id": request_id,
+                                "prompt_tokens": len(prompt_ids),
+                                "new_tokens": len(new_ids),
+                                "seconds": seconds,
+                            }
                         )
                         generated_total += len(new_ids)
                         gen_seconds += seconds
-                        progress.update(task, advance=1, tokens=generated_total, tps=generated_total / max(gen_seconds, 1e-9))
+                        progress.update(
+                            task,
+                            advance=1,
+                            tokens=generated_total,
+                            tps=generated_total / max(gen_seconds, 1e-9),
+                        )
         finally:
             stats = logger.close()
             if texts is not None:
@@ -162,6 +190,13 @@ def run(cfg: DictConfig) -> StageResult:
         expected_rows = (prompt_tokens + generated_total - len(per_request)) * adapter.num_layers
         if stats.rows_written != expected_rows:
             raise MoecacheError(f"collect: logged {stats.rows_written} rows, expected {expected_rows}")
-        run_meta_out = {**run_meta, "logger": logger.stats_dict(), "requests": per_request, "summary": summary}
-        (tmp / "run_metadata.json").write_text(json.dumps(run_meta_out, indent=2, sort_keys=True, default=str) + "\n")
+        run_meta_out = {
+            **run_meta,
+            "logger": logger.stats_dict(),
+            "requests": per_request,
+            "summary": summary,
+        }
+        (tmp / "run_metadata.json").write_text(
+            json.dumps(run_meta_out, indent=2, sort_keys=True, default=str) + "\n"
+        )
     return StageResult(store_for(cfg).get(run_id).path, summary=summary)

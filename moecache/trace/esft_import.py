@@ -55,7 +55,9 @@ def load_esft_npz(path: str | Path, *, num_layers: int, num_experts: int, top_k:
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
         raise MoecacheError(f"{path}: not a readable .npz file ({' '.join(str(exc).split())})") from exc
     ids, weights, offsets = arrays["expert_ids"], arrays["gate_weights"], arrays["seq_offsets"]
-    _check_arrays(str(path), ids, weights, offsets, num_layers=num_layers, num_experts=num_experts, top_k=top_k)
+    _check_arrays(
+        str(path), ids, weights, offsets, num_layers=num_layers, num_experts=num_experts, top_k=top_k
+    )
     return EsftArrays(ids, weights, offsets.astype(np.int64))
 
 
@@ -97,10 +99,14 @@ def _check_arrays(
             f"< seq_offsets[{at}]={offsets[at]}"
         )
     if offsets[-1] != n:
-        raise MoecacheError(f"{where}: 'seq_offsets' must end at N={n} (rows of 'expert_ids'), ends at {offsets[-1]}")
+        raise MoecacheError(
+            f"{where}: 'seq_offsets' must end at N={n} (rows of 'expert_ids'), ends at {offsets[-1]}"
+        )
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_experts:
-        raise MoecacheError(f"{where}: 'expert_ids' range {lo}..{hi}, outside 0..{num_experts - 1} (num_experts)")
+        raise MoecacheError(
+            f"{where}: 'expert_ids' range {lo}..{hi}, outside 0..{num_experts - 1} (num_experts)"
+        )
     ordered = np.sort(ids, axis=2)
     dup = np.any(ordered[:, :, 1:] == ordered[:, :, :-1], axis=2)
     if dup.any():

@@ -59,7 +59,9 @@ class RoutingRecorder:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
             raise MoecacheError("routing recorder: cannot tell how many tokens this forward step routes")
         if tokens.shape[0] != 1:
-            raise MoecacheError(f"routing recorder: batch size {tokens.shape[0]}; collect runs batch size one")
+            raise MoecacheError(
+                f"routing recorder: batch size {tokens.shape[0]}; collect runs batch size one"
+            )
         num_tokens = int(tokens.shape[1])
         phase = "prefill" if self._step == 0 else "decode"
         self.logger.set_step(StepContext(self._request_id, self._step, phase, self._tokens_seen))

@@ -53,7 +53,9 @@ class LoggerConfig:
         if bad or not self.formats:
             raise MoecacheError(f"logging.formats={list(self.formats)}: each must be one of {list(FORMATS)}")
         if self.on_overflow not in OVERFLOW_MODES:
-            raise MoecacheError(f"logging.on_overflow={self.on_overflow!r}: expected one of {list(OVERFLOW_MODES)}")
+            raise MoecacheError(
+                f"logging.on_overflow={self.on_overflow!r}: expected one of {list(OVERFLOW_MODES)}"
+            )
         if self.queue_size < 1:
             raise MoecacheError(f"logging.queue_size={self.queue_size}: must be at least 1")
         if self.row_group_rows < 1:
@@ -206,7 +208,9 @@ class RoutingLogger:
         starts = np.repeat(np.cumsum(counts) - counts, counts)
         columns = {
             "run_id": pa.array([self.run_id] * n, pa.string()),
-            "request_id": pa.array(np.repeat([r.ctx.request_id for r in records], counts).tolist(), pa.string()),
+            "request_id": pa.array(
+                np.repeat([r.ctx.request_id for r in records], counts).tolist(), pa.string()
+            ),
             "step_index": pa.array(np.repeat([r.ctx.step_index for r in records], counts).astype(np.int32)),
             "token_index": pa.array((first + np.arange(n) - starts).astype(np.int32)),
             "phase": pa.array(np.repeat([r.ctx.phase for r in records], counts).tolist(), pa.string()),
@@ -255,5 +259,8 @@ def _table_to_jsonl(table: pa.Table) -> str:
     """One JSON object per row, keys in schema order; float32 weights written exactly (as float64 text)."""
     cols = table.to_pydict()
     names = table.column_names
-    lines = [json.dumps({name: cols[name][i] for name in names}, separators=(",", ":")) for i in range(table.num_rows)]
+    lines = [
+        json.dumps({name: cols[name][i] for name in names}, separators=(",", ":"))
+        for i in range(table.num_rows)
+    ]
     return "\n".join(lines) + "\n"

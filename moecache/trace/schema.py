@@ -71,15 +71,23 @@ class TraceMeta:
         for key in ("num_layers", "num_experts", "top_k", "expert_bytes"):
             value = raw.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise MoecacheError(f"{where}: trace metadata key '{key}' must be a non-negative integer, got {value!r}")
+                raise MoecacheError(
+                    f"{where}: trace metadata key '{key}' must be a non-negative integer, got {value!r}"
+                )
         version = raw.get("format_version", FORMAT_VERSION)
         if not isinstance(version, int) or isinstance(version, bool):
-            raise MoecacheError(f"{where}: trace metadata key 'format_version' must be an integer, got {version!r}")
+            raise MoecacheError(
+                f"{where}: trace metadata key 'format_version' must be an integer, got {version!r}"
+            )
         if version > FORMAT_VERSION:
             raise MoecacheError(
                 f"{where}: trace format_version {raw['format_version']} is newer than this moecache ({FORMAT_VERSION})"
             )
-        known = {k: raw[k] for k in ("num_layers", "num_experts", "top_k", "expert_bytes", "model", "source", "run") if k in raw}
+        known = {
+            k: raw[k]
+            for k in ("num_layers", "num_experts", "top_k", "expert_bytes", "model", "source", "run")
+            if k in raw
+        }
         return cls(**known)
 
 
@@ -127,8 +135,11 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
     for name in REQUIRED_COLUMNS:
         want = SCHEMA.field(name).type
         got = table.schema.field(name).type
-        if not (got == want or (pa.types.is_integer(want) and pa.types.is_integer(got))
-                or (pa.types.is_list(want) and pa.types.is_list(got))):
+        if not (
+            got == want
+            or (pa.types.is_integer(want) and pa.types.is_integer(got))
+            or (pa.types.is_list(want) and pa.types.is_list(got))
+        ):
             raise MoecacheError(f"{where}: column '{name}' has type {got}, expected {want}")
     if table.num_rows == 0:
         return
@@ -142,7 +153,9 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
     lengths = pc.list_value_length(table["expert_ids"])
     len_min, len_max = pc.min_max(lengths).values()
     if len_min.as_py() < 1 or len_max.as_py() > meta.top_k:
-        raise MoecacheError(f"{where}: expert_ids lists hold {len_min}..{len_max} experts; top_k is {meta.top_k}")
+        raise MoecacheError(
+            f"{where}: expert_ids lists hold {len_min}..{len_max} experts; top_k is {meta.top_k}"
+        )
     flat = pc.list_flatten(table["expert_ids"])
     e_min, e_max = pc.min_max(flat).values()
     if e_min.as_py() < 0 or e_max.as_py() >= meta.num_experts:

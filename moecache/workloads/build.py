@@ -120,4 +120,4 @@ def encode_messages(tokenizer, messages: list[dict], max_prompt_tokens: int) -> 
         text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
         ids = tokenizer(text)["input_ids"]
     ids = list(ids)
-    return ids[-int(max_prompt_tokens):]
+    return ids[-int(max_prompt_tokens) :]

@@ -24,7 +24,9 @@ def load_records(source: str, split: str) -> list[dict]:
     if source == "bundled:long-context":
         raise MoecacheError("bundled:long-context is built by the long_single workload, not loaded")
     if source.startswith("bundled:"):
-        raise MoecacheError(f"workload.source={source}: unknown bundled set (have bundled:mt-bench, bundled:long-context)")
+        raise MoecacheError(
+            f"workload.source={source}: unknown bundled set (have bundled:mt-bench, bundled:long-context)"
+        )
     path = Path(source)
     if path.suffix in LOCAL_BUILDERS or path.exists():
         return _load_local(path)
@@ -54,7 +56,9 @@ def _load_local(path: Path) -> list[dict]:
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many types for a malformed file
-        raise MoecacheError(f"workload.source={path}: cannot read it as {path.suffix} ({type(exc).__name__}: {exc})") from exc
+        raise MoecacheError(
+            f"workload.source={path}: cannot read it as {path.suffix} ({type(exc).__name__}: {exc})"
+        ) from exc
     return [dict(row) for row in ds]
 
 
@@ -82,4 +86,6 @@ def long_context_text(seed: int) -> str:
     for rec in _read_jsonl(MT_BENCH / "vicuna_bench_question.jsonl"):
         pieces.append(("Question", rec["category"], " ".join(rec["turns"])))
     random.Random(seed).shuffle(pieces)
-    return "\n\n".join(f"Section {i + 1} ({kind}, {tag}): {text}" for i, (kind, tag, text) in enumerate(pieces))
+    return "\n\n".join(
+        f"Section {i + 1} ({kind}, {tag}): {text}" for i, (kind, tag, text) in enumerate(pieces)
+    )

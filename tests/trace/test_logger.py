@@ -45,7 +45,7 @@ def test_every_record_is_written_in_both_formats(tmp_path):
     rows = table.to_pylist()
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert len(rows) == len(lines) == len(expected)
-    for row, line, (step, token, layer, ids, w) in zip(rows, lines, expected):
+    for row, line, (step, token, layer, ids, w) in zip(rows, lines, expected, strict=False):
         assert (row["step_index"], row["token_index"], row["layer_id"]) == (step, token, layer)
         assert row["expert_ids"] == ids
         np.testing.assert_array_equal(np.float32(row["router_weights"]), np.float32(w))
@@ -98,7 +98,9 @@ def test_overflow_raises_and_is_counted(tmp_path):
 
 
 def test_block_mode_applies_back_pressure_without_loss(tmp_path):
-    logger = _StalledLogger(tmp_path, META, "r", LoggerConfig(queue_size=1, row_group_rows=1, on_overflow="block"))
+    logger = _StalledLogger(
+        tmp_path, META, "r", LoggerConfig(queue_size=1, row_group_rows=1, on_overflow="block")
+    )
     ids, w = torch.arange(4).view(1, 4), torch.ones(1, 4)
     logger.set_step(StepContext("q", 0, "decode", 0))
     logger.log(0, ids, w)

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Benchmarks (never timed unit tests): each prints a table and ends with one JSON line.
+# Record results in docs/benchmarks.md with date, machine and command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python benchmarks/bench_logging.py --model tiny --device cpu
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  python benchmarks/bench_logging.py --model large --device cuda
+fi

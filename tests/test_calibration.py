@@ -1,0 +1,230 @@
+"""Calibration on the CPU: timing primitives, the latency/bandwidth fit, CostProfile, and the calibrate stage.
+
+Tiny shapes and few repeats keep this to seconds. No assertion compares two timings tightly.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from moecache import calibration as cal
+from moecache.config import compose
+from moecache.cost_profile import PROFILE_FILE, CostProfile
+from moecache.errors import MoecacheError
+from moecache.stages import calibrate
+
+SHAPE = cal.ExpertShape(hidden_size=256, moe_intermediate_size=128)
+FAST = [
+    "cost.repeats=3",
+    "cost.warmup=1",
+    "cost.tokens_per_call=[1,4,64]",
+    "cost.num_pool_experts=8",
+    "device=cpu",
+]
+
+
+def test_expert_shape_bytes() -> None:
+    assert SHAPE.bytes(torch.bfloat16) == 3 * 256 * 128 * 2
+    assert SHAPE.bytes(torch.float32) == 2 * SHAPE.bytes(torch.bfloat16)
+
+
+def test_summarize_percentiles() -> None:
+    t = cal.summarize([float(v) for v in range(1, 12)])  # 1..11
+    assert (t.median_us, t.p10_us, t.p90_us, t.repeats) == (6.0, 2.0, 10.0, 11)
+    with pytest.raises(ValueError):
+        cal.summarize([])
+
+
+def test_pool_exceeds_twice_the_cache_within_the_cap() -> None:
+    assert cal.pool_experts(expert_bytes=10, cache_bytes=100, max_pool_bytes=10_000) * 10 > 200
+    assert cal.pool_experts(expert_bytes=10, cache_bytes=100, max_pool_bytes=50) == 5
+    assert cal.pool_experts(expert_bytes=10, cache_bytes=0, max_pool_bytes=0) == 2
+
+
+def test_last_level_cache_reads_sysfs(tmp_path) -> None:
+    for n, size in enumerate(["48K", "2048K", "300M"]):
+        (tmp_path / f"index{n}").mkdir()
+        (tmp_path / f"index{n}" / "size").write_text(size + "\n")
+    assert cal.last_level_cache_bytes(tmp_path) == 300 << 20
+    assert cal.last_level_cache_bytes(tmp_path / "absent") is None
+
+
+def test_pool_experts_have_distinct_memory() -> None:
+    gate_up_P2IH, down_PHI = cal.make_pool(SHAPE, 3, torch.bfloat16)
+    assert gate_up_P2IH.shape == (3, 256, 256) and down_PHI.shape == (3, 256, 128)
+    assert gate_up_P2IH[0].data_ptr() != gate_up_P2IH[1].data_ptr()
+    assert gate_up_P2IH.is_contiguous() and gate_up_P2IH.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_expert_times_are_positive(dtype: torch.dtype) -> None:
+    pool = cal.make_pool(SHAPE, 4, dtype)
+    small = cal.time_cpu_expert(pool, tokens=1, repeats=5, warmup=1)
+    large = cal.time_cpu_expert(pool, tokens=256, repeats=5, warmup=1, start=6)
+    for t in (small, large):
+        assert 0 < t.p10_us <= t.median_us <= t.p90_us and t.repeats == 5
+    # 256 tokens do 256x the arithmetic of one; only a loose order is asserted.
+    assert large.median_us > 0.5 * small.median_us
+
+
+@pytest.mark.parametrize("latency_us, gbps", [(25.0, 55.0), (3.0, 12.5), (0.0, 40.0)])
+def test_fit_recovers_latency_and_bandwidth(latency_us: float, gbps: float) -> None:
+    sizes = [1 << 16, 1 << 20, 6 << 20, 1 << 26, 1 << 28]
+    points = [(b, latency_us + b / (gbps * 1e3)) for b in sizes]
+    got_latency, got_gbps = cal.fit_latency_bandwidth(points)
+    assert got_latency == pytest.approx(latency_us, abs=1e-6)
+    assert got_gbps == pytest.approx(gbps, rel=1e-9)
+
+
+def test_fit_with_noise_and_bad_input() -> None:
+    noise = [1.03, 0.97, 1.02, 0.99, 1.01]
+    sizes = [1 << 16, 1 << 20, 6 << 20, 1 << 26, 1 << 28]
+    points = [(b, (20.0 + b / 50e3) * f) for b, f in zip(sizes, noise, strict=True)]
+    latency_us, gbps = cal.fit_latency_bandwidth(points)
+    assert 15 < latency_us < 25 and 45 < gbps < 55
+    with pytest.raises(ValueError):
+        cal.fit_latency_bandwidth([(100, 1.0)])
+    with pytest.raises(ValueError):
+        cal.fit_latency_bandwidth([(100, 2.0), (200, 1.0)])
+
+
+def _profile_dict() -> dict:
+    """A hand-made profile (numbers chosen for easy arithmetic, not measurements)."""
+    rows = [
+        {
+            "dtype": "bfloat16",
+            "tokens_per_call": m,
+            "median_us": us,
+            "p10_us": us,
+            "p90_us": us,
+            "pool_experts": 4,
+        }
+        for m, us in [(1, 100.0), (4, 130.0), (16, 250.0)]
+    ]
+    return {
+        "schema_version": 1,
+        "shape": {"hidden_size": 8, "moe_intermediate_size": 4, "expert_bytes": 1_000_000},
+        "dtype": "bfloat16",
+        "machine": {"cpu_model": "x", "threads": 2},
+        "cpu": rows,
+        "cuda": None,
+        "h2d": {
+            "pinned": [{"bytes": 1_000_000, "median_us": 40.0, "gbps": 25.0}],
+            "pageable": [{"bytes": 1_000_000, "median_us": 100.0, "gbps": 10.0}],
+            "fit": {"latency_us": 20.0, "gbps": 50.0},
+            "expert_bytes": 1_000_000,
+        },
+        "measured_at": "2026-01-01T00:00:00Z",
+    }
+
+
+def test_cost_profile_round_trip_and_interpolation(tmp_path) -> None:
+    path = tmp_path / PROFILE_FILE
+    path.write_text(json.dumps(_profile_dict()))
+    profile = CostProfile.load(tmp_path)  # a folder finds its cost_profile.json
+    assert profile.cpu_expert_us(1) == 100.0
+    assert profile.cpu_expert_us(2) == pytest.approx(110.0)
+    assert profile.cpu_expert_us(10) == pytest.approx(190.0)
+    assert profile.cpu_expert_us(32) == pytest.approx(410.0)  # extrapolated with the last slope
+    assert profile.cpu_expert_us(0) == 0.0
+    assert profile.cuda_expert_us(1) is None
+    assert profile.copy_us(1_000_000) == pytest.approx(40.0)  # 20 us + 1 MB / 50 GB/s
+    assert profile.expert_copy_us() == pytest.approx(40.0)
+    assert profile.pinned_at(1_000_000)["gbps"] == 25.0
+    with pytest.raises(MoecacheError, match="float32"):
+        profile.cpu_expert_us(1, "float32")
+
+
+def test_expert_times_are_made_non_decreasing_in_tokens() -> None:
+    data = _profile_dict()
+    for row, us in zip(data["cpu"], [100.0, 90.0, 250.0], strict=True):  # M=4 measured faster than M=1
+        row["median_us"] = us
+    profile = CostProfile.from_dict(data)
+    assert profile.cpu_expert_us(1) == profile.cpu_expert_us(4) == pytest.approx(95.0)
+    assert profile.cpu_expert_us(2) == pytest.approx(95.0)
+    assert profile.cpu_expert_us(16) == 250.0
+
+
+def test_cost_profile_without_h2d_says_so() -> None:
+    data = _profile_dict() | {"h2d": None}
+    with pytest.raises(MoecacheError, match="device=cuda"):
+        CostProfile.from_dict(data).copy_us(100)
+
+
+@pytest.mark.parametrize(
+    "drop, key",
+    [
+        (("cpu",), "'cpu'"),
+        (("cpu", 1, "median_us"), "cpu[1].median_us"),
+        (("h2d", "fit", "gbps"), "h2d.fit.gbps"),
+    ],
+)
+def test_bad_profile_names_file_and_key(tmp_path, drop: tuple, key: str) -> None:
+    data = copy.deepcopy(_profile_dict())
+    parent = data
+    for part in drop[:-1]:
+        parent = parent[part]
+    del parent[drop[-1]]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(MoecacheError) as info:
+        CostProfile.load(path)
+    assert str(path) in str(info.value) and key in str(info.value)
+
+
+def test_missing_or_invalid_profile_file(tmp_path) -> None:
+    with pytest.raises(MoecacheError, match="nope.json"):
+        CostProfile.load(tmp_path / "nope.json")
+    (tmp_path / "junk.json").write_text("{")
+    with pytest.raises(MoecacheError, match="junk.json"):
+        CostProfile.load(tmp_path / "junk.json")
+
+
+def test_shape_from_cost_overrides_without_model_weights(tmp_path) -> None:
+    cfg = compose(
+        ["model=tiny", f"output_root={tmp_path}", "cost.shape.hidden_size=96", "cost.shape.dtype=float32"]
+    )
+    shape, dtype, _ = calibrate.resolve_shape(cfg)
+    assert shape.hidden_size == 96 and dtype == "float32"
+
+
+def test_calibrate_stage_writes_then_reuses(tmp_path) -> None:
+    cfg = compose(["model=tiny", f"output_root={tmp_path}", *FAST])
+    first = calibrate.run(cfg)
+    assert not first.reused and (first.artifact / "manifest.json").is_file()
+    data = json.loads((first.artifact / PROFILE_FILE).read_text())
+    for key in (
+        "schema_version",
+        "shape",
+        "dtype",
+        "machine",
+        "cpu",
+        "cuda",
+        "h2d",
+        "measured_at",
+        "settings",
+    ):
+        assert key in data
+    assert data["cuda"] is None and data["h2d"] is None  # device=cpu
+    assert data["machine"]["threads"] == torch.get_num_threads()
+    assert {r["dtype"] for r in data["cpu"]} == {"bfloat16", "float32"}
+    for row in data["cpu"]:
+        assert 0 < row["p10_us"] <= row["median_us"] <= row["p90_us"] and row["pool_experts"] == 8
+    profile = CostProfile.load(first.artifact / PROFILE_FILE)
+    assert profile.cpu_expert_us(1) > 0 and first.summary[f"cpu us/expert M=1 {profile.dtype}"] > 0
+
+    again = calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST]))
+    assert again.reused and again.artifact == first.artifact
+    assert again.summary == first.summary
+
+    other = calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST, "cost.repeats=2"]))
+    assert not other.reused and other.artifact != first.artifact
+
+
+def test_calibrate_rejects_bad_settings(tmp_path) -> None:
+    with pytest.raises(MoecacheError, match="cost.dtypes"):
+        calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST, "cost.dtypes=[float42]"]))
