@@ -3,7 +3,7 @@
 # Record results in docs/benchmarks.md with date, machine and command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python benchmarks/bench_logging.py --model tiny --device cpu
+python benchmarks/bench_logging.py --model tiny --device cpu --threads 1
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   python benchmarks/bench_logging.py --model large --device cuda
 fi

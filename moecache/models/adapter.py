@@ -144,9 +144,10 @@ class MoEAdapter:
         return experts.gate_up_proj.detach(), experts.down_proj.detach()
 
     def routing(self, router_output: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights_TK float32, expert_ids_TK int64) from a router's forward output."""
+        """(weights_TK, expert_ids_TK) from a router's forward output, as the router made them: no
+        copy, no dtype conversion, no device sync (this runs on the inference path)."""
         _router_logits_TE, weights_TK, expert_ids_TK = router_output
-        return weights_TK.float(), expert_ids_TK.long()
+        return weights_TK, expert_ids_TK
 
     def describe(self) -> dict:
         """The architecture numbers, JSON-able."""

@@ -1,11 +1,12 @@
 """The opt-in, asynchronous routing logger.
 
 The inference path calls `RoutingLogger.log(layer_id, expert_ids_TK, weights_TK)` from a router hook.
-That call only snapshots the two small tensors (a non-blocking device-to-host copy on CUDA, a clone
-on the CPU) and puts one compact record into a bounded queue: it never waits on I/O. A background
-thread expands records into one row per (token, layer) and writes Parquet row groups and/or JSON Lines.
+That call only appends one compact record (the step context, the layer and references to the two
+small tensors the router returned) to a bounded buffer: no copy, no device sync, no I/O. A background
+thread copies batches of records to the host (one device-to-host copy per batch on CUDA), expands
+them into one row per (token, layer) and writes Parquet row groups and/or JSON Lines.
 
-A full queue is never a silent drop: `on_overflow="raise"` raises `RoutingLogOverflow` in the
+A full buffer is never a silent drop: `on_overflow="raise"` raises `RoutingLogOverflow` in the
 inference path; `on_overflow="block"` applies back-pressure (the inference path waits for the writer)
 and the number of such waits and the time spent are counted in `stats`. `close()` writes every
 record, or raises if any was lost.
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,8 +87,8 @@ class LoggerStats:
     records_in: int = 0
     records_written: int = 0
     rows_written: int = 0
-    overflow_events: int = 0  # times the queue was full
-    blocked_seconds: float = 0.0  # inference-path time spent waiting on a full queue (block mode)
+    overflow_events: int = 0  # times the buffer was full
+    blocked_seconds: float = 0.0  # inference-path time spent waiting on a full buffer (block mode)
 
 
 @dataclass
@@ -96,10 +97,9 @@ class _Record:
     layer_id: int
     expert_ids_TK: torch.Tensor
     weights_TK: torch.Tensor
-    ready: torch.cuda.Event | None  # set when the device-to-host copy was non-blocking
 
 
-_STOP = object()
+WAKE_INTERVAL_S = 0.05
 
 
 class RoutingLogger:
@@ -113,7 +113,13 @@ class RoutingLogger:
         self.run_id = run_id
         self.stats = LoggerStats()
         self._ctx: StepContext | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=self.config.queue_size)
+        # The bounded buffer: a deque (append/popleft are atomic) whose length the producer checks.
+        # The writer wakes when it is half full or every WAKE_INTERVAL_S, not once per record.
+        self._buf: deque[_Record] = deque()
+        self._wake = threading.Event()
+        self._space = threading.Condition()
+        self._wake_at = max(1, self.config.queue_size // 2)
+        self._stopping = False
         self._error: BaseException | None = None
         self._closed = False
         self._parquet: pq.ParquetWriter | None = None
@@ -138,51 +144,56 @@ class RoutingLogger:
             raise MoecacheError("routing logger is closed")
         if self._ctx is None:
             raise MoecacheError("routing logger: log() before set_step(): the step is unknown")
-        ready = None
-        if expert_ids_TK.is_cuda:
-            ids = expert_ids_TK.detach().to("cpu", non_blocking=True)
-            weights = weights_TK.detach().float().to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            ids = expert_ids_TK.detach().clone()
-            weights = weights_TK.detach().float().clone()
-        record = _Record(self._ctx, layer_id, ids, weights, ready)
+        if len(self._buf) >= self.config.queue_size:
+            self._on_full()
+        # Keep references only: routers return fresh tensors that nothing writes to afterwards. Device
+        # tensors are copied to the host by the writer thread, in batches, off the inference path.
+        self._buf.append(_Record(self._ctx, layer_id, expert_ids_TK.detach(), weights_TK.detach()))
         self.stats.records_in += 1
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
-            self.stats.overflow_events += 1
-            if self.config.on_overflow == "raise":
-                self.stats.records_in -= 1
-                raise RoutingLogOverflow(
-                    f"routing log buffer full ({self.config.queue_size} records, overflow #{self.stats.overflow_events}): "
-                    "the writer cannot keep up; raise logging.queue_size or set logging.on_overflow=block"
-                ) from None
-            start = time.perf_counter()
-            self._queue.put(record)
-            self.stats.blocked_seconds += time.perf_counter() - start
+        if len(self._buf) >= self._wake_at:
+            self._wake.set()
+
+    def _on_full(self) -> None:
+        self.stats.overflow_events += 1
+        if self.config.on_overflow == "raise":
+            raise RoutingLogOverflow(
+                f"routing log buffer full ({self.config.queue_size} records, overflow #{self.stats.overflow_events}): "
+                "the writer cannot keep up; raise logging.queue_size or set logging.on_overflow=block"
+            )
+        start = time.perf_counter()
+        with self._space:
+            while len(self._buf) >= self.config.queue_size and self._error is None:
+                self._wake.set()
+                self._space.wait(timeout=WAKE_INTERVAL_S)
+        self.stats.blocked_seconds += time.perf_counter() - start
+        if self._error is not None:
+            raise MoecacheError(f"routing log writer failed: {self._error}") from self._error
 
     # ---- writer thread --------------------------------------------------------------------------
 
     def _writer_loop(self) -> None:
         try:
             while True:
-                item = self._queue.get()
-                if item is _STOP:
+                self._wake.wait(timeout=WAKE_INTERVAL_S)
+                self._wake.clear()
+                stopping = self._stopping  # read before draining: records logged before close() are in _buf
+                batch = []
+                while self._buf:
+                    batch.append(self._buf.popleft())
+                    if self.config.on_overflow == "block":
+                        with self._space:
+                            self._space.notify_all()
+                _to_host(batch)
+                for item in batch:
+                    self._pending.append(item)
+                    self._pending_rows += item.expert_ids_TK.shape[0]
+                    if self._pending_rows >= self.config.row_group_rows:
+                        self._flush()
+                if stopping:
                     self._flush()
                     return
-                if item.ready is not None:
-                    item.ready.synchronize()
-                self._pending.append(item)
-                self._pending_rows += item.expert_ids_TK.shape[0]
-                if self._pending_rows >= self.config.row_group_rows:
-                    self._flush()
         except BaseException as exc:  # surfaced by log() and close()
             self._error = exc
-            while True:  # keep draining so a blocked producer can see the error
-                if self._queue.get() is _STOP:
-                    return
 
     def _flush(self) -> None:
         if not self._pending:
@@ -200,8 +211,8 @@ class RoutingLogger:
     def _records_to_table(self, records: list[_Record]) -> pa.Table:
         counts = np.array([r.expert_ids_TK.shape[0] for r in records], dtype=np.int64)
         n = int(counts.sum())
-        ids_NK = np.concatenate([r.expert_ids_TK.numpy().astype(np.int16, copy=False) for r in records])
-        w_NK = np.concatenate([r.weights_TK.numpy().astype(np.float32, copy=False) for r in records])
+        ids_NK = np.concatenate([r.expert_ids_TK.numpy() for r in records]).astype(np.int16)
+        w_NK = np.concatenate([r.weights_TK.numpy() for r in records]).astype(np.float32)
         k = ids_NK.shape[1]
         offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
         first = np.repeat(np.array([r.ctx.first_token_index for r in records], dtype=np.int64), counts)
@@ -229,7 +240,8 @@ class RoutingLogger:
         if self._closed:
             return self.stats
         self._closed = True
-        self._queue.put(_STOP)
+        self._stopping = True
+        self._wake.set()
         self._thread.join()
         if self._parquet is not None:
             self._parquet.close()
@@ -253,6 +265,18 @@ class RoutingLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _to_host(batch: list[_Record]) -> None:
+    """Replace the records' tensors by host float32 / int64 copies: one concatenation and one
+    device-to-host copy per batch for device tensors (this waits for the GPU on the writer thread)."""
+    if not batch:
+        return
+    counts = [r.expert_ids_TK.shape[0] for r in batch]
+    ids_NK = torch.cat([r.expert_ids_TK for r in batch]).to("cpu", torch.int64)
+    w_NK = torch.cat([r.weights_TK for r in batch]).to("cpu", torch.float32)
+    for r, ids_TK, w_TK in zip(batch, ids_NK.split(counts), w_NK.split(counts), strict=True):
+        r.expert_ids_TK, r.weights_TK = ids_TK, w_TK
 
 
 def _table_to_jsonl(table: pa.Table) -> str:
