@@ -91,7 +91,7 @@ class LoggerStats:
     blocked_seconds: float = 0.0  # inference-path time spent waiting on a full buffer (block mode)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
     ctx: StepContext
     layer_id: int
@@ -118,6 +118,7 @@ class RoutingLogger:
         self._buf: deque[_Record] = deque()
         self._wake = threading.Event()
         self._space = threading.Condition()
+        self._capacity = self.config.queue_size
         self._wake_at = max(1, self.config.queue_size // 2)
         self._stopping = False
         self._error: BaseException | None = None
@@ -144,11 +145,13 @@ class RoutingLogger:
             raise MoecacheError("routing logger is closed")
         if self._ctx is None:
             raise MoecacheError("routing logger: log() before set_step(): the step is unknown")
-        if len(self._buf) >= self.config.queue_size:
+        if len(self._buf) >= self._capacity:
             self._on_full()
         # Keep references only: routers return fresh tensors that nothing writes to afterwards. Device
         # tensors are copied to the host by the writer thread, in batches, off the inference path.
-        self._buf.append(_Record(self._ctx, layer_id, expert_ids_TK.detach(), weights_TK.detach()))
+        if weights_TK.requires_grad:
+            weights_TK = weights_TK.detach()
+        self._buf.append(_Record(self._ctx, layer_id, expert_ids_TK, weights_TK))
         self.stats.records_in += 1
         if len(self._buf) >= self._wake_at:
             self._wake.set()
