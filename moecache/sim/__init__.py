@@ -1,0 +1,1 @@
+"""Trace-driven cache simulation: flat trace arrays, the policy interface and registry, replay drivers."""

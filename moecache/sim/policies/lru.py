@@ -1,0 +1,78 @@
+"""Least recently used: on a miss with a full cache, evict the resident used longest ago.
+
+Recency is updated for all of a step's hits (in access order) before its misses are admitted (in
+router order), so a step's own hits are the most recent. State: a doubly linked list over keys,
+most recent first. Ties cannot occur: every access has its own position in the order.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from moecache.sim.policy import Policy, register
+
+
+@nb.njit(cache=True)
+def _unlink(prev_K, next_K, k):
+    p, n = prev_K[k], next_K[k]
+    next_K[p] = n
+    prev_K[n] = p
+
+
+@nb.njit(cache=True)
+def _push_front(prev_K, next_K, head, k):
+    first = next_K[head]
+    prev_K[k] = head
+    next_K[k] = first
+    prev_K[first] = k
+    next_K[head] = k
+
+
+@nb.njit(cache=True)
+def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
+    prev_K, next_K, meta = state  # meta: [head sentinel, number holding a slot, capacity]
+    head, cap = meta[0], meta[2]
+    for i in range(key_U.shape[0]):
+        if hit_U[i]:
+            _unlink(prev_K, next_K, key_U[i])
+            _push_front(prev_K, next_K, head, key_U[i])
+    n_admit = 0
+    n_evict = 0
+    if cap == 0:
+        return 0, 0
+    for i in range(key_U.shape[0]):
+        if hit_U[i]:
+            continue
+        k = key_U[i]
+        if meta[1] == cap:
+            victim = prev_K[head]
+            _unlink(prev_K, next_K, victim)
+            meta[1] -= 1
+            cancelled = False
+            for j in range(n_admit):  # admitted earlier in this very step: the two cancel out
+                if admit_out[j] == victim:
+                    admit_out[j] = admit_out[n_admit - 1]
+                    n_admit -= 1
+                    cancelled = True
+                    break
+            if not cancelled:
+                evict_out[n_evict] = victim
+                n_evict += 1
+        _push_front(prev_K, next_K, head, k)
+        meta[1] += 1
+        admit_out[n_admit] = k
+        n_admit += 1
+    return n_admit, n_evict
+
+
+@register
+class LRU(Policy):
+    name = "lru"
+    step = lru_step
+
+    def init_state(self, trace, capacity: int) -> tuple:
+        n = trace.num_keys
+        prev_K = np.full(n + 1, n, np.int64)  # index n is the list's head sentinel
+        next_K = np.full(n + 1, n, np.int64)
+        return prev_K, next_K, np.array([n, 0, capacity], np.int64)

@@ -1,0 +1,81 @@
+"""The one small interface every placement policy implements, and the registry of policies.
+
+A policy is one file in `moecache/sim/policies/`: a `Policy` subclass registered by name, whose
+state is a tuple of numpy arrays and whose `step` is a numba `@njit` function. The same `step` runs
+inside the compiled replay loops of the simulator and, one layer step at a time, in the runtime.
+
+What the replay driver does at every layer step (docs/simulator.md):
+1. hit_U = which of the step's distinct experts hold a slot in the snapshot taken before the step
+   (in timed mode a hit also needs the slot's copy to be complete);
+2. calls `step(...)`: the policy first updates its state with the whole step (recency, counts, next
+   use of every hit), then decides admissions (keys that get a slot; `loading` until their copy
+   completes, never usable by this step) and evictions for the step's misses;
+3. applies evictions, then admissions, and checks that at most `capacity` keys hold slots.
+
+`step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out)
+   -> (n_admit, n_evict)`
+  key_U int32: the step's distinct keys in access order; uses_U int32: tokens selecting each;
+  hit_U bool; a0: index of the step's first access in the whole trace (a monotone access clock);
+  clock: tokens of the trace processed before this forward step; request: request index;
+  resident_K bool: keys holding a slot before the step (read only); the policy writes keys into
+  admit_out[:n_admit] and evict_out[:n_evict]. Evicted keys must hold a slot; admitted keys must not.
+
+How to add a policy: see docs/simulator.md, "Adding a policy".
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from moecache.errors import MoecacheError
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+class Policy:
+    """Base class. Subclasses set `name`, `cold_start`, `step` and implement `init_state`."""
+
+    name: ClassVar[str]
+    # True: starts with no resident experts (a demand policy). False: starts with
+    # `initial_residents` resident, free of charge (static placements, warm Belady).
+    cold_start: ClassVar[bool] = True
+    # Parameter names and defaults; `params` holds the values of one instance.
+    defaults: ClassVar[dict[str, Any]] = {}
+    step: ClassVar[Any]  # the @njit step function
+
+    def __init__(self, **params: Any):
+        unknown = sorted(set(params) - set(self.defaults))
+        if unknown:
+            raise MoecacheError(
+                f"policy {self.name}: unknown parameter(s) {unknown}; it takes {sorted(self.defaults) or 'none'}"
+            )
+        self.params = {**self.defaults, **params}
+
+    def init_state(self, trace, capacity: int) -> tuple:
+        """Fresh state for replaying `trace` (a TraceArrays) with `capacity` slots."""
+        raise NotImplementedError
+
+    def initial_residents(self, state: tuple, trace, capacity: int) -> np.ndarray:
+        """Keys resident before the first step (int32); empty for cold-start policies."""
+        return np.zeros(0, np.int32)
+
+    def label(self) -> str:
+        inner = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.name}({inner})" if inner else self.name
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    if cls.name in POLICIES:
+        raise ValueError(f"policy {cls.name!r} registered twice")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, **params: Any) -> Policy:
+    import moecache.sim.policies  # noqa: F401  (registers every policy)
+
+    if name not in POLICIES:
+        raise MoecacheError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
+    return POLICIES[name](**params)

@@ -1,0 +1,108 @@
+"""Instant-mode replay: infinite bandwidth, zero latency; an admitted expert is resident from the
+next step. The compiled loop is generic over policies (each policy's `step` is passed in).
+
+Legend: S layer steps, A accesses, K expert keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba as nb
+import numpy as np
+
+from moecache.errors import MoecacheError
+from moecache.sim.policy import Policy
+from moecache.sim.trace_arrays import TraceArrays
+
+
+@dataclass
+class ReplayResult:
+    """Per-access hits and per-step placement changes of one (trace, policy, capacity) replay."""
+
+    policy: str
+    capacity: int
+    hit_A: np.ndarray  # bool
+    admits_S: np.ndarray  # int32: keys admitted (copies enqueued) at each layer step
+    evicts_S: np.ndarray  # int32
+
+
+@nb.njit(cache=True)
+def _replay_instant(
+    step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity, hit_A, admits_S, evicts_S
+):
+    num_keys = resident_K.shape[0]
+    admit_buf = np.empty(num_keys, np.int32)
+    evict_buf = np.empty(num_keys, np.int32)
+    held = 0
+    for k in range(num_keys):
+        held += resident_K[k]
+    for s in range(start_S.shape[0] - 1):
+        a0 = start_S[s]
+        a1 = start_S[s + 1]
+        for a in range(a0, a1):
+            hit_A[a] = resident_K[key_A[a]]
+        n_admit, n_evict = step(
+            state,
+            key_A[a0:a1],
+            uses_A[a0:a1],
+            hit_A[a0:a1],
+            a0,
+            clock_S[s],
+            request_S[s],
+            resident_K,
+            admit_buf,
+            evict_buf,
+        )
+        for j in range(n_evict):
+            k = evict_buf[j]
+            if not resident_K[k]:
+                raise ValueError("policy evicted a key that holds no slot")
+            resident_K[k] = False
+        held -= n_evict
+        for j in range(n_admit):
+            k = admit_buf[j]
+            if resident_K[k]:
+                raise ValueError("policy admitted a key that already holds a slot")
+            resident_K[k] = True
+        held += n_admit
+        if held > capacity:
+            raise ValueError("policy holds more keys than the capacity")
+        admits_S[s] = n_admit
+        evicts_S[s] = n_evict
+
+
+def check_capacity(trace: TraceArrays, capacity: int) -> None:
+    if not isinstance(capacity, int | np.integer) or capacity < 0 or capacity > trace.num_keys:
+        raise MoecacheError(
+            f"capacity={capacity}: must be an integer from 0 to the number of expert keys "
+            f"({trace.num_layers} layers x {trace.num_experts} experts = {trace.num_keys})"
+        )
+
+
+def initial_resident_mask(policy: Policy, state: tuple, trace: TraceArrays, capacity: int) -> np.ndarray:
+    resident_K = np.zeros(trace.num_keys, np.bool_)
+    initial = policy.initial_residents(state, trace, capacity)
+    if len(initial) > capacity:
+        raise MoecacheError(
+            f"policy {policy.label()} starts with {len(initial)} residents > capacity {capacity}"
+        )
+    resident_K[initial] = True
+    return resident_K
+
+
+def replay_instant(trace: TraceArrays, policy: Policy, capacity: int) -> ReplayResult:
+    check_capacity(trace, capacity)
+    state = policy.init_state(trace, int(capacity))
+    resident_K = initial_resident_mask(policy, state, trace, capacity)
+    hit_A = np.zeros(trace.num_accesses, np.bool_)
+    admits_S = np.zeros(trace.num_steps, np.int32)
+    evicts_S = np.zeros(trace.num_steps, np.int32)
+    try:
+        _replay_instant(
+            type(policy).step, state, trace.key_A, trace.uses_A, trace.start_S, trace.clock_S, trace.request_S,
+            resident_K, int(capacity), hit_A, admits_S, evicts_S,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise MoecacheError(f"policy {policy.label()} at capacity {capacity}: {exc}") from exc
+    return ReplayResult(policy.label(), int(capacity), hit_A, admits_S, evicts_S)
