@@ -31,6 +31,11 @@ STAGES = {
         "Measure CPU/CUDA expert time and H2D bandwidth; write a cost-profile artifact.",
     ),
     "import-trace": ("import_trace", "Convert an external routing trace into a canonical trace artifact."),
+    "simulate": ("simulate", "Replay traces through one placement policy at one or more capacities."),
+    "sweep": (
+        "sweep",
+        "Replay traces through every policy at every capacity of the grid; tabulate the metrics.",
+    ),
 }
 
 

@@ -27,13 +27,15 @@ class ReplayResult:
     evicts_S: np.ndarray  # int32
 
 
-@nb.njit(cache=True)
+# Not cached on disk: numba keys the cache of a function that takes a dispatcher argument by the
+# dispatcher's per-process id (numba issue #2956), so each process compiles it once per policy (~1 s).
+# `_nrt=False`: no reference counting of the per-step array slices (the buffers come from the caller).
+@nb.njit(nogil=True, _nrt=False)
 def _replay_instant(
-    step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity, hit_A, admits_S, evicts_S
-):
+    step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity, hit_A, admits_S, evicts_S,
+    admit_buf, evict_buf,
+):  # fmt: skip
     num_keys = resident_K.shape[0]
-    admit_buf = np.empty(num_keys, np.int32)
-    evict_buf = np.empty(num_keys, np.int32)
     held = 0
     for k in range(num_keys):
         held += resident_K[k]
@@ -102,6 +104,7 @@ def replay_instant(trace: TraceArrays, policy: Policy, capacity: int) -> ReplayR
         _replay_instant(
             type(policy).step, state, trace.key_A, trace.uses_A, trace.start_S, trace.clock_S, trace.request_S,
             resident_K, int(capacity), hit_A, admits_S, evicts_S,
+            np.empty(trace.num_keys, np.int32), np.empty(trace.num_keys, np.int32),
         )  # fmt: skip
     except ValueError as exc:
         raise MoecacheError(f"policy {policy.label()} at capacity {capacity}: {exc}") from exc

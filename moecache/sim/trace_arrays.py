@@ -181,6 +181,6 @@ def from_table(
 
 
 def load_trace(path: str | Path, name: str | None = None, workload: str = "unknown") -> TraceArrays:
-    table, meta = read_trace(path)
-    cols = ["request_id", "step_index", "layer_id", "phase", "expert_ids"]
-    return from_table(table.select(cols), meta, name=name or Path(path).stem, workload=workload)
+    cols = ["request_id", "step_index", "token_index", "layer_id", "phase", "expert_ids"]
+    table, meta = read_trace(path, columns=cols)
+    return from_table(table, meta, name=name or Path(path).stem, workload=workload)

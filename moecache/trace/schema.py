@@ -100,14 +100,22 @@ def empty_cache_columns(num_rows: int) -> dict[str, pa.Array]:
     return {name: pa.nulls(num_rows, SCHEMA.field(name).type) for name in CACHE_COLUMNS}
 
 
-def read_trace(path: str | Path, meta_override: dict | None = None) -> tuple[pa.Table, TraceMeta]:
+def read_trace(
+    path: str | Path, meta_override: dict | None = None, columns: list[str] | None = None
+) -> tuple[pa.Table, TraceMeta]:
     """Read and validate a canonical trace; every failure names the file and what is wrong."""
     path = Path(path)
     if not path.is_file():
         raise MoecacheError(f"{path}: no such trace file")
     try:
         pf = pq.ParquetFile(path)
-        table = pf.read()
+        if columns is not None:
+            absent = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
+            if absent:
+                raise MoecacheError(
+                    f"{path}: missing trace column(s) {absent}; found {pf.schema_arrow.names}"
+                )
+        table = pf.read(columns=columns)
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise MoecacheError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from exc
     raw_meta = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)

@@ -13,14 +13,14 @@ import numpy as np
 from moecache.sim.policy import Policy, register
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, inline="always", _nrt=False)
 def _unlink(prev_K, next_K, k):
     p, n = prev_K[k], next_K[k]
     next_K[p] = n
     prev_K[n] = p
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, inline="always", _nrt=False)
 def _push_front(prev_K, next_K, head, k):
     first = next_K[head]
     prev_K[k] = head
@@ -29,10 +29,10 @@ def _push_front(prev_K, next_K, head, k):
     next_K[head] = k
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, _nrt=False)
 def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    prev_K, next_K, meta = state  # meta: [head sentinel, number holding a slot, capacity]
-    head, cap = meta[0], meta[2]
+    prev_K, next_K, admitted_at_K, meta = state  # meta: [head sentinel, keys holding a slot, capacity]
+    head, held, cap = meta[0], meta[1], meta[2]
     for i in range(key_U.shape[0]):
         if hit_U[i]:
             _unlink(prev_K, next_K, key_U[i])
@@ -45,24 +45,25 @@ def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_
         if hit_U[i]:
             continue
         k = key_U[i]
-        if meta[1] == cap:
+        if held == cap:
             victim = prev_K[head]
             _unlink(prev_K, next_K, victim)
-            meta[1] -= 1
-            cancelled = False
-            for j in range(n_admit):  # admitted earlier in this very step: the two cancel out
-                if admit_out[j] == victim:
-                    admit_out[j] = admit_out[n_admit - 1]
-                    n_admit -= 1
-                    cancelled = True
-                    break
-            if not cancelled:
+            held -= 1
+            if admitted_at_K[victim] == a0:  # admitted earlier in this very step: the two cancel out
+                for j in range(n_admit):
+                    if admit_out[j] == victim:
+                        admit_out[j] = admit_out[n_admit - 1]
+                        n_admit -= 1
+                        break
+            else:
                 evict_out[n_evict] = victim
                 n_evict += 1
         _push_front(prev_K, next_K, head, k)
-        meta[1] += 1
+        held += 1
+        admitted_at_K[k] = a0
         admit_out[n_admit] = k
         n_admit += 1
+    meta[1] = held
     return n_admit, n_evict
 
 
@@ -75,4 +76,5 @@ class LRU(Policy):
         n = trace.num_keys
         prev_K = np.full(n + 1, n, np.int64)  # index n is the list's head sentinel
         next_K = np.full(n + 1, n, np.int64)
-        return prev_K, next_K, np.array([n, 0, capacity], np.int64)
+        admitted_at_K = np.full(n, -1, np.int64)
+        return prev_K, next_K, admitted_at_K, np.array([n, 0, capacity], np.int64)

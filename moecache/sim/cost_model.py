@@ -1,0 +1,261 @@
+"""The costs the timed replay needs, as plain numbers and arrays (numba indexes them directly).
+
+    cost = CostModel.for_trace(CostProfile.load(path), trace)          # trace: a TraceArrays
+    cost = CostModel.from_profile(profile, expert_bytes, max_tokens, non_expert_us_per_layer=250.0)
+    slower_pcie = cost.replace(bandwidth_scale=0.5)                     # sensitivity sweep
+
+Where the numbers come from (a `CostProfile` written by `moecache calibrate`):
+
+- copy: one pinned host-to-device copy of an expert costs `copy_latency_us + expert_bytes /
+  bandwidth_bytes_per_us`, the profile's latency/bandwidth fit of its pinned copies;
+- expert compute: `cpu_us_M[M]` / `gpu_us_M[M]` are the profile's medians for one expert call of M
+  tokens (`CostProfile.cpu_expert_us` / `cuda_expert_us`), tabulated for M = 0..max_tokens (M = 0
+  costs 0). The CPU timings were measured with `cpu_threads` threads: the model assumes the CPU runs
+  its misses one call after another, each call using all of them. A profile without GPU timings
+  gives GPU expert time 0 (a warning and a note say so);
+- `expert_bytes` is the TRACE's (its model decides the size; the profile only gives time per byte).
+  When it differs from the profile's expert, the copy is costed by the fit at the trace's bytes and
+  the expert compute times are multiplied by trace bytes / profile bytes. That is an approximation:
+  it treats an expert call as memory-bound (time proportional to the weights read), which is what
+  small-M calls are; at large M (compute-bound) the true ratio is the ratio of FLOPs, which for a
+  SwiGLU expert is the same ratio of parameters, so the approximation holds there too unless the
+  two shapes differ in efficiency (very different H/I). It also assumes the trace's bytes are in the
+  profile's dtype;
+- non-expert time (attention, norms, router, shared experts, dense layers) is NOT measured by any
+  profile yet. `non_expert_us_per_layer` (decode: per MoE layer step) and
+  `non_expert_us_per_prefill_token` (prefill: per token per MoE layer; None: the decode value) are
+  configuration values whose default 0.0 means "not modelled": estimated times then count expert
+  work only, and `notes` says so. No number is invented here.
+
+Sensitivity scales multiply the measured values: `bandwidth_scale` the copy bandwidth (the latency
+stays), `cpu_scale` the CPU expert times, `gpu_scale` the GPU expert times (not the non-expert time).
+The replay uses the scaled values: `cpu_table()`, `gpu_table()`, `copy_us()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moecache.errors import MoecacheError
+from moecache.sim.trace_arrays import DECODE
+
+NOT_MODELLED_NON_EXPERT = (
+    "non-expert time not modelled (non_expert_us_per_layer=0): no cost profile measures attention,"
+    " router, shared experts or dense layers yet; estimated times count expert work only"
+)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CostModel:
+    """Costs of one (trace shape, machine) pair, in microseconds and bytes."""
+
+    copy_latency_us: float  # per copy, from the profile's fit
+    bandwidth_bytes_per_us: float  # from the profile's fit (GB/s * 1e3); math.inf: copies are free
+    expert_bytes: int  # bytes of one expert of the TRACE's model
+    cpu_us_M: np.ndarray  # float64 [max_tokens + 1]: one expert call of M tokens on the CPU
+    gpu_us_M: np.ndarray  # float64 [max_tokens + 1]: ... on the GPU (zeros when not measured)
+    non_expert_us_per_layer: float = 0.0  # decode layer step; 0.0 = not modelled
+    non_expert_us_per_prefill_token: float | None = None  # prefill, per token per layer; None: as decode
+    bandwidth_scale: float = 1.0
+    cpu_scale: float = 1.0
+    gpu_scale: float = 1.0
+    cpu_threads: int | None = None  # threads of the CPU expert timings
+    dtype: str = ""
+    source: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)  # about the profile; see all_notes()
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_scale", "cpu_scale", "gpu_scale"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise MoecacheError(f"cost model: {name} must be > 0, got {value}")
+        if not self.bandwidth_bytes_per_us > 0:
+            raise MoecacheError(
+                f"cost model: bandwidth must be > 0 bytes/us, got {self.bandwidth_bytes_per_us}"
+            )
+        for name in ("copy_latency_us", "non_expert_us_per_layer"):
+            if not getattr(self, name) >= 0:
+                raise MoecacheError(f"cost model: {name} must be >= 0, got {getattr(self, name)}")
+        if self.non_expert_us_per_prefill_token is not None and not self.non_expert_us_per_prefill_token >= 0:
+            raise MoecacheError("cost model: non_expert_us_per_prefill_token must be >= 0 or None")
+        if self.expert_bytes < 0:
+            raise MoecacheError(f"cost model: expert_bytes must be >= 0, got {self.expert_bytes}")
+        cpu = np.ascontiguousarray(self.cpu_us_M, np.float64)
+        gpu = np.ascontiguousarray(self.gpu_us_M, np.float64)
+        if cpu.ndim != 1 or cpu.shape != gpu.shape or len(cpu) < 2:
+            raise MoecacheError("cost model: cpu_us_M and gpu_us_M must be 1-d of equal length >= 2")
+        object.__setattr__(self, "cpu_us_M", cpu)
+        object.__setattr__(self, "gpu_us_M", gpu)
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_profile(
+        cls, profile, expert_bytes: int, max_tokens: int, dtype: str | None = None, **overrides
+    ) -> CostModel:
+        """Tabulate `profile` (a CostProfile) for experts of `expert_bytes` and calls of up to
+        `max_tokens` tokens; `overrides` set any other field (non-expert time, scales, ...)."""
+        dtype = dtype or profile.dtype
+        max_tokens = int(max_tokens)
+        if max_tokens < 1:
+            raise MoecacheError(f"cost model: max_tokens must be >= 1, got {max_tokens}")
+        expert_bytes = int(expert_bytes)
+        notes: list[str] = []
+        ratio = 1.0
+        if expert_bytes != profile.expert_bytes:
+            ratio = expert_bytes / profile.expert_bytes
+            notes.append(
+                f"trace expert_bytes {expert_bytes} != profile expert_bytes {profile.expert_bytes}: copy time"
+                f" from the profile's latency/bandwidth fit at {expert_bytes} bytes; expert compute times"
+                f" scaled by {ratio:.4g}"
+            )
+        fit = profile._need_h2d()["fit"]
+        tokens = range(1, max_tokens + 1)
+        cpu = np.zeros(max_tokens + 1, np.float64)
+        cpu[1:] = [profile.cpu_expert_us(m, dtype) for m in tokens]
+        gpu = np.zeros(max_tokens + 1, np.float64)
+        if profile.cuda_expert_us(1, dtype) is None:
+            msg = (
+                f"cost profile {profile.source} has no GPU expert timings for {dtype}:"
+                " GPU expert time taken as 0"
+            )
+            warnings.warn(msg, stacklevel=2)
+            notes.append(msg)
+        else:
+            gpu[1:] = [profile.cuda_expert_us(m, dtype) for m in tokens]
+        threads = profile.machine.get("threads")
+        cpu_rows_threads = {r.get("threads") for r in profile.cpu if r["dtype"] == dtype} - {None}
+        if len(cpu_rows_threads) == 1:
+            threads = cpu_rows_threads.pop()
+        fields = dict(
+            copy_latency_us=float(fit["latency_us"]),
+            bandwidth_bytes_per_us=float(fit["gbps"]) * 1e3,
+            expert_bytes=expert_bytes,
+            cpu_us_M=cpu * ratio,
+            gpu_us_M=gpu * ratio,
+            cpu_threads=int(threads) if threads is not None else None,
+            dtype=dtype,
+            source=profile.source,
+        )
+        fields.update(overrides)
+        fields["notes"] = tuple(notes) + tuple(overrides.get("notes", ()))
+        return cls(**fields)
+
+    @classmethod
+    def for_trace(cls, profile, trace, dtype: str | None = None, **overrides) -> CostModel:
+        """`from_profile` with the trace's expert bytes and its largest step (tokens per call)."""
+        max_tokens = int(trace.tokens_S.max()) if trace.num_steps else 1
+        return cls.from_profile(profile, trace.expert_bytes, max(max_tokens, 1), dtype=dtype, **overrides)
+
+    def replace(self, **changes) -> CostModel:
+        return dataclasses.replace(self, **changes)
+
+    def infinite_bandwidth(self) -> CostModel:
+        """The same costs with free copies (zero latency, infinite bandwidth): instant mode's timing."""
+        return self.replace(copy_latency_us=0.0, bandwidth_bytes_per_us=math.inf)
+
+    # ---- what the replay uses (scales applied) ---------------------------------------------------
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.cpu_us_M) - 1
+
+    def cpu_table(self) -> np.ndarray:
+        """CPU microseconds of one expert call, indexed by tokens per call M (scaled)."""
+        return self.cpu_us_M * self.cpu_scale
+
+    def gpu_table(self) -> np.ndarray:
+        return self.gpu_us_M * self.gpu_scale
+
+    def bandwidth(self) -> float:
+        """Effective copy bandwidth in bytes per microsecond (scaled)."""
+        return self.bandwidth_bytes_per_us * self.bandwidth_scale
+
+    def copy_us(self) -> float:
+        """Microseconds of one expert copy: latency + expert_bytes / bandwidth (scaled)."""
+        return self.copy_latency_us + (self.expert_bytes / self.bandwidth() if self.expert_bytes else 0.0)
+
+    @property
+    def non_expert_modelled(self) -> bool:
+        return self.non_expert_us_per_layer > 0 or bool(self.non_expert_us_per_prefill_token)
+
+    def all_notes(self) -> tuple[str, ...]:
+        """`notes`, plus the warning that non-expert time is not modelled when it is 0."""
+        return self.notes + (() if self.non_expert_modelled else (NOT_MODELLED_NON_EXPERT,))
+
+    def non_expert_S(self, trace) -> np.ndarray:
+        """Non-expert microseconds of every layer step: decode steps the per-layer value, prefill steps
+        the per-token value times the step's tokens."""
+        per_token = (
+            self.non_expert_us_per_layer
+            if self.non_expert_us_per_prefill_token is None
+            else self.non_expert_us_per_prefill_token
+        )
+        return np.where(
+            trace.phase_S == DECODE,
+            self.non_expert_us_per_layer,
+            per_token * trace.tokens_S.astype(np.float64),
+        ).astype(np.float64)
+
+    def check_trace(self, trace) -> None:
+        if trace.num_accesses and int(trace.uses_A.max()) > self.max_tokens:
+            raise MoecacheError(
+                f"cost model tabulated up to {self.max_tokens} tokens per expert call, but trace"
+                f" {trace.name} has a call of {int(trace.uses_A.max())}; build it with"
+                " CostModel.for_trace(profile, trace) or a larger max_tokens"
+            )
+        if trace.expert_bytes != self.expert_bytes:
+            raise MoecacheError(
+                f"cost model built for experts of {self.expert_bytes} bytes, trace {trace.name} has"
+                f" {trace.expert_bytes}; build it with CostModel.for_trace(profile, trace)"
+            )
+
+    def describe(self) -> dict:
+        """Scalars for a result's metadata (no arrays)."""
+        return {
+            "copy_latency_us": self.copy_latency_us,
+            "bandwidth_gbps": self.bandwidth_bytes_per_us / 1e3,
+            "expert_bytes": self.expert_bytes,
+            "copy_us": self.copy_us(),
+            "cpu_us_M1": float(self.cpu_table()[1]),
+            "gpu_us_M1": float(self.gpu_table()[1]),
+            "non_expert_us_per_layer": self.non_expert_us_per_layer,
+            "non_expert_us_per_prefill_token": self.non_expert_us_per_prefill_token,
+            "bandwidth_scale": self.bandwidth_scale,
+            "cpu_scale": self.cpu_scale,
+            "gpu_scale": self.gpu_scale,
+            "cpu_threads": self.cpu_threads,
+            "dtype": self.dtype,
+            "source": self.source,
+            "notes": list(self.all_notes()),
+        }
+
+
+def forward_index(trace) -> tuple[np.ndarray, np.ndarray]:
+    """(fwd_S, first_F): the forward step of every layer step, and the first layer step of every
+    forward step (a forward step is one (request, step_index): all its layers)."""
+    s = trace.num_steps
+    new = np.ones(s, bool)
+    if s:
+        new[1:] = (trace.request_S[1:] != trace.request_S[:-1]) | (trace.step_S[1:] != trace.step_S[:-1])
+    first_F = np.flatnonzero(new)
+    fwd_S = np.cumsum(new) - 1
+    return fwd_S, first_F
+
+
+def instant_step_us(trace, hit_A: np.ndarray, cost: CostModel) -> np.ndarray:
+    """Layer-step times of a replay whose copies are free (instant mode): non-expert +
+    max(sum over hits of gpu(uses), sum over misses of cpu(uses)) -- the timed formula with
+    infinite bandwidth. Vectorised; float64 [S]."""
+    cost.check_trace(trace)
+    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S))
+    gpu_A = np.where(hit_A, cost.gpu_table()[trace.uses_A], 0.0)
+    cpu_A = np.where(hit_A, 0.0, cost.cpu_table()[trace.uses_A])
+    gpu_S = np.bincount(step_A, gpu_A, minlength=trace.num_steps)
+    cpu_S = np.bincount(step_A, cpu_A, minlength=trace.num_steps)
+    return cost.non_expert_S(trace) + np.maximum(gpu_S, cpu_S)

@@ -1,0 +1,199 @@
+"""Metrics of one replay: the sweep row (`summarize`), per layer and per request. Vectorised numpy.
+
+Definitions (docs/simulator.md, "Metrics"):
+- hit_rate: hits / accesses (an access is one distinct expert of a layer step); token_hit_rate: the
+  same weighted by uses (token selections). In timed mode a hit needs its copy complete.
+- transfers = admissions (one copy per admission; initial residents of static policies and warm
+  Belady are free), h2d_bytes = transfers * the trace's expert_bytes.
+- cpu_fallbacks: accesses executed on the CPU (misses, in timed mode also keys still loading);
+  cpu_fallback_selections: the same weighted by uses.
+- ready_fraction (timed only): copies complete by the next visit of their key's layer / copies whose
+  layer is visited again; wasted_copies (timed only): copies whose key was evicted before they completed.
+- est_*: from the layer-step times. Timed mode: the timeline's. Instant mode with a CostModel: the same
+  layer formula with free copies (non_expert + max(GPU time of hits, CPU time of misses)); without a
+  CostModel: null. Per token = time of the forward steps / their tokens; decode and prefill apart.
+  Non-expert time counts only if the CostModel sets it (`cost_notes` says when it does not).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moecache.sim.cost_model import CostModel, forward_index, instant_step_us
+from moecache.sim.replay import ReplayResult
+from moecache.sim.timed import TimedResult
+from moecache.sim.trace_arrays import DECODE, PREFILL, TraceArrays
+
+
+def _ratio(num, den) -> float | None:
+    return float(num) / float(den) if den else None
+
+
+def _per_token(us: float, tokens: int) -> tuple[float | None, float | None]:
+    """(ms per token, tokens per second); None where undefined (no tokens, or zero time)."""
+    if not tokens:
+        return None, None
+    return us / 1e3 / tokens, (tokens / (us / 1e6) if us > 0 else None)
+
+
+def _step_us(trace: TraceArrays, result: ReplayResult, cost: CostModel | None) -> np.ndarray | None:
+    if isinstance(result, TimedResult):
+        return result.step_us_S
+    if cost is None:
+        return None
+    return instant_step_us(trace, result.hit_A, cost)
+
+
+def _cost_of(result: ReplayResult, cost: CostModel | None) -> CostModel | None:
+    return result.cost if isinstance(result, TimedResult) and result.cost is not None else cost
+
+
+TIME_COLUMNS = (
+    "est_total_ms",
+    "est_ms_per_token",
+    "est_tokens_per_s",
+    "est_ms_per_token_decode",
+    "est_tokens_per_s_decode",
+    "est_ms_prefill_per_token",
+    "est_prefill_tokens_per_s",
+)
+
+
+def _time_table(trace: TraceArrays, step_us_S: np.ndarray | None, by_request: bool) -> list[dict]:
+    """The est_* columns for the whole trace (one dict) or per request (one dict each)."""
+    n = len(trace.request_ids) if by_request else 1
+    if step_us_S is None:
+        return [dict.fromkeys(TIME_COLUMNS) for _ in range(n)]
+    fwd_S, first_F = forward_index(trace)
+    us_F = np.bincount(fwd_S, step_us_S, minlength=len(first_F))
+    tokens_F = trace.tokens_S[first_F].astype(np.float64)
+    phase_F = trace.phase_S[first_F]
+    group_F = trace.request_S[first_F] if by_request else np.zeros(len(first_F), np.int64)
+    sums = {}
+    for part, sel in (("all", None), ("decode", phase_F == DECODE), ("prefill", phase_F == PREFILL)):
+        w_us = us_F if sel is None else us_F * sel
+        w_tok = tokens_F if sel is None else tokens_F * sel
+        sums[part] = (np.bincount(group_F, w_us, minlength=n), np.bincount(group_F, w_tok, minlength=n))
+    rows = []
+    for i in range(n):
+        ms, tps = _per_token(float(sums["all"][0][i]), int(sums["all"][1][i]))
+        ms_d, tps_d = _per_token(float(sums["decode"][0][i]), int(sums["decode"][1][i]))
+        ms_p, tps_p = _per_token(float(sums["prefill"][0][i]), int(sums["prefill"][1][i]))
+        rows.append(
+            dict(
+                zip(
+                    TIME_COLUMNS,
+                    (float(sums["all"][0][i]) / 1e3, ms, tps, ms_d, tps_d, ms_p, tps_p),
+                    strict=True,
+                )
+            )
+        )
+    return rows
+
+
+def summarize(trace: TraceArrays, result: ReplayResult, cost: CostModel | None = None) -> dict:
+    """The metric columns of one sweep row (the caller adds trace, workload, policy, params, capacity,
+    capacity_fraction and the cost scales). Timed results carry their own CostModel; for an instant
+    result, `cost` (if any) gives the est_* columns with free copies."""
+    hit_A, uses_A = result.hit_A, trace.uses_A
+    accesses = trace.num_accesses
+    hits = int(np.count_nonzero(hit_A))
+    selections = int(uses_A.sum(dtype=np.int64))
+    hit_selections = int(uses_A.sum(where=hit_A, dtype=np.int64))
+    admissions = int(result.admits_S.sum(dtype=np.int64))
+    timed = isinstance(result, TimedResult)
+    cost = _cost_of(result, cost)
+    row = {
+        "accesses": accesses,
+        "selections": selections,
+        "tokens": trace.num_tokens,
+        "hit_rate": _ratio(hits, accesses),
+        "token_hit_rate": _ratio(hit_selections, selections),
+        "h2d_bytes": admissions * trace.expert_bytes,
+        "transfers": admissions,
+        "admissions": admissions,
+        "evictions": int(result.evicts_S.sum(dtype=np.int64)),
+        "cpu_fallbacks": accesses - hits,
+        "cpu_fallback_selections": selections - hit_selections,
+        "slot_hit_rate": _ratio(np.count_nonzero(result.slot_A), accesses) if timed else None,
+        "ready_fraction": (
+            _ratio(result.copies_ready_next_visit, result.copies_with_next_visit) if timed else None
+        ),
+        "wasted_copies": result.wasted_copies if timed else None,
+    }
+    row.update(_time_table(trace, _step_us(trace, result, cost), by_request=False)[0])
+    row["cost_notes"] = "; ".join(cost.all_notes()) if cost is not None else None
+    return row
+
+
+def per_layer(trace: TraceArrays, result: ReplayResult) -> dict[str, np.ndarray]:
+    """Arrays indexed by layer_id: accesses, hits, hit_rate, selections, token_hit_rate, admissions,
+    evictions; timed results add slot_rate, ready_fraction (copies by their key's layer) and est_ms."""
+    n = trace.num_layers
+    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S))
+    layer_A = trace.layer_S[step_A]
+    hit_A = result.hit_A
+    uses = trace.uses_A.astype(np.float64)
+    accesses = np.bincount(layer_A, minlength=n)
+    hits = np.bincount(layer_A, hit_A, minlength=n)
+    selections = np.bincount(layer_A, uses, minlength=n)
+    hit_sel = np.bincount(layer_A, uses * hit_A, minlength=n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = {
+            "layer": np.arange(n),
+            "accesses": accesses,
+            "hits": hits.astype(np.int64),
+            "hit_rate": hits / accesses,
+            "selections": selections.astype(np.int64),
+            "token_hit_rate": hit_sel / selections,
+            "admissions": np.bincount(trace.layer_S, result.admits_S, minlength=n).astype(np.int64),
+            "evictions": np.bincount(trace.layer_S, result.evicts_S, minlength=n).astype(np.int64),
+        }
+        if isinstance(result, TimedResult):
+            out["slot_rate"] = np.bincount(layer_A, result.slot_A, minlength=n) / accesses
+            layer_C = result.copy_key_C // trace.num_experts
+            ready = np.bincount(layer_C, result.copy_ready_next_C, minlength=n)
+            out["ready_fraction"] = ready / np.bincount(layer_C, result.copy_has_next_C, minlength=n)
+            out["est_ms"] = np.bincount(trace.layer_S, result.step_us_S, minlength=n) / 1e3
+    return out
+
+
+def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None = None) -> list[dict]:
+    """One dict per request (trace order): request_id, tokens, accesses, hit rates, transfers,
+    h2d_bytes, cpu_fallbacks, ready_fraction (timed) and the est_* time columns."""
+    r = len(trace.request_ids)
+    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S))
+    req_A = trace.request_S[step_A]
+    hit_A, uses = result.hit_A, trace.uses_A.astype(np.float64)
+    accesses = np.bincount(req_A, minlength=r)
+    hits = np.bincount(req_A, hit_A, minlength=r)
+    selections = np.bincount(req_A, uses, minlength=r)
+    hit_sel = np.bincount(req_A, uses * hit_A, minlength=r)
+    admits = np.bincount(trace.request_S, result.admits_S, minlength=r).astype(np.int64)
+    evicts = np.bincount(trace.request_S, result.evicts_S, minlength=r).astype(np.int64)
+    _, first_F = forward_index(trace)
+    tokens = np.bincount(trace.request_S[first_F], trace.tokens_S[first_F], minlength=r).astype(np.int64)
+    timed = isinstance(result, TimedResult)
+    if timed:
+        req_C = trace.request_S[result.copy_step_C]
+        ready_C = np.bincount(req_C, result.copy_ready_next_C, minlength=r)
+        has_next_C = np.bincount(req_C, result.copy_has_next_C, minlength=r)
+    times = _time_table(trace, _step_us(trace, result, _cost_of(result, cost)), by_request=True)
+    rows = []
+    for i, request_id in enumerate(trace.request_ids):
+        row = {
+            "request_id": request_id,
+            "tokens": int(tokens[i]),
+            "accesses": int(accesses[i]),
+            "hit_rate": _ratio(hits[i], accesses[i]),
+            "token_hit_rate": _ratio(hit_sel[i], selections[i]),
+            "transfers": int(admits[i]),
+            "admissions": int(admits[i]),
+            "evictions": int(evicts[i]),
+            "h2d_bytes": int(admits[i]) * trace.expert_bytes,
+            "cpu_fallbacks": int(accesses[i] - hits[i]),
+            "ready_fraction": _ratio(ready_C[i], has_next_C[i]) if timed else None,
+        }
+        row.update(times[i])
+        rows.append(row)
+    return rows

@@ -1,0 +1,74 @@
+"""Exponentially decayed LFU: score(k) = sum over past uses of 2^(-(now - t) / half_life_tokens).
+
+t is the token clock of the step that used k (a step's uses all count at its first token) and `now`
+the current step's clock; uses weigh their token count. Same rules as lfu with the score in place
+of the count: the step's scores first take its uses, then its misses are considered in rank order
+(-score, key); free slots are filled; once full, the victim is the resident with the lowest score,
+among equal scores the largest key, and a miss replaces it only when its score is strictly greater.
+
+All scores decay by the same factor, so they are stored multiplied by 2^(now / half_life): a use at t
+adds uses * 2^(t / half_life) (computed as 2^frac(t/h) * 2^floor(t/h)). Before that factor overflows,
+every stored score (the heap priorities) is divided by the same power of two, which is exact and keeps
+the order, except that scores older than about 1000 half-lives fall to zero.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numba as nb
+import numpy as np
+
+from moecache.errors import MoecacheError
+from moecache.sim.policies import _heap
+from moecache.sim.policies.lfu import frequency_arrays, note_use, settle
+from moecache.sim.policy import Policy, register
+
+RENORM_EXPONENT = 512  # rescale once the weight of a new use exceeds 2^512
+
+
+@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
+    score_K, heap, pos_K, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
+    n = meta[0]
+    x = clock / fmeta[0]  # fmeta[0]: half-life in tokens
+    q = math.floor(x)
+    e = np.int64(q) - meta[2]
+    if e > RENORM_EXPONENT:  # divide every stored score by 2^e: exact (until scores underflow)
+        f = 2.0 ** (-e)
+        for k in range(score_K.shape[0]):
+            score_K[k] *= f
+        meta[2] += e
+        e = 0
+        _heap.heapify(heap, pos_K, score_K, n)  # underflow may have made unequal scores equal
+    w = 2.0 ** (x - q) * 2.0**e
+    nm = 0
+    best = -1
+    for i in range(key_U.shape[0]):
+        k = key_U[i]
+        score_K[k] += uses_U[i] * w
+        nm, best = note_use(heap, pos_K, score_K, n, miss, nm, best, k)
+    n, na, ne = settle(heap, pos_K, score_K, n, meta[1], miss, nm, best, admit_out, evict_out)
+    meta[0] = n
+    return na, ne
+
+
+@register
+class LFUDecay(Policy):
+    name = "lfu_decay"
+    step = lfu_decay_step
+    defaults = {"half_life_tokens": 128}
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        h = self.params["half_life_tokens"]
+        if isinstance(h, bool) or not isinstance(h, numbers.Real) or not math.isfinite(h) or h <= 0:
+            raise MoecacheError(f"policy lfu_decay: half_life_tokens must be a positive number, got {h!r}")
+
+    def init_state(self, trace, capacity: int) -> tuple:
+        n = trace.num_keys
+        heap, pos_K, miss = frequency_arrays(n, capacity)
+        meta = np.array([0, capacity, 0], np.int64)
+        fmeta = np.array([float(self.params["half_life_tokens"])], np.float64)
+        return np.zeros(n, np.float64), heap, pos_K, miss, meta, fmeta

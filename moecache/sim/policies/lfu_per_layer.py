@@ -1,0 +1,68 @@
+"""Cumulative LFU with per-layer budgets: the capacity is split into one budget per MoE layer (the
+`split` rules of lru_per_layer), and each layer runs cumulative LFU (same rules as lfu: counts of all
+keys grow by their uses, misses in rank order (-count, key), the victim the layer's resident with the
+lowest count, among equal counts the largest key, replaced only by a strictly greater count) within
+its own budget, evicting only its own keys. Each layer's residents sit in their own indexed heap, a
+slice of one array.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from moecache.sim.policies.lfu import note_use, settle
+from moecache.sim.policies.lru_per_layer import check_split, layer_budgets, uses_per_layer
+from moecache.sim.policy import Policy, register
+
+
+@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+def lfu_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
+    count_K, heap, pos_K, miss, off_L, held_L, layer_K = state
+    na = 0
+    ne = 0
+    if key_U.shape[0] > 0:
+        layer = layer_K[key_U[0]]  # every key of a layer step belongs to its layer
+        lo = off_L[layer]
+        hi = off_L[layer + 1]
+        h = heap[lo:hi]  # the layer's heap; pos_K holds positions within it
+        n = held_L[layer]
+        nm = 0
+        best = -1
+        for i in range(key_U.shape[0]):
+            k = key_U[i]
+            count_K[k] += uses_U[i]
+            nm, best = note_use(h, pos_K, count_K, n, miss, nm, best, k)
+        n, na, ne = settle(h, pos_K, count_K, n, hi - lo, miss, nm, best, admit_out, evict_out)
+        held_L[layer] = n
+    return na, ne
+
+
+@register
+class LFUPerLayer(Policy):
+    name = "lfu_per_layer"
+    step = lfu_per_layer_step
+    defaults = {"split": "equal"}
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        check_split(self.name, self.params["split"])
+
+    def budgets(self, trace, capacity: int) -> np.ndarray:
+        split = self.params["split"]
+        uses = uses_per_layer(trace) if split == "demand" else np.zeros(trace.num_layers, np.int64)
+        return layer_budgets(uses, capacity, trace.num_experts, split)
+
+    def init_state(self, trace, capacity: int) -> tuple:
+        n, layers = trace.num_keys, trace.num_layers
+        off_L = np.zeros(layers + 1, np.int64)
+        np.cumsum(self.budgets(trace, capacity), out=off_L[1:])
+        return (
+            np.zeros(n, np.int64),
+            np.zeros(max(capacity, 1), np.int64),
+            np.full(n, -1, np.int64),
+            np.zeros(n, np.int64),
+            off_L,
+            np.zeros(layers, np.int64),
+            np.arange(n, dtype=np.int64) // trace.num_experts,  # layer of each key
+        )

@@ -1,0 +1,154 @@
+"""LRU with per-layer budgets: the capacity is split into one budget per MoE layer, and each layer
+runs LRU (same rules as lru) over its own keys within its own budget, evicting only its own keys.
+
+`split` (see `layer_budgets`): "equal" gives every layer floor(C / L) slots and one more to each of
+the C mod L lowest layer ids; "demand" splits C in proportion to each layer's uses in the replayed
+trace (tokens selecting its experts, summed over the trace: a hindsight split), by largest remainder
+(among equal remainders the lower layer id first). A layer never gets more slots than it has experts:
+such a layer is held at num_experts and the rest is split again among the others in proportion to
+their uses. Budgets always sum to the capacity. With the same number of selections per token in
+every layer (fixed top-k routing), every layer has the same uses and "demand" equals "equal".
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from moecache.errors import MoecacheError
+from moecache.sim.policies.belady import cancel_or_evict
+from moecache.sim.policies.lru import _push_front, _unlink
+from moecache.sim.policy import Policy, register
+
+SPLITS = ("equal", "demand")
+
+
+def _largest_remainder(weights: list[int], seats: int) -> list[int]:
+    """`seats` split in proportion to the integer `weights` (sum > 0) by largest remainder, exactly;
+    among equal remainders the lower index first."""
+    total = sum(weights)
+    shares = [seats * w // total for w in weights]
+    rest = seats - sum(shares)
+    order = sorted(range(len(weights)), key=lambda i: (-(seats * weights[i] % total), i))
+    for i in order[:rest]:
+        shares[i] += 1
+    return shares
+
+
+def layer_budgets(uses_L, capacity: int, num_experts: int, split: str) -> np.ndarray:
+    """Slots per layer (int64 [L]) summing to `capacity` (0 <= capacity <= L * num_experts)."""
+    uses = [int(u) for u in uses_L]
+    num_layers = len(uses)
+    if split not in SPLITS:
+        raise MoecacheError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if not 0 <= capacity <= num_layers * num_experts:
+        raise MoecacheError(f"capacity {capacity} outside 0..{num_layers * num_experts}")
+    budgets = [0] * num_layers
+    free = list(range(num_layers))  # layers whose budget is not yet held at num_experts
+    left = capacity
+    if split == "demand":
+        while free:
+            total = sum(uses[i] for i in free)
+            if total == 0:
+                break
+            full = [i for i in free if left * uses[i] >= num_experts * total]
+            if not full:
+                for i, b in zip(free, _largest_remainder([uses[i] for i in free], left), strict=True):
+                    budgets[i] = b
+                return np.array(budgets, np.int64)
+            for i in full:
+                budgets[i] = num_experts
+            left -= num_experts * len(full)
+            free = [i for i in free if i not in full]
+    # equal split (or the rest of a demand split over layers that were never used)
+    for j, i in enumerate(free):
+        budgets[i] = left // len(free) + (1 if j < left % len(free) else 0)
+    return np.array(budgets, np.int64)
+
+
+@nb.njit(cache=True)
+def _uses_per_layer(layer_S, start_S, uses_A, num_layers):
+    uses_L = np.zeros(num_layers, np.int64)
+    for s in range(layer_S.shape[0]):
+        for a in range(start_S[s], start_S[s + 1]):
+            uses_L[layer_S[s]] += uses_A[a]
+    return uses_L
+
+
+def uses_per_layer(trace) -> np.ndarray:
+    """Tokens selecting each layer's experts, summed over the trace (int64 [L])."""
+    return _uses_per_layer(trace.layer_S, trace.start_S, trace.uses_A, trace.num_layers)
+
+
+def check_split(policy: str, split) -> str:
+    if split not in SPLITS:
+        raise MoecacheError(f"policy {policy}: split must be one of {list(SPLITS)}, got {split!r}")
+    return split
+
+
+@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+def lru_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
+    prev_K, next_K, admitted_at_K, held_L, budget_L, meta = state  # meta: [num_experts, num_keys]
+    m = key_U.shape[0]
+    n_admit = 0
+    n_evict = 0
+    if m > 0:
+        layer = key_U[0] // meta[0]  # every key of a layer step belongs to its layer
+        head = meta[1] + layer  # the layer's list sentinel
+        for i in range(m):
+            if hit_U[i]:
+                _unlink(prev_K, next_K, key_U[i])
+                _push_front(prev_K, next_K, head, key_U[i])
+        cap = budget_L[layer]
+        held = held_L[layer]
+        if cap > 0:
+            for i in range(m):
+                if hit_U[i]:
+                    continue
+                k = key_U[i]
+                if held == cap:
+                    victim = prev_K[head]
+                    _unlink(prev_K, next_K, victim)
+                    held -= 1
+                    n_admit, n_evict = cancel_or_evict(
+                        admit_out, n_admit, evict_out, n_evict, admitted_at_K, a0, victim
+                    )
+                _push_front(prev_K, next_K, head, k)
+                held += 1
+                admitted_at_K[k] = a0
+                admit_out[n_admit] = k
+                n_admit += 1
+            held_L[layer] = held
+    return n_admit, n_evict
+
+
+@register
+class LRUPerLayer(Policy):
+    name = "lru_per_layer"
+    step = lru_per_layer_step
+    defaults = {"split": "equal"}
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        check_split(self.name, self.params["split"])
+
+    def budgets(self, trace, capacity: int) -> np.ndarray:
+        split = self.params["split"]
+        uses = uses_per_layer(trace) if split == "demand" else np.zeros(trace.num_layers, np.int64)
+        return layer_budgets(uses, capacity, trace.num_experts, split)
+
+    def init_state(self, trace, capacity: int) -> tuple:
+        n, layers = trace.num_keys, trace.num_layers
+        sentinels = n + np.arange(layers)  # index n + l is layer l's list sentinel
+        prev_K = np.zeros(n + layers, np.int64)
+        next_K = np.zeros(n + layers, np.int64)
+        prev_K[sentinels] = sentinels
+        next_K[sentinels] = sentinels
+        return (
+            prev_K,
+            next_K,
+            np.full(n, -1, np.int64),
+            np.zeros(layers, np.int64),
+            self.budgets(trace, capacity),
+            np.array([trace.num_experts, n], np.int64),
+        )

@@ -1,0 +1,39 @@
+"""Hindsight static: the `capacity` keys most used by the very trace being replayed, resident from
+the start free of charge, never changed (no admissions, no evictions).
+
+A key's count is its uses summed over the whole trace (tokens selecting it); keys are ranked by
+(-count, layer_id, expert_id), i.e. (-count, key): among equal counts the smaller key wins, and when
+the capacity exceeds the number of used keys, unused keys fill the remaining slots in key order.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from moecache.sim.policies.lfu import key_counts
+from moecache.sim.policy import Policy, register
+
+
+@nb.njit(cache=True, _nrt=False)
+def static_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
+    return 0, 0
+
+
+def top_keys(count_K: np.ndarray, capacity: int) -> np.ndarray:
+    """The `capacity` best keys by (-count, key), as int32."""
+    order = np.lexsort((np.arange(len(count_K)), -count_K))
+    return np.sort(order[:capacity]).astype(np.int32)
+
+
+@register
+class StaticHindsight(Policy):
+    name = "static_hindsight"
+    cold_start = False
+    step = static_step
+
+    def init_state(self, trace, capacity: int) -> tuple:
+        return (top_keys(key_counts(trace), capacity).astype(np.int64),)
+
+    def initial_residents(self, state: tuple, trace, capacity: int) -> np.ndarray:
+        return state[0].astype(np.int32)

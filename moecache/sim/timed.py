@@ -1,0 +1,270 @@
+"""Timed replay: the plan's timeline with one copy engine, measured costs and CPU fallback.
+
+Legend: S layer steps, A accesses, K expert keys, C copies (one per admission), F forward steps.
+
+The time model (docs/simulator.md, "Timed mode"). Forward steps run back to back, their MoE layers
+in order; a layer step starts at t and routes at tr = t + non_expert (attention, router and the rest
+precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
+1. a key holding a slot is a hit only if its copy is complete (ready_K <= tr); a key whose copy is
+   still in flight is a miss served by the CPU (no waiting). Hits run on the GPU, misses on the CPU,
+   in parallel; each expert call costs its own table entry at M = uses (decode: M = 1; prefill steps
+   are one batched call per expert): the step takes non_expert + max(sum gpu(M) of hits,
+   sum cpu(M) of misses), and its GPU work ends at tr + sum gpu(M) of hits.
+2. the policy's `step` runs exactly as in instant mode and sees every key that holds a slot, copy
+   complete or not, as resident (so placements equal instant mode's at any bandwidth; only which
+   resident keys are usable differs). Evictions free slots, admissions take them.
+3. every admission enqueues one copy at tr on the single copy engine, FIFO:
+   start = max(tr, engine_free, slot_free), ready = start + latency + expert_bytes / bandwidth,
+   engine_free = ready. slot_free: an admission takes a slot that is already safe if there is one
+   (never used, or its last GPU user finished by tr); otherwise one freed by this step's eviction of
+   a key the step just ran on the GPU, safe at the end of the step's GPU work. Queued copies are never
+   cancelled: evicting a key whose copy is not complete wastes that copy (it still occupies the
+   engine). Initial residents (static policies, warm Belady) are ready at time 0 at no cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba as nb
+import numpy as np
+
+from moecache.errors import MoecacheError
+from moecache.sim.cost_model import CostModel, forward_index
+from moecache.sim.policy import Policy
+from moecache.sim.replay import ReplayResult, check_capacity, initial_resident_mask
+from moecache.sim.trace_arrays import TraceArrays
+
+
+@dataclass
+class TimedResult(ReplayResult):
+    """A timed replay. `hit_A` counts only usable hits (copy complete); `slot_A` every access whose
+    key held a slot (equal to instant mode's hit_A)."""
+
+    slot_A: np.ndarray  # bool
+    step_us_S: np.ndarray  # float64: duration of each layer step
+    route_us_S: np.ndarray  # float64: routing time of each layer step (hits checked, copies enqueued)
+    forward_us_F: np.ndarray  # float64: duration of each forward step (sum of its layer steps)
+    first_F: np.ndarray  # int64: first layer step of each forward step
+    copy_key_C: np.ndarray  # int32: admitted key of each copy, in enqueue order
+    copy_step_C: np.ndarray  # int64: layer step that enqueued it
+    copy_start_us_C: np.ndarray  # float64: when the engine starts it
+    copy_ready_us_C: np.ndarray  # float64: when it completes
+    copy_wasted_C: np.ndarray  # bool: its key was evicted before the copy completed
+    copy_ready_next_C: np.ndarray  # bool: complete by the next visit of the key's layer
+    copy_has_next_C: np.ndarray  # bool: the key's layer is visited again after the copy's step
+    cpu_fallbacks: int  # accesses executed on the CPU (misses, including keys still loading)
+    cpu_fallback_selections: int  # the same weighted by uses (token selections)
+    cost: CostModel | None = None
+
+    @property
+    def copies_total(self) -> int:
+        return int(self.copy_key_C.shape[0])
+
+    @property
+    def copies_ready_next_visit(self) -> int:
+        return int(self.copy_ready_next_C.sum())
+
+    @property
+    def copies_with_next_visit(self) -> int:
+        return int(self.copy_has_next_C.sum())
+
+    @property
+    def wasted_copies(self) -> int:
+        return int(self.copy_wasted_C.sum())
+
+    @property
+    def total_us(self) -> float:
+        return float(self.step_us_S.sum())
+
+
+# Not cached: a function taking a dispatcher argument (`step`) never hits numba's on-disk cache (the
+# key holds the dispatcher's per-process UUID: numba issues #6264, #2956), its index grows by one entry
+# per process and policy, and re-saving it can fail with "ReferenceError: underlying object has vanished".
+@nb.njit(nogil=True)
+def _replay_timed(
+    step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity,
+    cpu_us_M, gpu_us_M, non_expert_S, copy_us,
+    hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S,
+    copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C,
+):  # fmt: skip
+    """Returns (copies, CPU fallback selections); copies = -1 when the copy arrays are too short
+    (the caller retries with longer ones: arrays reassigned inside the loop would cost reference
+    counting on every iteration)."""
+    num_keys = resident_K.shape[0]
+    num_steps = start_S.shape[0] - 1
+    admit_buf = np.empty(num_keys, np.int32)
+    evict_buf = np.empty(num_keys, np.int32)
+    ready_K = np.zeros(num_keys, np.float64)  # copy completion of keys holding a slot
+    copy_of_K = np.full(num_keys, -1, np.int64)  # the key's latest copy
+    gpu_step_K = np.full(num_keys, -1, np.int64)  # last step that ran the key on the GPU
+    cap_C = copy_key_C.shape[0]
+    n_copies = 0
+    held = 0
+    for k in range(num_keys):
+        held += resident_K[k]
+    safe_slots = capacity - held  # free slots whose last GPU user has finished
+    t = 0.0
+    engine_free = 0.0
+    cpu_fallback_sel = 0
+    for s in range(num_steps):
+        a0 = start_S[s]
+        a1 = start_S[s + 1]
+        tr = t + non_expert_S[s]
+        gpu = 0.0
+        cpu = 0.0
+        for a in range(a0, a1):
+            k = key_A[a]
+            m = uses_A[a]
+            held_k = resident_K[k]
+            slot_A[a] = held_k
+            if held_k and ready_K[k] <= tr:
+                hit_A[a] = True
+                gpu += gpu_us_M[m]
+                gpu_step_K[k] = s
+            else:
+                hit_A[a] = False
+                cpu += cpu_us_M[m]
+                cpu_fallback_sel += m
+        gpu_end = tr + gpu
+        step_us = non_expert_S[s] + max(gpu, cpu)
+        n_admit, n_evict = step(
+            state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_S[s], request_S[s], resident_K,
+            admit_buf, evict_buf,
+        )  # fmt: skip
+        busy_slots = 0  # freed by this step but used by its GPU work: safe at gpu_end
+        for j in range(n_evict):
+            k = evict_buf[j]
+            if not resident_K[k]:
+                raise ValueError("policy evicted a key that holds no slot")
+            resident_K[k] = False
+            if ready_K[k] > tr:  # still loading: the copy is wasted
+                copy_wasted_C[copy_of_K[k]] = True
+            if gpu_step_K[k] == s and gpu_end > tr:
+                busy_slots += 1
+            else:
+                safe_slots += 1
+        held -= n_evict
+        if held + n_admit > capacity:
+            raise ValueError("policy holds more keys than the capacity")
+        held += n_admit
+        for j in range(n_admit):
+            k = admit_buf[j]
+            if resident_K[k]:
+                raise ValueError("policy admitted a key that already holds a slot")
+            resident_K[k] = True
+            start = max(tr, engine_free)
+            if safe_slots > 0:
+                safe_slots -= 1
+            else:
+                busy_slots -= 1
+                start = max(start, gpu_end)
+            ready = start + copy_us
+            engine_free = ready
+            ready_K[k] = ready
+            if n_copies == cap_C:
+                return -1, 0
+            copy_key_C[n_copies] = k
+            copy_step_C[n_copies] = s
+            copy_start_C[n_copies] = start
+            copy_ready_C[n_copies] = ready
+            copy_of_K[k] = n_copies
+            n_copies += 1
+        safe_slots += busy_slots  # safe by the next step: it starts after this step's GPU work
+        admits_S[s] = n_admit
+        evicts_S[s] = n_evict
+        step_us_S[s] = step_us
+        route_us_S[s] = tr
+        t += step_us
+    return n_copies, cpu_fallback_sel
+
+
+@nb.njit(cache=True, nogil=True)
+def _next_visit(
+    layer_S, num_layers, num_experts, key_C, step_C, ready_C, route_us_S, has_next_C, ready_next_C
+):
+    """Per copy: is the key's layer visited after the copy's step, and was the copy complete by the
+    routing time of that next visit. One backward pass over steps and copies (copies are in step order)."""
+    next_L = np.full(num_layers, -1, np.int64)  # next step of each layer after the current position
+    c = key_C.shape[0] - 1
+    for s in range(layer_S.shape[0] - 1, -1, -1):
+        while c >= 0 and step_C[c] == s:
+            nxt = next_L[key_C[c] // num_experts]
+            if nxt >= 0:
+                has_next_C[c] = True
+                ready_next_C[c] = ready_C[c] <= route_us_S[nxt]
+            c -= 1
+        next_L[layer_S[s]] = s
+
+
+def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostModel) -> TimedResult:
+    """Replay `trace` through `policy` with `capacity` GPU slots on the timeline of `cost`."""
+    check_capacity(trace, capacity)
+    cost.check_trace(trace)
+    state = policy.init_state(trace, int(capacity))
+    resident_K = initial_resident_mask(policy, state, trace, capacity)
+    s, a = trace.num_steps, trace.num_accesses
+    hit_A = np.zeros(a, np.bool_)
+    slot_A = np.zeros(a, np.bool_)
+    admits_S = np.zeros(s, np.int32)
+    evicts_S = np.zeros(s, np.int32)
+    step_us_S = np.zeros(s, np.float64)
+    route_us_S = np.zeros(s, np.float64)
+    cap_C = a + 16  # demand policies admit at most one copy per miss; others may retry longer
+    while True:
+        key_C, step_C = np.empty(cap_C, np.int32), np.empty(cap_C, np.int64)
+        start_C, ready_C, wasted_C = np.empty(cap_C), np.empty(cap_C), np.zeros(cap_C, np.bool_)
+        try:
+            n_copies, fallback_sel = _replay_timed(
+                type(policy).step, state, trace.key_A, trace.uses_A, trace.start_S, trace.clock_S,
+                trace.request_S, resident_K, int(capacity), cost.cpu_table(), cost.gpu_table(),
+                cost.non_expert_S(trace), float(cost.copy_us()),
+                hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S,
+                key_C, step_C, start_C, ready_C, wasted_C,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise MoecacheError(f"policy {policy.label()} at capacity {capacity}: {exc}") from exc
+        if n_copies >= 0:
+            break
+        cap_C *= 4
+        state = policy.init_state(trace, int(capacity))
+        resident_K = initial_resident_mask(policy, state, trace, capacity)
+    # Trim; copy (to free the long buffers) only when most of them is unused.
+    trim = (lambda x: x[:n_copies].copy()) if 2 * n_copies < cap_C else (lambda x: x[:n_copies])
+    key_C, step_C, start_C, ready_C, wasted_C = map(trim, (key_C, step_C, start_C, ready_C, wasted_C))
+    has_next, ready_next = np.zeros(n_copies, np.bool_), np.zeros(n_copies, np.bool_)
+    _next_visit(
+        trace.layer_S,
+        trace.num_layers,
+        trace.num_experts,
+        key_C,
+        step_C,
+        ready_C,
+        route_us_S,
+        has_next,
+        ready_next,
+    )
+    fwd_S, first_F = forward_index(trace)
+    forward_us_F = np.bincount(fwd_S, step_us_S, minlength=len(first_F))
+    return TimedResult(
+        policy=policy.label(),
+        capacity=int(capacity),
+        hit_A=hit_A,
+        admits_S=admits_S,
+        evicts_S=evicts_S,
+        slot_A=slot_A,
+        step_us_S=step_us_S,
+        route_us_S=route_us_S,
+        forward_us_F=forward_us_F,
+        first_F=first_F,
+        copy_key_C=key_C,
+        copy_step_C=step_C,
+        copy_start_us_C=start_C,
+        copy_ready_us_C=ready_C,
+        copy_wasted_C=wasted_C,
+        copy_ready_next_C=ready_next,
+        copy_has_next_C=has_next,
+        cpu_fallbacks=int(a - hit_A.sum()),
+        cpu_fallback_selections=int(fallback_sel),
+        cost=cost,
+    )

@@ -1,0 +1,113 @@
+"""`moecache sweep`: every policy of `sweep.policies` at every capacity of the grid, on every trace.
+
+Writes `sweep.parquet` (one row per trace, policy parameters, mode, capacity and cost scales; the
+columns of docs/simulator.md), `targets.parquet` (the smallest swept capacity at which each policy
+reaches each target hit rate) and `grid.json` (the capacities swept per trace). `policy=<name>` and
+`capacity=N` restrict the sweep, which is how a Hydra multirun splits it:
+`moecache sweep -m policy=lfu,lru capacity=16,64`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from moecache.artifacts import artifact_id
+from moecache.config import to_container
+from moecache.errors import MoecacheError
+from moecache.sim.inputs import load_profile, load_traces
+from moecache.sim.sweep import SCALES, Job, capacity_grid, capacity_to_target, run_jobs
+from moecache.stages.base import StageResult, reusable, store_for
+from moecache.stages.simulate import cost_settings
+
+STAGE = "sweep"
+SCHEMA_VERSION = 1
+
+
+def _policies(c: dict) -> dict[str, list[dict]]:
+    if c.get("policy"):
+        return {c["policy"]["name"]: [dict(c["policy"].get("params") or {})]}
+    policies = c["sweep"]["policies"]
+    if not policies:
+        raise MoecacheError("sweep.policies is empty: nothing to sweep")
+    return {name: [dict(p or {}) for p in params] for name, params in policies.items()}
+
+
+def run(cfg: DictConfig) -> StageResult:
+    c = to_container(cfg)
+    sweep = c["sweep"]
+    store = store_for(cfg)
+    traces = load_traces(store, c["traces"])
+    profile_ref, profile = load_profile(store, c["sim"]["cost_profile"])
+    policies = _policies(c)
+    inputs = [t.ref for t in traces] + ([profile_ref] if profile_ref.startswith("calibrate-") else [])
+    config = {
+        "sweep": sweep,
+        "sim": c["sim"],
+        "policies": policies,
+        "capacity": c["capacity"],
+        "traces": inputs,
+    }
+    existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, inputs)
+    if existing is not None:
+        return StageResult(existing, reused=True, summary=json.loads((existing / "summary.json").read_text()))
+
+    base = cost_settings(c["sim"])
+    grids, jobs = {}, []
+    for index, t in enumerate(traces):
+        caps = (
+            [int(c["capacity"])]
+            if c["capacity"] is not None
+            else capacity_grid(t.trace, **sweep["capacities"])
+        )
+        grids[t.trace.name] = caps
+        for name, param_sets in policies.items():
+            for params in param_sets:
+                for mode in sweep["modes"]:
+                    jobs += [Job(index, name, params, cap, mode, base) for cap in caps]
+                if name in sweep["sensitivity"]["policies"]:
+                    for scale in sweep["sensitivity"]["scales"]:
+                        unknown = set(scale) - set(SCALES)
+                        if unknown:
+                            raise MoecacheError(
+                                f"sweep.sensitivity.scales: unknown key(s) {sorted(unknown)}; use {list(SCALES)}"
+                            )
+                        jobs += [Job(index, name, params, cap, "timed", base.scaled(**scale)) for cap in caps]
+    workers = int(sweep["workers"] or os.cpu_count() or 1)
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        task = progress.add_task("replays", total=len(jobs))
+        table = run_jobs([t.trace for t in traces], profile, jobs, workers, lambda: progress.advance(task))
+    targets = capacity_to_target(table, [float(x) for x in sweep["targets"]])
+    summary = {
+        "traces": len(traces),
+        "policy parameter sets": sum(len(v) for v in policies.values()),
+        "replays": len(jobs),
+        "accesses replayed": int(sum(traces[j.trace_index].trace.num_accesses for j in jobs)),
+        "best timed ms/token (base costs)": _best(table),
+    }
+    with store.create(STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=None) as tmp:
+        pq.write_table(table, tmp / "sweep.parquet")
+        pq.write_table(targets, tmp / "targets.parquet")
+        (tmp / "grid.json").write_text(json.dumps(grids, indent=2) + "\n")
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return StageResult(store.get(artifact_id(STAGE, SCHEMA_VERSION, config, inputs)).path, summary=summary)
+
+
+def _best(table) -> str:
+    base = table.filter(pc.equal(table["mode"], "timed"))
+    for s in SCALES:
+        base = base.filter(pc.equal(base[s], 1.0))
+    if base.num_rows == 0 or base["est_ms_per_token"].null_count == base.num_rows:
+        return "n/a"
+    i = pc.index(base["est_ms_per_token"], pc.min(base["est_ms_per_token"])).as_py()
+    r = base.slice(i, 1).to_pylist()[0]
+    return f"{r['est_ms_per_token']:.3f} ({r['label']}, C={r['capacity']}, {r['trace']})"

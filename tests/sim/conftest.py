@@ -1,0 +1,88 @@
+"""Helpers for the simulator tests: small synthetic traces written as lists of layer steps.
+
+A trace is a list of layer steps `(request, step, layer, [[experts of token 0], [experts of token 1],
+...])` in canonical order (request, step, layer). A forward step (request, step) with one token is a
+decode step, with several a prefill step; every layer of one forward step should list the same
+number of tokens. `request` is any value (its str() becomes the request id).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from moecache.sim.trace_arrays import TraceArrays, from_table
+from moecache.trace.schema import SCHEMA, TraceMeta, empty_cache_columns, schema_with_meta
+
+
+def trace_table(steps, num_layers: int, num_experts: int, top_k: int | None = None, expert_bytes: int = 1024):
+    """The canonical trace table (every SCHEMA column) and its TraceMeta."""
+    if top_k is None:
+        top_k = max((len(tok) for *_, tokens in steps for tok in tokens), default=1)
+    meta = TraceMeta(num_layers, num_experts, top_k, expert_bytes, model="synthetic", source="tests")
+    rows = {
+        name: [] for name in ("request_id", "step_index", "token_index", "phase", "layer_id", "expert_ids")
+    }
+    first_token: dict[tuple, int] = {}  # (request, step) -> its first token's index in the request
+    next_token: dict = {}  # request -> tokens of its forward steps seen so far
+    for request, step, layer, tokens in steps:
+        fwd = (str(request), step)
+        if fwd not in first_token:
+            first_token[fwd] = next_token.get(fwd[0], 0)
+            next_token[fwd[0]] = first_token[fwd] + len(tokens)
+        for i, experts in enumerate(tokens):
+            rows["request_id"].append(fwd[0])
+            rows["step_index"].append(step)
+            rows["token_index"].append(first_token[fwd] + i)
+            rows["phase"].append("decode" if len(tokens) == 1 else "prefill")
+            rows["layer_id"].append(layer)
+            rows["expert_ids"].append(list(experts))
+    n = len(rows["request_id"])
+    columns = {
+        "run_id": pa.array(["synthetic"] * n, pa.string()),
+        "request_id": pa.array(rows["request_id"], pa.string()),
+        "step_index": pa.array(rows["step_index"], pa.int32()),
+        "token_index": pa.array(rows["token_index"], pa.int32()),
+        "phase": pa.array(rows["phase"], pa.string()),
+        "layer_id": pa.array(rows["layer_id"], pa.int16()),
+        "expert_ids": pa.array(rows["expert_ids"], pa.list_(pa.int16())),
+        "router_weights": pa.array(
+            [[1.0 / len(e)] * len(e) for e in rows["expert_ids"]], pa.list_(pa.float32())
+        ),
+        **empty_cache_columns(n),
+    }
+    schema = schema_with_meta(meta)
+    return pa.Table.from_arrays([columns[f.name] for f in SCHEMA], schema=schema), meta
+
+
+def build_trace(steps, num_layers: int, num_experts: int, top_k: int | None = None, **kw) -> TraceArrays:
+    """TraceArrays of `steps` (see the module docstring)."""
+    table, meta = trace_table(steps, num_layers, num_experts, top_k)
+    return from_table(table, meta, **kw)
+
+
+def write_trace(path: Path, steps, num_layers: int, num_experts: int, top_k: int | None = None) -> Path:
+    """Write `steps` as a canonical trace Parquet file."""
+    table, _ = trace_table(steps, num_layers, num_experts, top_k)
+    pq.write_table(table, path)
+    return path
+
+
+def decode_steps(keys_per_token, request=0, layer=0):
+    """One-layer decode steps: token i selects keys_per_token[i] (a list of experts)."""
+    return [(request, i, layer, [list(e)]) for i, e in enumerate(keys_per_token)]
+
+
+@pytest.fixture(scope="session")
+def make_trace():
+    """build_trace, as a fixture: make_trace(steps, num_layers, num_experts, top_k=None)."""
+    return build_trace
+
+
+@pytest.fixture(scope="session")
+def make_trace_file():
+    """write_trace, as a fixture: make_trace_file(path, steps, num_layers, num_experts, top_k=None)."""
+    return write_trace

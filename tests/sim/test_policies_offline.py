@@ -1,0 +1,384 @@
+"""Belady (cold, warm, with and without bypass), LRFU and the per-layer budget policies: compiled ==
+plain-Python reference, Belady == exhaustive search over demand schedules on tiny traces, Belady
+above every policy of the registry, budgets, golden hit counts, and a real-trace smoke run."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moecache.sim.policies  # noqa: F401  (registers every policy)
+from moecache.errors import MoecacheError
+from moecache.sim.policies.lru_per_layer import layer_budgets
+from moecache.sim.policy import POLICIES, make_policy
+from moecache.sim.reference import ref_layer_budgets, reference_run
+from moecache.sim.replay import replay_instant
+
+ESFT_LAW = (
+    Path(__file__).resolve().parents[2] / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz"
+).resolve()
+
+VARIANTS = [
+    ("belady", {}),
+    ("belady", {"warm": True}),
+    ("belady", {"bypass": False}),
+    ("belady", {"warm": True, "bypass": False}),
+    ("lrfu", {"lambda_": 0.0}),
+    ("lrfu", {"lambda_": 1.0}),
+    ("lrfu", {"lambda_": 0.0731}),  # generic: no exact or near ties between different histories
+    ("lru_per_layer", {"split": "equal"}),
+    ("lru_per_layer", {"split": "demand"}),
+    ("lfu_per_layer", {"split": "equal"}),
+    ("lfu_per_layer", {"split": "demand"}),
+]
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def step_lists(draw, max_layer_steps=30, shapes=None):
+    """(steps, num_layers, num_experts, top_k) for the conftest trace builder: several requests,
+    mostly one-token steps, a few of two or three tokens; a few layer steps select one expert per
+    token (so per-layer demands differ)."""
+    if shapes is None:
+        num_layers = draw(st.integers(1, 3))
+        num_experts = draw(st.integers(2, 6))
+    else:
+        num_layers, num_experts = draw(st.sampled_from(shapes))
+    top_k = draw(st.integers(1, min(3, num_experts)))
+    forwards = draw(st.integers(1, max_layer_steps // num_layers))
+    requests = sorted(draw(st.lists(st.integers(0, 2), min_size=forwards, max_size=forwards)))
+    steps, next_step = [], {}
+    for r in requests:
+        s = next_step.get(r, 0)
+        next_step[r] = s + 1
+        tokens = draw(st.sampled_from([1, 1, 1, 1, 2, 3]))
+        for layer in range(num_layers):
+            k = draw(st.sampled_from([top_k, top_k, top_k, 1]))  # some layers select fewer experts
+            picks = [draw(st.permutations(range(num_experts)))[:k] for _ in range(tokens)]
+            steps.append((r, s, layer, picks))
+    return steps, num_layers, num_experts, top_k
+
+
+def hits(trace, name, capacity, **params) -> int:
+    return int(replay_instant(trace, make_policy(name, **params), capacity).hit_A.sum())
+
+
+# --- compiled == reference ------------------------------------------------------------------------
+
+
+@FAST
+@given(case=step_lists())
+def test_compiled_equals_reference(make_trace, case):
+    trace = make_trace(*case)
+    for name, params in VARIANTS:
+        policy = make_policy(name, **params)
+        for capacity in range(trace.num_keys + 1):
+            got = replay_instant(trace, policy, capacity)
+            want = reference_run(trace, name, capacity, **params)
+            where = f"{policy.label()} at capacity {capacity}"
+            np.testing.assert_array_equal(got.hit_A, want.hit_A, err_msg=where)
+            assert (int(got.admits_S.sum()), int(got.evicts_S.sum())) == (want.admissions, want.evictions), (
+                where
+            )
+
+
+def test_lrfu_renormalises_like_the_reference(make_trace):
+    """900 one-token steps at lambda_ 1: the scale passes 2^512 and every score is rescaled."""
+    rng = np.random.default_rng(3)
+    steps = [(0, i, 0, [[int(rng.integers(0, 5))]]) for i in range(900)]
+    trace = make_trace(steps, 1, 5, 1)
+    for capacity in (1, 2, 3):
+        got = replay_instant(trace, make_policy("lrfu", lambda_=1.0), capacity).hit_A
+        np.testing.assert_array_equal(got, reference_run(trace, "lrfu", capacity, lambda_=1.0).hit_A)
+
+
+@FAST
+@given(case=step_lists())
+def test_lrfu_ends_of_the_spectrum(make_trace, case):
+    """lambda_ 0 is cumulative LFU; lambda_ 1/h is lfu_decay with half-life h (exact for h = 1)."""
+    trace = make_trace(*case)
+    for capacity in range(trace.num_keys + 1):
+        lrfu0 = replay_instant(trace, make_policy("lrfu", lambda_=0.0), capacity).hit_A
+        np.testing.assert_array_equal(lrfu0, replay_instant(trace, make_policy("lfu"), capacity).hit_A)
+        lrfu1 = replay_instant(trace, make_policy("lrfu", lambda_=1.0), capacity).hit_A
+        decay = replay_instant(trace, make_policy("lfu_decay", half_life_tokens=1), capacity).hit_A
+        np.testing.assert_array_equal(lrfu1, decay)
+
+
+@FAST
+@given(case=step_lists())
+def test_one_layer_budget_is_the_global_policy(make_trace, case):
+    steps, _, num_experts, top_k = case
+    steps = [(r, s, 0, picks) for r, s, layer, picks in steps if layer == 0]
+    trace = make_trace(steps, 1, num_experts, top_k)
+    for capacity in range(trace.num_keys + 1):
+        for split in ("equal", "demand"):
+            for per_layer, glob in (("lru_per_layer", "lru"), ("lfu_per_layer", "lfu")):
+                assert hits(trace, per_layer, capacity, split=split) == hits(trace, glob, capacity)
+
+
+# --- Belady is optimal ---------------------------------------------------------------------------
+
+
+def reachable(held: frozenset, misses: list[int], capacity: int) -> set[frozenset]:
+    """Every resident set after a step: at each miss (router order) bypass, or admit it into a free
+    slot, or (cache full) admit it in place of any key holding a slot, even one admitted by this step."""
+    out: set[frozenset] = set()
+
+    def go(i, cur):
+        if i == len(misses):
+            out.add(cur)
+            return
+        go(i + 1, cur)
+        if capacity == 0:
+            return
+        if len(cur) < capacity:
+            go(i + 1, cur | {misses[i]})
+        else:
+            for victim in cur:
+                go(i + 1, (cur - {victim}) | {misses[i]})
+
+    go(0, held)
+    return out
+
+
+def best_hits(trace, capacity: int, initial) -> int:
+    """The most hits of any demand schedule from `initial` (hits from the snapshot before a step,
+    admissions resident from the next step), by exhaustive search."""
+    steps = [trace.key_A[trace.start_S[s] : trace.start_S[s + 1]].tolist() for s in range(trace.num_steps)]
+
+    @cache
+    def best(s, held):
+        if s == len(steps):
+            return 0
+        keys = steps[s]
+        misses = [k for k in keys if k not in held]
+        return len(keys) - len(misses) + max(best(s + 1, r) for r in reachable(held, misses, capacity))
+
+    return best(0, frozenset(initial))
+
+
+TINY = [(1, 2), (1, 3), (1, 4), (1, 5), (2, 2)]  # (layers, experts): at most 5 keys
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=step_lists(max_layer_steps=8, shapes=TINY))
+def test_belady_equals_exhaustive_search(make_trace, case):
+    trace = make_trace(*case)
+    used = sorted(set(trace.key_A.tolist()))
+    for capacity in range(trace.num_keys + 1):
+        cold = best_hits(trace, capacity, ())
+        assert hits(trace, "belady", capacity) == cold
+        warm = max(
+            best_hits(trace, capacity, start)
+            for size in range(min(capacity, len(used)) + 1)
+            for start in itertools.combinations(used, size)
+        )
+        assert hits(trace, "belady", capacity, warm=True) == warm
+        assert hits(trace, "belady", capacity, bypass=False) <= cold
+        assert hits(trace, "belady", capacity, warm=True, bypass=False) <= warm
+
+
+def registry_policies():
+    """Every registered policy with its default parameters, plus the variants of this file's ones."""
+    out = []
+    for _, cls in sorted(POLICIES.items()):
+        try:
+            out.append(cls())
+        except MoecacheError:  # needs a parameter (a file) without a default
+            continue
+    out += [make_policy(name, **params) for name, params in VARIANTS if params]
+    out += [make_policy("lfu", reset_per_request=True)]
+    return out
+
+
+@FAST
+@given(case=step_lists())
+def test_belady_bounds_every_policy(make_trace, case):
+    trace = make_trace(*case)
+    for capacity in range(trace.num_keys + 1):
+        cold = hits(trace, "belady", capacity)
+        warm = hits(trace, "belady", capacity, warm=True)
+        assert cold <= warm
+        for policy in registry_policies():
+            try:
+                got = int(replay_instant(trace, policy, capacity).hit_A.sum())
+            except MoecacheError:  # a parameter it cannot do without
+                continue
+            assert got <= warm, f"{policy.label()} at {capacity}: {got} > warm Belady {warm}"
+            if policy.cold_start:
+                assert got <= cold, f"{policy.label()} at {capacity}: {got} > cold Belady {cold}"
+
+
+@FAST
+@given(case=step_lists())
+def test_belady_monotone_and_capacity_edges(make_trace, case):
+    trace = make_trace(*case)
+    distinct = len(set(trace.key_A.tolist()))
+    for params in ({}, {"warm": True}):
+        seq = [hits(trace, "belady", c, **params) for c in range(trace.num_keys + 1)]
+        assert seq == sorted(seq), params
+        assert seq[0] == 0
+        assert seq[-1] == trace.num_accesses - (0 if params else distinct)  # only compulsory misses
+    for name, params in VARIANTS:
+        assert hits(trace, name, 0, **params) == 0
+
+
+def test_belady_edge_semantics(make_trace):
+    # capacity 1, keys of one layer: a then b,c then a. Cold with bypass keeps a (used again soonest).
+    steps = [(0, 0, 0, [[0]]), (0, 1, 0, [[1]]), (0, 2, 0, [[0]]), (0, 3, 0, [[1]]), (0, 4, 0, [[2]])]
+    trace = make_trace(steps, 1, 3, 1)
+    # cold: a miss(adm), b miss (b next 3 > a next 2: bypass), a hit, b miss (adm: a never again), c miss
+    assert replay_instant(trace, make_policy("belady"), 1).hit_A.tolist() == [
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
+    # without bypass b replaces a: a misses again
+    assert replay_instant(trace, make_policy("belady", bypass=False), 1).hit_A.tolist() == [False] * 5
+    # warm: a (first used at 0) resident from the start
+    warm = replay_instant(trace, make_policy("belady", warm=True), 1)
+    assert warm.hit_A.tolist() == [True, False, True, False, False]
+    policy = make_policy("belady", warm=True)
+    assert not policy.cold_start and make_policy("belady").cold_start
+    state = policy.init_state(trace, 3)
+    assert policy.initial_residents(state, trace, 3).tolist() == [0, 1, 2]
+    with pytest.raises(MoecacheError, match="warm must be true or false"):
+        make_policy("belady", warm="yes")
+    with pytest.raises(MoecacheError, match="lambda_ must be a number from 0 to 1"):
+        make_policy("lrfu", lambda_=2)
+    with pytest.raises(MoecacheError, match="split must be one of"):
+        make_policy("lru_per_layer", split="uses")
+
+
+# --- per-layer budgets ---------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    uses=st.lists(st.integers(0, 50), min_size=1, max_size=6),
+    num_experts=st.integers(1, 8),
+    data=st.data(),
+)
+def test_budgets_sum_to_capacity(uses, num_experts, data):
+    capacity = data.draw(st.integers(0, len(uses) * num_experts))
+    for split in ("equal", "demand"):
+        b = layer_budgets(uses, capacity, num_experts, split)
+        assert int(b.sum()) == capacity and b.min() >= 0 and b.max() <= num_experts
+        assert b.tolist() == ref_layer_budgets(uses, capacity, num_experts, split)
+    if len(set(uses)) == 1:  # equal demand: the same split
+        assert layer_budgets(uses, capacity, num_experts, "demand").tolist() == b.tolist()
+
+
+def test_budgets_by_hand():
+    uses, e = [6, 3, 1], 4
+    assert layer_budgets(uses, 5, e, "equal").tolist() == [2, 2, 1]
+    assert layer_budgets(uses, 7, e, "equal").tolist() == [3, 2, 2]
+    assert layer_budgets(uses, 5, e, "demand").tolist() == [3, 2, 0]  # 3, 1.5, .5: tie to layer 1
+    assert layer_budgets(uses, 7, e, "demand").tolist() == [4, 2, 1]  # 4.2 held at 4; 3 by 3:1
+    assert layer_budgets(uses, 8, e, "demand").tolist() == [4, 3, 1]
+    assert layer_budgets([5, 0, 0], 6, e, "demand").tolist() == [4, 1, 1]  # unused layers: equal
+    assert layer_budgets(uses, 12, e, "demand").tolist() == [4, 4, 4]
+
+
+def test_per_layer_evicts_only_its_layer(make_trace):
+    # layer 0 alternates between two pairs of experts, layer 1 reuses expert 0: with 2 slots, 1 each
+    # (either split), layer 1 keeps its expert; global LRU lets layer 0's misses evict it
+    steps = []
+    for s in range(8):
+        steps += [(0, s, 0, [[2 * (s % 2), 2 * (s % 2) + 1]]), (0, s, 1, [[0]])]
+    trace = make_trace(steps, 2, 4, 2)
+    layer1 = trace.key_A >= 4
+    for name in ("lru_per_layer", "lfu_per_layer"):
+        for split in ("equal", "demand"):
+            hit_A = replay_instant(trace, make_policy(name, split=split), 2).hit_A
+            assert hit_A[layer1].sum() == 7, (name, split)
+    assert replay_instant(trace, make_policy("lru"), 2).hit_A[layer1].sum() == 0
+
+
+# --- golden hit counts ---------------------------------------------------------------------------
+
+GOLDEN_STEPS = [
+    (0, 0, 0, [[0, 1], [1, 2], [0, 3]]),
+    (0, 0, 1, [[0], [2], [0]]),
+    (0, 1, 0, [[1, 2]]),
+    (0, 1, 1, [[3]]),
+    (0, 2, 0, [[1, 3]]),
+    (0, 2, 1, [[0, 1]]),
+    (0, 3, 0, [[2, 1]]),
+    (0, 3, 1, [[3]]),
+    (1, 0, 0, [[3, 2], [0, 2]]),
+    (1, 0, 1, [[1], [1, 3]]),
+    (1, 1, 0, [[0, 3]]),
+    (1, 1, 1, [[2, 1]]),
+    (1, 2, 0, [[0, 1]]),
+    (1, 2, 1, [[2]]),
+    (1, 3, 0, [[3, 0]]),
+    (1, 3, 1, [[2, 1]]),
+    (1, 4, 0, [[1, 0]]),
+    (1, 4, 1, [[3, 2]]),
+]
+GOLDEN_CAPACITIES = (1, 2, 3, 4, 6)
+GOLDEN = {  # (policy, params): hits at GOLDEN_CAPACITIES, frozen from moecache.sim.reference
+    ("belady", ()): (8, 15, 19, 22, 27),
+    ("belady", (("warm", True),)): (9, 17, 22, 26, 33),
+    ("belady", (("bypass", False),)): (0, 10, 16, 21, 27),
+    ("belady", (("bypass", False), ("warm", True))): (1, 12, 19, 25, 33),
+    ("lrfu", (("lambda_", 0.0),)): (4, 6, 10, 15, 21),
+    ("lrfu", (("lambda_", 1.0),)): (4, 6, 9, 12, 23),
+    ("lrfu", (("lambda_", 0.0731),)): (3, 8, 8, 10, 23),
+    ("lrfu", ()): (3, 8, 8, 10, 23),
+    ("lru_per_layer", (("split", "equal"),)): (2, 6, 13, 16, 25),
+    ("lru_per_layer", (("split", "demand"),)): (2, 6, 13, 16, 24),
+    ("lfu_per_layer", (("split", "equal"),)): (4, 6, 9, 11, 19),
+    ("lfu_per_layer", (("split", "demand"),)): (4, 6, 9, 11, 21),
+}
+
+
+def test_golden_hit_counts(make_trace):
+    trace = make_trace(GOLDEN_STEPS, 2, 4, 2)
+    for (name, params), want in GOLDEN.items():
+        params = dict(params)
+        for capacity, count in zip(GOLDEN_CAPACITIES, want, strict=True):
+            label = make_policy(name, **params).label()
+            assert int(reference_run(trace, name, capacity, **params).hit_A.sum()) == count, (label, capacity)
+            assert hits(trace, name, capacity, **params) == count, (label, capacity)
+
+
+# --- real trace ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ESFT_LAW.is_file(), reason="../shared/data is not present")
+def test_real_trace_smoke():
+    from moecache.sim.trace_arrays import from_table
+    from moecache.trace.esft_import import esft_to_table, load_esft_npz
+    from moecache.trace.schema import TraceMeta
+
+    meta = TraceMeta(num_layers=26, num_experts=64, top_k=6, expert_bytes=17301504)
+    arrays = load_esft_npz(ESFT_LAW, num_layers=26, num_experts=64, top_k=6)
+    table = esft_to_table(arrays, name="esft_law", run_id="esft_law", tokens_per_step=1, meta=meta)
+    trace = from_table(table, meta, name="esft_law")
+    capacity = 300
+    result = {}
+    for name, params in [*VARIANTS[:4], ("lrfu", {}), *VARIANTS[7:]]:
+        policy = make_policy(name, **params)
+        replay_instant(trace, policy, capacity)
+        t0 = time.perf_counter()
+        r = replay_instant(trace, policy, capacity)
+        seconds = time.perf_counter() - t0
+        result[policy.label()] = int(r.hit_A.sum())
+        print(
+            f"{policy.label():40s} hits {r.hit_A.mean():.4f}  {trace.num_accesses / seconds / 1e6:6.1f} M accesses/s"
+        )
+    top = result["belady(bypass=True,warm=True)"]
+    assert result["belady(bypass=True,warm=False)"] <= top
+    assert all(v <= result["belady(bypass=True,warm=False)"] for k, v in result.items() if "warm" not in k)

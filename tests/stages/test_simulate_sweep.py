@@ -1,0 +1,180 @@
+"""`moecache simulate` and `moecache sweep` end to end on a small imported trace."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from moecache.cli import app
+from moecache.config import compose
+from moecache.errors import MoecacheError
+from moecache.stages import import_trace, simulate, sweep
+
+LAYERS, EXPERTS, TOP_K = 3, 8, 2
+
+
+def _npz(path: Path, seed: int = 0, seq_lens=(40, 25, 35)) -> Path:
+    rng = np.random.default_rng(seed)
+    n = sum(seq_lens)
+    # skewed routing so caches have something to find
+    p = np.arange(EXPERTS, 0, -1, dtype=float) ** 2
+    p /= p.sum()
+    ids = np.stack(
+        [[rng.choice(EXPERTS, TOP_K, replace=False, p=p) for _ in range(LAYERS)] for _ in range(n)]
+    )
+    np.savez(
+        path,
+        expert_ids=ids.astype(np.int8),
+        gate_weights=np.full(ids.shape, 1.0 / TOP_K, np.float16),
+        seq_offsets=np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64),
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sim")
+    npz = _npz(root / "small.npz")
+    cfg = compose(
+        [
+            f"output_root={root}",
+            f"trace_import.path={npz}",
+            "trace_import.name=small",
+            f"trace_import.num_layers={LAYERS}",
+            f"trace_import.num_experts={EXPERTS}",
+            f"trace_import.top_k={TOP_K}",
+            "trace_import.expert_bytes=6291456",
+            "trace_import.licence_file=null",
+        ]
+    )
+    import_trace.run(cfg)
+    return root
+
+
+def test_simulate_writes_metrics_per_layer_and_per_request(root):
+    res = simulate.run(compose([f"output_root={root}", "capacity=[0,9,24]", "policy=lru"]))
+    metrics = pq.read_table(res.artifact / "metrics.parquet").to_pylist()
+    assert [m["capacity"] for m in metrics] == [0, 9, 24]
+    assert metrics[0]["hit_rate"] == 0.0 and metrics[0]["transfers"] == 0
+    assert metrics[2]["hit_rate"] > metrics[1]["hit_rate"] > 0
+    assert all(m["h2d_bytes"] == m["transfers"] * 6291456 for m in metrics)
+    assert metrics[0]["est_ms_per_token"] > metrics[2]["est_ms_per_token"] > 0
+    layers = pq.read_table(res.artifact / "per_layer.parquet")
+    assert layers.num_rows == 3 * LAYERS
+    requests = pq.read_table(res.artifact / "per_request.parquet")
+    assert requests.num_rows == 3 * 3
+    again = simulate.run(compose([f"output_root={root}", "capacity=[0,9,24]", "policy=lru"]))
+    assert again.reused and again.artifact == res.artifact
+
+
+def test_sweep_grid_targets_and_sensitivity(root):
+    res = sweep.run(compose([f"output_root={root}", "sweep.modes=[instant,timed]"]))
+    table = pq.read_table(res.artifact / "sweep.parquet")
+    for col in (
+        "trace",
+        "workload",
+        "policy",
+        "params",
+        "capacity",
+        "capacity_fraction",
+        "hit_rate",
+        "h2d_bytes",
+        "transfers",
+        "admissions",
+        "evictions",
+        "cpu_fallbacks",
+        "ready_fraction",
+        "est_ms_per_token",
+        "est_tokens_per_s",
+    ):
+        assert col in table.column_names
+    rows = table.to_pylist()
+    grid = json.loads((res.artifact / "grid.json").read_text())["small"]
+    assert grid[0] == 0 and grid[-1] == LAYERS * EXPERTS
+    policies = {r["policy"] for r in rows}
+    assert {"lru", "lfu", "static_hindsight", "belady"} <= policies
+    # at full capacity the hindsight static placement hits everything; nothing hits at capacity 0
+    full = [r for r in rows if r["capacity"] == LAYERS * EXPERTS and r["policy"] == "static_hindsight"]
+    assert full and all(r["hit_rate"] == 1.0 for r in full)
+    assert all(r["hit_rate"] == 0.0 for r in rows if r["capacity"] == 0)
+
+    # sensitivity: halving the bandwidth never makes LRU faster
+    def est(scale):
+        return {
+            r["capacity"]: r["est_ms_per_token"]
+            for r in rows
+            if r["policy"] == "lru"
+            and r["mode"] == "timed"
+            and r["bandwidth_scale"] == scale
+            and r["cpu_scale"] == 1.0
+            and r["gpu_scale"] == 1.0
+        }
+
+    slow, base = est(0.5), est(1.0)
+    assert slow and all(slow[c] >= base[c] - 1e-9 for c in base)
+    targets = pq.read_table(res.artifact / "targets.parquet").to_pylist()
+    hs = [
+        t
+        for t in targets
+        if t["label"] == "static_hindsight" and t["mode"] == "instant" and t["bandwidth_scale"] == 1.0
+    ]
+    assert {t["target_hit_rate"] for t in hs} == {0.5, 0.8, 0.9} and all(
+        t["capacity"] is not None for t in hs
+    )
+
+
+def test_multirun_with_joblib_two_jobs(root):
+    res = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "-m",
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            "policy=lru,static_cold",
+            "capacity=6",
+            f"output_root={root}",
+            "sweep.modes=[instant]",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    made = [
+        json.loads((p / "manifest.json").read_text())
+        for p in (root / "sweep").iterdir()
+        if (p / "manifest.json").exists()
+    ]
+    assert {tuple(m["config"]["policies"]) for m in made if m["config"]["capacity"] == 6} >= {
+        ("lru",),
+        ("static_cold",),
+    }
+
+
+def test_bad_input_is_named(root, tmp_path):
+    with pytest.raises(MoecacheError, match="capacity=-1"):
+        simulate.run(compose([f"output_root={root}", "capacity=-1"]))
+    with pytest.raises(MoecacheError, match="capacity=25"):
+        simulate.run(compose([f"output_root={root}", "capacity=25"]))
+    with pytest.raises(MoecacheError, match="unknown policy"):
+        simulate.run(compose([f"output_root={root}", "capacity=3", "+policy.name=nope", "+policy.params={}"]))
+    # a trace missing a required column
+    trace = next((root / "import_trace").glob("*/trace.parquet"))
+    table = pq.read_table(trace)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table.drop_columns(["expert_ids"]).replace_schema_metadata(table.schema.metadata), bad)
+    with pytest.raises(MoecacheError, match="expert_ids"):
+        simulate.run(compose([f"output_root={root}", "capacity=3", f"traces=[{bad}]"]))
+    # expert ids out of range for the metadata
+    ids = pa.array([[e + 10 for e in row] for row in table["expert_ids"].to_pylist()], pa.list_(pa.int16()))
+    out = tmp_path / "range.parquet"
+    pq.write_table(
+        table.set_column(table.column_names.index("expert_ids"), "expert_ids", ids).replace_schema_metadata(
+            table.schema.metadata
+        ),
+        out,
+    )
+    with pytest.raises(MoecacheError, match="expert_ids range"):
+        simulate.run(compose([f"output_root={root}", "capacity=3", f"traces=[{out}]"]))
