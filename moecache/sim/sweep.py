@@ -46,16 +46,20 @@ class Job:
     cost: CostSettings
 
 
+def dense_capacities(trace: TraceArrays, dense_multiple: float, dense_step: int | None) -> list[int]:
+    """0, dense_step, 2 x dense_step, ... up to dense_multiple x (layers x top_k) slots."""
+    per_token = trace.num_layers * trace.top_k
+    step = int(dense_step) if dense_step else max(1, per_token // 2)
+    if step < 1:
+        raise MoecacheError(f"sweep.capacities.dense_step={dense_step}: must be at least 1")
+    return list(range(0, min(trace.num_keys, int(dense_multiple * per_token)) + 1, step))
+
+
 def capacity_grid(
     trace: TraceArrays, dense_multiple: float, dense_step: int | None, fractions: list[float]
 ) -> list[int]:
     """Every `dense_step` slots up to `dense_multiple` x (layers x top_k), then fractions of all keys."""
-    per_token = trace.num_layers * trace.top_k
-    step = int(dense_step) if dense_step else max(1, per_token // 4)
-    if step < 1:
-        raise MoecacheError(f"sweep.capacities.dense_step={dense_step}: must be at least 1")
-    top = min(trace.num_keys, int(dense_multiple * per_token))
-    grid = set(range(0, top + 1, step))
+    grid = set(dense_capacities(trace, dense_multiple, dense_step))
     for f in fractions:
         if not 0 <= f <= 1:
             raise MoecacheError(f"sweep.capacities.fractions: {f} is not a fraction in [0, 1]")

@@ -22,7 +22,7 @@ from moecache.artifacts import artifact_id
 from moecache.config import to_container
 from moecache.errors import MoecacheError
 from moecache.sim.inputs import load_profile, load_traces
-from moecache.sim.sweep import SCALES, Job, capacity_grid, capacity_to_target, run_jobs
+from moecache.sim.sweep import SCALES, Job, capacity_grid, capacity_to_target, dense_capacities, run_jobs
 from moecache.stages.base import StageResult, reusable, store_for
 from moecache.stages.simulate import cost_settings
 
@@ -61,11 +61,12 @@ def run(cfg: DictConfig) -> StageResult:
     base = cost_settings(c["sim"])
     grids, jobs = {}, []
     for index, t in enumerate(traces):
-        caps = (
-            [int(c["capacity"])]
-            if c["capacity"] is not None
-            else capacity_grid(t.trace, **sweep["capacities"])
-        )
+        if c["capacity"] is not None:
+            caps = sens_caps = [int(c["capacity"])]
+        else:
+            caps = capacity_grid(t.trace, **sweep["capacities"])
+            dense = sweep["capacities"]
+            sens_caps = dense_capacities(t.trace, dense["dense_multiple"], dense["dense_step"])
         grids[t.trace.name] = caps
         for name, param_sets in policies.items():
             for params in param_sets:
@@ -78,7 +79,7 @@ def run(cfg: DictConfig) -> StageResult:
                             raise MoecacheError(
                                 f"sweep.sensitivity.scales: unknown key(s) {sorted(unknown)}; use {list(SCALES)}"
                             )
-                        jobs += [Job(index, name, params, cap, "timed", base.scaled(**scale)) for cap in caps]
+                        jobs += [Job(index, name, params, cap, "timed", base.scaled(**scale)) for cap in sens_caps]
     workers = int(sweep["workers"] or os.cpu_count() or 1)
     console = Console(stderr=True)
     with Progress(
