@@ -115,7 +115,7 @@ def test_sweep_grid_targets_and_sensitivity(root):
         }
 
     slow, base = est(0.5), est(1.0)
-    assert slow and all(slow[c] >= base[c] - 1e-9 for c in base)
+    assert slow and all(slow[c] >= base[c] - 1e-9 for c in slow)  # sensitivity runs at the dense capacities
     targets = pq.read_table(res.artifact / "targets.parquet").to_pylist()
     hs = [
         t
