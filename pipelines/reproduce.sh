@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OVR=("$@")  # extra Hydra overrides for every stage, e.g. output_root=/tmp/out
 
 echo "== collect: multi_request (shuffled MT-Bench conversations)"
-moecache collect workload=multi_request "${OVR[@]}"
+MULTI=$(moecache collect workload=multi_request "${OVR[@]}" | tail -1)
 echo "== collect: long_single (one long context + question)"
 moecache collect workload=long_single "${OVR[@]}"
 echo "== calibrate: CPU expert time (and CUDA / H2D where CUDA is present)"
@@ -22,5 +22,10 @@ if [ -d "$TRACES" ]; then
 else
   echo "== import-trace: skipped: $TRACES is absent (the real DeepSeek-V2-Lite traces ship only with ../shared)"
 fi
+
+echo "== simulate: cumulative LFU, timed, on the multi_request trace at 16 / 32 / 64 slots"
+moecache simulate policy=lfu "capacity=[16,32,64]" "traces=[$MULTI]" "${OVR[@]}"
+echo "== sweep: every policy x the capacity grid x every trace above (timed, with sensitivity)"
+moecache sweep "${OVR[@]}"
 
 moecache artifacts list

@@ -1,4 +1,5 @@
-"""Metrics of one replay: the sweep row (`summarize`), per layer and per request. Vectorised numpy.
+"""Metrics of one replay: the sweep row (`summarize`), per layer and per request. The counts come
+from one compiled pass per grouping (aggregate.py), the times from the forward steps' times.
 
 Definitions (docs/simulator.md, "Metrics"):
 - hit_rate: hits / accesses (an access is one distinct expert of a layer step); token_hit_rate: the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moecache.sim.aggregate import group_sums
 from moecache.sim.cost_model import CostModel, forward_index, instant_step_us
 from moecache.sim.replay import ReplayResult
 from moecache.sim.timed import TimedResult
@@ -36,12 +38,17 @@ def _per_token(us: float, tokens: int) -> tuple[float | None, float | None]:
     return us / 1e3 / tokens, (tokens / (us / 1e6) if us > 0 else None)
 
 
-def _step_us(trace: TraceArrays, result: ReplayResult, cost: CostModel | None) -> np.ndarray | None:
+def _forward_us(
+    trace: TraceArrays, result: ReplayResult, cost: CostModel | None
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """(time of every forward step or None, first layer step of every forward step)."""
     if isinstance(result, TimedResult):
-        return result.step_us_S
+        return result.forward_us_F, result.first_F
+    fwd_S, first_F = forward_index(trace)
     if cost is None:
-        return None
-    return instant_step_us(trace, result.hit_A, cost)
+        return None, first_F
+    step_us_S = instant_step_us(trace, result.hit_A, cost)
+    return np.bincount(fwd_S, step_us_S, minlength=len(first_F)), first_F
 
 
 def _cost_of(result: ReplayResult, cost: CostModel | None) -> CostModel | None:
@@ -59,13 +66,14 @@ TIME_COLUMNS = (
 )
 
 
-def _time_table(trace: TraceArrays, step_us_S: np.ndarray | None, by_request: bool) -> list[dict]:
-    """The est_* columns for the whole trace (one dict) or per request (one dict each)."""
+def _time_table(
+    trace: TraceArrays, us_F: np.ndarray | None, first_F: np.ndarray, by_request: bool
+) -> list[dict]:
+    """The est_* columns for the whole trace (one dict) or per request (one dict each), from the
+    forward steps' times (None: no estimate)."""
     n = len(trace.request_ids) if by_request else 1
-    if step_us_S is None:
+    if us_F is None:
         return [dict.fromkeys(TIME_COLUMNS) for _ in range(n)]
-    fwd_S, first_F = forward_index(trace)
-    us_F = np.bincount(fwd_S, step_us_S, minlength=len(first_F))
     tokens_F = trace.tokens_S[first_F].astype(np.float64)
     phase_F = trace.phase_S[first_F]
     group_F = trace.request_S[first_F] if by_request else np.zeros(len(first_F), np.int64)
@@ -99,7 +107,8 @@ def summarize(trace: TraceArrays, result: ReplayResult, cost: CostModel | None =
     accesses = trace.num_accesses
     hits = int(np.count_nonzero(hit_A))
     selections = int(uses_A.sum(dtype=np.int64))
-    hit_selections = int(uses_A.sum(where=hit_A, dtype=np.int64))
+    # every use is 1 when selections == accesses (decode-only traces): then hit selections = hits
+    hit_selections = hits if selections == accesses else int(uses_A[hit_A].sum(dtype=np.int64))
     admissions = int(result.admits_S.sum(dtype=np.int64))
     timed = isinstance(result, TimedResult)
     cost = _cost_of(result, cost)
@@ -121,7 +130,7 @@ def summarize(trace: TraceArrays, result: ReplayResult, cost: CostModel | None =
         ),
         "wasted_copies": result.wasted_copies if timed else None,
     }
-    row.update(_time_table(trace, _step_us(trace, result, cost), by_request=False)[0])
+    row.update(_time_table(trace, *_forward_us(trace, result, cost), by_request=False)[0])
     row["cost_notes"] = "; ".join(cost.all_notes()) if cost is not None else None
     return row
 
@@ -130,31 +139,25 @@ def per_layer(trace: TraceArrays, result: ReplayResult) -> dict[str, np.ndarray]
     """Arrays indexed by layer_id: accesses, hits, hit_rate, selections, token_hit_rate, admissions,
     evictions; timed results add slot_rate, ready_fraction (copies by their key's layer) and est_ms."""
     n = trace.num_layers
-    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S))
-    layer_A = trace.layer_S[step_A]
-    hit_A = result.hit_A
-    uses = trace.uses_A.astype(np.float64)
-    accesses = np.bincount(layer_A, minlength=n)
-    hits = np.bincount(layer_A, hit_A, minlength=n)
-    selections = np.bincount(layer_A, uses, minlength=n)
-    hit_sel = np.bincount(layer_A, uses * hit_A, minlength=n)
+    timed = isinstance(result, TimedResult)
+    sums = group_sums(trace, result, trace.layer_S, n, result.step_us_S if timed else None)
     with np.errstate(invalid="ignore", divide="ignore"):
         out = {
             "layer": np.arange(n),
-            "accesses": accesses,
-            "hits": hits.astype(np.int64),
-            "hit_rate": hits / accesses,
-            "selections": selections.astype(np.int64),
-            "token_hit_rate": hit_sel / selections,
-            "admissions": np.bincount(trace.layer_S, result.admits_S, minlength=n).astype(np.int64),
-            "evictions": np.bincount(trace.layer_S, result.evicts_S, minlength=n).astype(np.int64),
+            "accesses": sums.accesses,
+            "hits": sums.hits,
+            "hit_rate": sums.hits / sums.accesses,
+            "selections": sums.selections,
+            "token_hit_rate": sums.hit_selections / sums.selections,
+            "admissions": sums.admissions,
+            "evictions": sums.evictions,
         }
-        if isinstance(result, TimedResult):
-            out["slot_rate"] = np.bincount(layer_A, result.slot_A, minlength=n) / accesses
+        if timed:
+            out["slot_rate"] = sums.slots / sums.accesses
             layer_C = result.copy_key_C // trace.num_experts
             ready = np.bincount(layer_C, result.copy_ready_next_C, minlength=n)
             out["ready_fraction"] = ready / np.bincount(layer_C, result.copy_has_next_C, minlength=n)
-            out["est_ms"] = np.bincount(trace.layer_S, result.step_us_S, minlength=n) / 1e3
+            out["est_ms"] = sums.step_us / 1e3
     return out
 
 
@@ -162,23 +165,16 @@ def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None
     """One dict per request (trace order): request_id, tokens, accesses, hit rates, transfers,
     h2d_bytes, cpu_fallbacks, ready_fraction (timed) and the est_* time columns."""
     r = len(trace.request_ids)
-    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S))
-    req_A = trace.request_S[step_A]
-    hit_A, uses = result.hit_A, trace.uses_A.astype(np.float64)
-    accesses = np.bincount(req_A, minlength=r)
-    hits = np.bincount(req_A, hit_A, minlength=r)
-    selections = np.bincount(req_A, uses, minlength=r)
-    hit_sel = np.bincount(req_A, uses * hit_A, minlength=r)
-    admits = np.bincount(trace.request_S, result.admits_S, minlength=r).astype(np.int64)
-    evicts = np.bincount(trace.request_S, result.evicts_S, minlength=r).astype(np.int64)
-    _, first_F = forward_index(trace)
+    sums = group_sums(trace, result, trace.request_S, r)
+    accesses, hits, admits = sums.accesses, sums.hits, sums.admissions
+    us_F, first_F = _forward_us(trace, result, _cost_of(result, cost))
     tokens = np.bincount(trace.request_S[first_F], trace.tokens_S[first_F], minlength=r).astype(np.int64)
     timed = isinstance(result, TimedResult)
     if timed:
         req_C = trace.request_S[result.copy_step_C]
         ready_C = np.bincount(req_C, result.copy_ready_next_C, minlength=r)
         has_next_C = np.bincount(req_C, result.copy_has_next_C, minlength=r)
-    times = _time_table(trace, _step_us(trace, result, _cost_of(result, cost)), by_request=True)
+    times = _time_table(trace, us_F, first_F, by_request=True)
     rows = []
     for i, request_id in enumerate(trace.request_ids):
         row = {
@@ -186,10 +182,10 @@ def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None
             "tokens": int(tokens[i]),
             "accesses": int(accesses[i]),
             "hit_rate": _ratio(hits[i], accesses[i]),
-            "token_hit_rate": _ratio(hit_sel[i], selections[i]),
+            "token_hit_rate": _ratio(sums.hit_selections[i], sums.selections[i]),
             "transfers": int(admits[i]),
             "admissions": int(admits[i]),
-            "evictions": int(evicts[i]),
+            "evictions": int(sums.evictions[i]),
             "h2d_bytes": int(admits[i]) * trace.expert_bytes,
             "cpu_fallbacks": int(accesses[i] - hits[i]),
             "ready_fraction": _ratio(ready_C[i], has_next_C[i]) if timed else None,

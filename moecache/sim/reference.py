@@ -230,36 +230,69 @@ class RefBelady:
         return admitted, evicted
 
 
-class RefLRFU(_RefScored):
+class RefLRFU:
     """score = CRF = sum over past uses of uses * (1/2)^(lambda_ * (now - t)), recomputed from the
-    whole history at every step."""
+    whole history at every step, for all the step's keys before any admission. Misses in router
+    order: a free slot admits; once full, the miss always replaces the victim, the held key with the
+    greatest (-score, key), even one admitted earlier in this step (the two then cancel out)."""
 
     def __init__(self, trace, capacity, lambda_=0.01):
-        super().__init__(trace, capacity)
+        self.capacity = capacity
         self.lam = lambda_
         self.history: list[tuple[int, int, int]] = []  # (clock, key, uses) of every past step
+        self.score: dict[int, float] = {}
+        self.held: set[int] = set()
+        self.initial: set[int] = set()
 
-    def update(self, keys, uses, clock, request):
+    def step(self, s, keys, uses, hits, clock, request, resident):
         for k, u in zip(keys, uses, strict=True):
             self.history.append((clock, k, u))
         self.score = {}
         for t, k, u in self.history:
             self.score[k] = self.score.get(k, 0.0) + u * 0.5 ** (self.lam * (clock - t))
+        admitted, evicted = [], []
+        if self.capacity == 0:
+            return admitted, evicted
+        for m in [k for k in keys if k not in self.held]:  # a hit evicted by this step stays out
+            if len(self.held) == self.capacity:
+                victim = max(self.held, key=lambda k: (-self.score.get(k, 0.0), k))
+                self.held.remove(victim)
+                if victim in admitted:
+                    admitted.remove(victim)
+                else:
+                    evicted.append(victim)
+            self.held.add(m)
+            admitted.append(m)
+        return admitted, evicted
 
 
-def ref_layer_budgets(uses_per_layer: list[int], capacity: int, num_experts: int, split: str) -> list[int]:
-    """equal: floor(C / L) each, one more for each of the C mod L lowest layers. demand: exact
-    quotas C * uses_l / total; a quota above num_experts is held at num_experts and the rest shared
-    again among the other layers by their uses; then floors, and one more slot for each of the
-    largest remainders (ties: lower layer first). Layers left without uses share the rest equally."""
+def ref_layer_demand(uses: list[int]) -> int:
+    """exp(-sum p log p) over the layer's expert-use shares p = u / U (the counts taken in sorted
+    order), in whole millionths of an expert; 0 for a layer never used."""
+    total = sum(uses)
+    if total == 0:
+        return 0
+    entropy = -math.fsum(u / total * math.log(u / total) for u in sorted(uses) if u > 0)
+    return round(math.exp(entropy) * 10**6)
+
+
+def ref_layer_budgets(
+    uses_per_layer: list[list[int]], capacity: int, num_experts: int, split: str
+) -> list[int]:
+    """equal: floor(C / L) each, one more for each of the C mod L lowest layers. entropy: each
+    layer's demand is its effective number of experts (ref_layer_demand of its experts' uses);
+    exact quotas C * demand_l / total; a quota above num_experts is held at num_experts and the rest
+    shared again among the other layers by their demand; then floors, and one more slot for each of
+    the largest remainders (ties: lower layer first). Layers without demand share the rest equally."""
     num_layers = len(uses_per_layer)
+    demand = [ref_layer_demand(list(row)) for row in uses_per_layer]
     budgets = [0] * num_layers
     open_layers = list(range(num_layers))
     left = capacity
-    if split == "demand":
-        while open_layers and sum(uses_per_layer[i] for i in open_layers) > 0:
-            total = sum(uses_per_layer[i] for i in open_layers)
-            quota = {i: Fraction(left * uses_per_layer[i], total) for i in open_layers}
+    if split == "entropy":
+        while open_layers and sum(demand[i] for i in open_layers) > 0:
+            total = sum(demand[i] for i in open_layers)
+            quota = {i: Fraction(left * demand[i], total) for i in open_layers}
             capped = [i for i in open_layers if quota[i] >= num_experts]
             if not capped:
                 for i in open_layers:
@@ -284,9 +317,9 @@ class _RefPerLayer:
     inner: type
 
     def __init__(self, trace, capacity, split="equal"):
-        uses = [0] * trace.num_layers
+        uses = [[0] * trace.num_experts for _ in range(trace.num_layers)]
         for k, u in zip(trace.key_A.tolist(), trace.uses_A.tolist(), strict=True):
-            uses[k // trace.num_experts] += u
+            uses[k // trace.num_experts][k % trace.num_experts] += u
         self.budgets = ref_layer_budgets(uses, capacity, trace.num_experts, split)
         self.layers = [self.inner(trace, b) for b in self.budgets]
         self.num_experts = trace.num_experts

@@ -81,23 +81,22 @@ class TimedResult(ReplayResult):
 # Not cached: a function taking a dispatcher argument (`step`) never hits numba's on-disk cache (the
 # key holds the dispatcher's per-process UUID: numba issues #6264, #2956), its index grows by one entry
 # per process and policy, and re-saving it can fail with "ReferenceError: underlying object has vanished".
-@nb.njit(nogil=True)
+# `_nrt=False`: no reference counting of the per-step array slices; every buffer comes from the caller.
+@nb.njit(nogil=True, _nrt=False)
 def _replay_timed(
     step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity,
     cpu_us_M, gpu_us_M, non_expert_S, copy_us,
     hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C,
+    admit_buf, evict_buf, ready_K, copy_of_K, gpu_step_K,
 ):  # fmt: skip
     """Returns (copies, CPU fallback selections); copies = -1 when the copy arrays are too short
     (the caller retries with longer ones: arrays reassigned inside the loop would cost reference
-    counting on every iteration)."""
+    counting on every iteration). Scratch per key: admit_buf, evict_buf (int32), ready_K (float64,
+    zeros: copy completion of keys holding a slot), copy_of_K (int64, -1: the key's latest copy),
+    gpu_step_K (int64, -1: last step that ran the key on the GPU)."""
     num_keys = resident_K.shape[0]
     num_steps = start_S.shape[0] - 1
-    admit_buf = np.empty(num_keys, np.int32)
-    evict_buf = np.empty(num_keys, np.int32)
-    ready_K = np.zeros(num_keys, np.float64)  # copy completion of keys holding a slot
-    copy_of_K = np.full(num_keys, -1, np.int64)  # the key's latest copy
-    gpu_step_K = np.full(num_keys, -1, np.int64)  # last step that ran the key on the GPU
     cap_C = copy_key_C.shape[0]
     n_copies = 0
     held = 0
@@ -204,15 +203,18 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
     state = policy.init_state(trace, int(capacity))
     resident_K = initial_resident_mask(policy, state, trace, capacity)
     s, a = trace.num_steps, trace.num_accesses
-    hit_A = np.zeros(a, np.bool_)
-    slot_A = np.zeros(a, np.bool_)
-    admits_S = np.zeros(s, np.int32)
-    evicts_S = np.zeros(s, np.int32)
-    step_us_S = np.zeros(s, np.float64)
-    route_us_S = np.zeros(s, np.float64)
+    # Every entry is written by the (last, complete) run of the kernel: no need to zero them.
+    hit_A = np.empty(a, np.bool_)
+    slot_A = np.empty(a, np.bool_)
+    admits_S = np.empty(s, np.int32)
+    evicts_S = np.empty(s, np.int32)
+    step_us_S = np.empty(s, np.float64)
+    route_us_S = np.empty(s, np.float64)
     cap_C = a + 16  # demand policies admit at most one copy per miss; others may retry longer
     while True:
         key_C, step_C = np.empty(cap_C, np.int32), np.empty(cap_C, np.int64)
+        k = trace.num_keys
+        scratch = np.empty(k, np.int32), np.empty(k, np.int32), np.zeros(k), np.full(k, -1), np.full(k, -1)
         start_C, ready_C, wasted_C = np.empty(cap_C), np.empty(cap_C), np.zeros(cap_C, np.bool_)
         try:
             n_copies, fallback_sel = _replay_timed(
@@ -220,7 +222,7 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
                 trace.request_S, resident_K, int(capacity), cost.cpu_table(), cost.gpu_table(),
                 cost.non_expert_S(trace), float(cost.copy_us()),
                 hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S,
-                key_C, step_C, start_C, ready_C, wasted_C,
+                key_C, step_C, start_C, ready_C, wasted_C, *scratch,
             )  # fmt: skip
         except ValueError as exc:
             raise MoecacheError(f"policy {policy.label()} at capacity {capacity}: {exc}") from exc
@@ -264,7 +266,7 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
         copy_wasted_C=wasted_C,
         copy_ready_next_C=ready_next,
         copy_has_next_C=has_next,
-        cpu_fallbacks=int(a - hit_A.sum()),
+        cpu_fallbacks=a - int(np.count_nonzero(hit_A)),
         cpu_fallback_selections=int(fallback_sel),
         cost=cost,
     )

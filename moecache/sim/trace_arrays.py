@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numba as nb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -89,7 +90,7 @@ class TraceArrays:
             step_S=self.step_S[idx_S],
             tokens_S=tokens,
             phase_S=self.phase_S[idx_S],
-            clock_S=_clock(self.layer_S[idx_S], tokens, self.request_S[idx_S], self.step_S[idx_S]),
+            clock_S=_clock(tokens, self.request_S[idx_S], self.step_S[idx_S]),
             start_S=new_start,
             key_A=self.key_A[take_A],
             uses_A=self.uses_A[take_A],
@@ -98,83 +99,138 @@ class TraceArrays:
         )
 
 
-def _clock(layer_S, tokens_S, request_S, step_S) -> np.ndarray:
-    """Tokens processed before each step's forward step (all layers of one forward share it)."""
-    s = len(layer_S)
-    if s == 0:
-        return np.zeros(0, np.int64)
-    new_fwd = np.ones(s, bool)
-    new_fwd[1:] = (request_S[1:] != request_S[:-1]) | (step_S[1:] != step_S[:-1])
-    fwd_id = np.cumsum(new_fwd) - 1
-    fwd_tokens = tokens_S[new_fwd].astype(np.int64)
-    fwd_clock = np.zeros(len(fwd_tokens), np.int64)
-    np.cumsum(fwd_tokens[:-1], out=fwd_clock[1:])
-    return fwd_clock[fwd_id]
+@nb.njit(cache=True, nogil=True)
+def _clock(tokens_S, request_S, step_S) -> np.ndarray:
+    """Tokens processed before each step's forward step (all layers of one forward share it; a
+    forward step is a run of steps with equal (request, step index), its tokens those of its first)."""
+    clock_S = np.empty(tokens_S.shape[0], np.int64)
+    clock = 0
+    forward_tokens = 0
+    for s in range(tokens_S.shape[0]):
+        if s == 0 or request_S[s] != request_S[s - 1] or step_S[s] != step_S[s - 1]:
+            clock += forward_tokens
+            forward_tokens = tokens_S[s]
+        clock_S[s] = clock
+    return clock_S
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _fit(buffer, n):
+    """buffer[:n], copied when that is less than half of it (prefill steps: many rows, few
+    accesses), so that the buffer can be freed."""
+    return buffer[:n].copy() if 2 * n < buffer.shape[0] else buffer[:n]
+
+
+@nb.njit(cache=True, nogil=True)
+def _flatten(
+    request_R, step_R, layer_R, phase_R, offsets_R, expert_X, is_decode, num_requests, num_experts, num_keys
+):
+    """One pass over the rows (canonical order; request_R and phase_R: dictionary codes, is_decode:
+    per phase code). A layer step is a run of rows with equal (request, step, layer); its accesses
+    are its distinct keys in order of first selection, with their uses. Requests are numbered in
+    order of first appearance. Returns (contiguous, layer_S, request_S, step_S, tokens_S, phase_S,
+    start_S, key_A, uses_A, request code of each request number); contiguous is False, and the rest
+    incomplete, when the rows of one request are not contiguous."""
+    n, x = request_R.shape[0], expert_X.shape[0]  # at least as many as the steps, the accesses
+    layer_S, request_S, step_S = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32)
+    tokens_S, phase_S, start_S = np.zeros(n, np.int32), np.empty(n, np.int8), np.empty(n + 1, np.int64)
+    key_A, uses_A = np.empty(x, np.int32), np.empty(x, np.int32)
+    code_of_request = np.empty(num_requests, np.int64)
+    request_of_code = np.full(num_requests, -1, np.int64)
+    step_K = np.full(num_keys, -1, np.int64)  # latest step of each key
+    access_K = np.empty(num_keys, np.int64)  # its access in that step
+    s = -1
+    a = 0
+    requests = 0
+    contiguous = True
+    for r in range(n):
+        code = request_R[r]
+        new_request = r == 0 or code != request_R[r - 1]
+        if new_request or step_R[r] != step_R[r - 1] or layer_R[r] != layer_R[r - 1]:
+            if new_request:
+                if request_of_code[code] >= 0:
+                    contiguous = False
+                    break
+                request_of_code[code] = requests
+                code_of_request[requests] = code
+                requests += 1
+            s += 1
+            layer_S[s] = layer_R[r]
+            request_S[s] = request_of_code[code]
+            step_S[s] = step_R[r]
+            phase_S[s] = is_decode[phase_R[r]]
+            start_S[s] = a
+        tokens_S[s] += 1
+        base = layer_R[r] * num_experts
+        for i in range(offsets_R[r], offsets_R[r + 1]):
+            k = base + expert_X[i]
+            if step_K[k] != s:
+                step_K[k] = s
+                access_K[k] = a
+                key_A[a] = k
+                uses_A[a] = 1
+                a += 1
+            else:
+                uses_A[access_K[k]] += 1
+    s += 1
+    start_S[s] = a
+    return (
+        contiguous, _fit(layer_S, s), _fit(request_S, s), _fit(step_S, s), _fit(tokens_S, s),
+        _fit(phase_S, s), _fit(start_S, s + 1), _fit(key_A, a), _fit(uses_A, a), code_of_request[:requests],
+    )  # fmt: skip
+
+
+def _dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list]:
+    """(code of every row, the dictionary) of a string or dictionary column."""
+    if not pa.types.is_dictionary(column.type):
+        column = pc.dictionary_encode(column)
+    array = column.combine_chunks()  # one dictionary for all chunks
+    return array.indices.to_numpy(zero_copy_only=False), array.dictionary.to_pylist()
 
 
 def from_table(
     table: pa.Table, meta: TraceMeta, name: str = "trace", workload: str = "unknown"
 ) -> TraceArrays:
-    """Flatten a validated canonical trace table (rows in canonical order) into TraceArrays."""
-    n = table.num_rows
-    if n == 0:
+    """Flatten a validated canonical trace table (rows in canonical order) into TraceArrays. String
+    columns may be plain or dictionary-encoded (`read_trace(..., dictionary_strings=True)`)."""
+    if table.num_rows == 0:
         raise MoecacheError(f"trace {name}: no rows")
-    req_codes = pc.dictionary_encode(table["request_id"]).combine_chunks()
-    request_R = req_codes.indices.to_numpy().astype(np.int32)
-    request_ids = tuple(req_codes.dictionary.to_pylist())
-    step_R = table["step_index"].to_numpy().astype(np.int32)
-    layer_R = table["layer_id"].to_numpy().astype(np.int32)
-    phase_R = (pc.equal(table["phase"], "decode").to_numpy(zero_copy_only=False)).astype(np.int8)
+    request_R, request_values = _dictionary_codes(table["request_id"])
+    phase_R, phase_values = _dictionary_codes(table["phase"])
     experts = table["expert_ids"].combine_chunks()
-    offsets = experts.offsets.to_numpy().astype(np.int64)
-    offsets = offsets - offsets[0]
-    expert_X = pc.list_flatten(experts).to_numpy().astype(np.int32)
-    key_X = np.repeat(layer_R, np.diff(offsets)) * meta.num_experts + expert_X
-
-    new_S = np.ones(n, bool)
-    new_S[1:] = (
-        (request_R[1:] != request_R[:-1]) | (step_R[1:] != step_R[:-1]) | (layer_R[1:] != layer_R[:-1])
+    contiguous, layer_S, request_S, step_S, tokens_S, phase_S, start_S, key_A, uses_A, request_codes = (
+        _flatten(
+            request_R,
+            table["step_index"].to_numpy().astype(np.int32, copy=False),
+            table["layer_id"].to_numpy().astype(np.int32, copy=False),
+            phase_R,
+            experts.offsets.to_numpy().astype(np.int64, copy=False),
+            experts.values.to_numpy(),  # the lists' values, indexed by the offsets
+            np.array([v == "decode" for v in phase_values], np.int8),
+            len(request_values),
+            meta.num_experts,
+            meta.num_layers * meta.num_experts,
+        )
     )
-    first_R = np.flatnonzero(new_S)
-    step_of_R = np.cumsum(new_S) - 1
-    tokens_S = np.diff(np.append(first_R, n)).astype(np.int32)
-    s = len(first_R)
-    if np.any(np.diff(request_R[first_R]) < 0):
+    if not contiguous:
         raise MoecacheError(
             f"trace {name}: rows of one request are not contiguous (expected canonical row order)"
         )
-
-    if np.all(tokens_S == 1):  # one token per step: the router's experts are already distinct
-        key_A, uses_A = key_X, np.ones(len(key_X), np.int32)
-        start_S = np.append(offsets[first_R], offsets[-1]).astype(np.int64)
-    else:
-        step_X = np.repeat(step_of_R, np.diff(offsets))
-        composite = step_X.astype(np.int64) * meta.num_layers * meta.num_experts + key_X
-        uniq, first_idx, counts = np.unique(composite, return_index=True, return_counts=True)
-        order = np.argsort(first_idx, kind="stable")
-        key_A = (uniq[order] % (meta.num_layers * meta.num_experts)).astype(np.int32)
-        uses_A = counts[order].astype(np.int32)
-        step_A = (uniq[order] // (meta.num_layers * meta.num_experts)).astype(np.int64)
-        start_S = np.searchsorted(step_A, np.arange(s + 1)).astype(np.int64)
-
-    layer_S = layer_R[first_R]
-    request_S = request_R[first_R]
-    stepidx_S = step_R[first_R]
     return TraceArrays(
         num_layers=meta.num_layers,
         num_experts=meta.num_experts,
         top_k=meta.top_k,
         expert_bytes=meta.expert_bytes,
-        request_ids=request_ids,
+        request_ids=tuple(request_values[c] for c in request_codes),
         layer_S=layer_S,
         request_S=request_S,
-        step_S=stepidx_S,
+        step_S=step_S,
         tokens_S=tokens_S,
-        phase_S=phase_R[first_R],
-        clock_S=_clock(layer_S, tokens_S, request_S, stepidx_S),
+        phase_S=phase_S,
+        clock_S=_clock(tokens_S, request_S, step_S),
         start_S=start_S,
-        key_A=np.ascontiguousarray(key_A, np.int32),
-        uses_A=np.ascontiguousarray(uses_A, np.int32),
+        key_A=key_A,
+        uses_A=uses_A,
         name=name,
         workload=workload,
     )
@@ -182,5 +238,7 @@ def from_table(
 
 def load_trace(path: str | Path, name: str | None = None, workload: str = "unknown") -> TraceArrays:
     cols = ["request_id", "step_index", "token_index", "layer_id", "phase", "expert_ids"]
-    table, meta = read_trace(path, columns=cols)
+    # One thread: one column (expert_ids) is most of the work, and the simulator runs one replay
+    # per core (sweep), so pool threads only compete with it (and leave the data in another cache).
+    table, meta = read_trace(path, columns=cols, dictionary_strings=True, use_threads=False)
     return from_table(table, meta, name=name or Path(path).stem, workload=workload)

@@ -79,7 +79,9 @@ def run(cfg: DictConfig) -> StageResult:
                             raise MoecacheError(
                                 f"sweep.sensitivity.scales: unknown key(s) {sorted(unknown)}; use {list(SCALES)}"
                             )
-                        jobs += [Job(index, name, params, cap, "timed", base.scaled(**scale)) for cap in sens_caps]
+                        jobs += [
+                            Job(index, name, params, cap, "timed", base.scaled(**scale)) for cap in sens_caps
+                        ]
     workers = int(sweep["workers"] or os.cpu_count() or 1)
     console = Console(stderr=True)
     with Progress(

@@ -101,21 +101,29 @@ def empty_cache_columns(num_rows: int) -> dict[str, pa.Array]:
 
 
 def read_trace(
-    path: str | Path, meta_override: dict | None = None, columns: list[str] | None = None
+    path: str | Path,
+    meta_override: dict | None = None,
+    columns: list[str] | None = None,
+    dictionary_strings: bool = False,
+    use_threads: bool = True,
 ) -> tuple[pa.Table, TraceMeta]:
-    """Read and validate a canonical trace; every failure names the file and what is wrong."""
+    """Read and validate a canonical trace; every failure names the file and what is wrong.
+    `dictionary_strings`: read the string columns (run_id, request_id, phase) as dictionary arrays,
+    which skips decoding one string per row (the simulator only needs their codes). `use_threads`:
+    decode columns on pyarrow's thread pool."""
     path = Path(path)
     if not path.is_file():
         raise MoecacheError(f"{path}: no such trace file")
     try:
-        pf = pq.ParquetFile(path)
+        strings = [f.name for f in SCHEMA if f.type == pa.string()] if dictionary_strings else None
+        pf = pq.ParquetFile(path, read_dictionary=strings)
         if columns is not None:
             absent = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
             if absent:
                 raise MoecacheError(
                     f"{path}: missing trace column(s) {absent}; found {pf.schema_arrow.names}"
                 )
-        table = pf.read(columns=columns)
+        table = pf.read(columns=columns, use_threads=use_threads)
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise MoecacheError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from exc
     raw_meta = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
@@ -147,6 +155,7 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
             got == want
             or (pa.types.is_integer(want) and pa.types.is_integer(got))
             or (pa.types.is_list(want) and pa.types.is_list(got))
+            or (pa.types.is_dictionary(got) and got.value_type == want)
         ):
             raise MoecacheError(f"{where}: column '{name}' has type {got}, expected {want}")
     if table.num_rows == 0:
@@ -168,6 +177,20 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
     e_min, e_max = pc.min_max(flat).values()
     if e_min.as_py() < 0 or e_max.as_py() >= meta.num_experts:
         raise MoecacheError(f"{where}: expert_ids range {e_min}..{e_max}, outside 0..{meta.num_experts - 1}")
-    bad_phase = pc.invert(pc.is_in(table["phase"], value_set=pa.array(PHASES)))
-    if pc.any(bad_phase).as_py():
+    if not _holds_only(table["phase"], set(PHASES)):
         raise MoecacheError(f"{where}: column 'phase' holds values other than {PHASES}")
+
+
+def _holds_only(column: pa.ChunkedArray, allowed: set) -> bool:
+    """Whether every value of a string column, plain or dictionary-encoded, is in `allowed` (for a
+    dictionary, only the entries that some row uses count)."""
+    import pyarrow.compute as pc
+
+    if not pa.types.is_dictionary(column.type):
+        return set(pc.unique(column).to_pylist()) <= allowed
+    for chunk in column.chunks:
+        if not set(chunk.dictionary.to_pylist()) <= allowed:
+            used = chunk.dictionary.take(pc.unique(chunk.indices))
+            if not set(used.to_pylist()) <= allowed:
+                return False
+    return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from fractions import Fraction
 from functools import cache
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.errors import MoecacheError
-from moecache.sim.policies.lru_per_layer import layer_budgets
+from moecache.sim.policies.lru_per_layer import effective_experts, layer_budgets, layer_demands
 from moecache.sim.policy import POLICIES, make_policy
 from moecache.sim.reference import ref_layer_budgets, reference_run
 from moecache.sim.replay import replay_instant
@@ -34,9 +35,9 @@ VARIANTS = [
     ("lrfu", {"lambda_": 1.0}),
     ("lrfu", {"lambda_": 0.0731}),  # generic: no exact or near ties between different histories
     ("lru_per_layer", {"split": "equal"}),
-    ("lru_per_layer", {"split": "demand"}),
+    ("lru_per_layer", {"split": "entropy"}),
     ("lfu_per_layer", {"split": "equal"}),
-    ("lfu_per_layer", {"split": "demand"}),
+    ("lfu_per_layer", {"split": "entropy"}),
 ]
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -99,17 +100,59 @@ def test_lrfu_renormalises_like_the_reference(make_trace):
         np.testing.assert_array_equal(got, reference_run(trace, "lrfu", capacity, lambda_=1.0).hit_A)
 
 
+def lrfu_hits(trace, capacity, name="lrfu", **params) -> list[int]:
+    """Per-access hits (0/1) of the compiled policy; for lrfu also checked against the reference."""
+    got = replay_instant(trace, make_policy(name, **params), capacity).hit_A
+    if name == "lrfu":
+        np.testing.assert_array_equal(got, reference_run(trace, name, capacity, **params).hit_A)
+    return got.astype(int).tolist()
+
+
+def test_lrfu_tiny_lambda_is_lfu_with_always_admit(make_trace):
+    # one layer, 3 experts, capacity 2, one expert per decode step: 0 four times, then 1 and 2 in turn
+    steps = [(0, i, 0, [[e]]) for i, e in enumerate([0, 0, 0, 0, 1, 2, 1, 2, 1, 2, 0])]
+    trace = make_trace(steps, 1, 3, 1)
+    # always-admit by use count: each of 1, 2 replaces the other (fewer uses than 0's 4), 0 stays
+    thrash = [0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1]
+    assert lrfu_hits(trace, 2, lambda_=1e-6) == thrash
+    assert lrfu_hits(trace, 2, lambda_=0.0) == thrash
+    # lfu admits only a strictly greater count: 2 never beats 1 (equal counts), 1 keeps hitting
+    assert lrfu_hits(trace, 2, "lfu") == [0, 1, 1, 1, 0, 0, 1, 0, 1, 0, 1]
+    # lru keeps the two most recent: 1 and 2 hit, 0 is gone when it comes back
+    assert lrfu_hits(trace, 2, "lru") == [0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0]
+    # equal counts: a tiny lambda_ evicts the older use (0), lambda_ 0 the larger key (1)
+    trace = make_trace([(0, i, 0, [[e]]) for i, e in enumerate([0, 1, 2, 0])], 1, 3, 1)
+    assert lrfu_hits(trace, 2, lambda_=1e-6) == [0, 0, 0, 0]
+    assert lrfu_hits(trace, 2, lambda_=0.0) == [0, 0, 0, 1]
+
+
+def test_lrfu_lambda_one_against_lru(make_trace):
+    # agree: one layer, one expert per one-token step; a use then outweighs all older ones together,
+    # so the smallest CRF is the least recently used key
+    seq = [0, 1, 2, 0, 3, 1, 0, 2, 3, 3, 1, 0]
+    trace = make_trace([(0, i, 0, [[e]]) for i, e in enumerate(seq)], 1, 4, 1)
+    want = [0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0]
+    assert lrfu_hits(trace, 3, lambda_=1.0) == lrfu_hits(trace, 3, "lru") == want
+    for capacity in (1, 2, 4):
+        assert lrfu_hits(trace, capacity, lambda_=1.0) == lrfu_hits(trace, capacity, "lru")
+    # differ: 2 layers of 2 experts (keys 0, 1 | 2, 3), capacity 2, one token per forward step.
+    # Forward 0 uses key 0 (layer 0), then key 2 (layer 1); forward 1 key 1, then key 2 again.
+    # Both layer steps of forward 0 run at the same token clock, so keys 0 and 2 have equal CRFs
+    # when key 1 misses: lrfu evicts the larger key, 2, which then misses; lru evicts 0, used first.
+    steps = [(0, 0, 0, [[0]]), (0, 0, 1, [[0]]), (0, 1, 0, [[1]]), (0, 1, 1, [[0]])]
+    trace = make_trace(steps, 2, 2, 1)
+    assert lrfu_hits(trace, 2, lambda_=1.0) == [0, 0, 0, 0]
+    assert lrfu_hits(trace, 2, "lru") == [0, 0, 0, 1]
+
+
 @FAST
-@given(case=step_lists())
-def test_lrfu_ends_of_the_spectrum(make_trace, case):
-    """lambda_ 0 is cumulative LFU; lambda_ 1/h is lfu_decay with half-life h (exact for h = 1)."""
-    trace = make_trace(*case)
+@given(seq=st.lists(st.integers(0, 4), min_size=1, max_size=50))
+def test_lrfu_lambda_one_is_lru_on_one_key_per_token(make_trace, seq):
+    """One layer, one expert per one-token step (at most 50: CRFs stay exact): lrfu(1) == lru."""
+    trace = make_trace([(0, i, 0, [[e]]) for i, e in enumerate(seq)], 1, 5, 1)
     for capacity in range(trace.num_keys + 1):
-        lrfu0 = replay_instant(trace, make_policy("lrfu", lambda_=0.0), capacity).hit_A
-        np.testing.assert_array_equal(lrfu0, replay_instant(trace, make_policy("lfu"), capacity).hit_A)
         lrfu1 = replay_instant(trace, make_policy("lrfu", lambda_=1.0), capacity).hit_A
-        decay = replay_instant(trace, make_policy("lfu_decay", half_life_tokens=1), capacity).hit_A
-        np.testing.assert_array_equal(lrfu1, decay)
+        np.testing.assert_array_equal(lrfu1, replay_instant(trace, make_policy("lru"), capacity).hit_A)
 
 
 @FAST
@@ -119,7 +162,7 @@ def test_one_layer_budget_is_the_global_policy(make_trace, case):
     steps = [(r, s, 0, picks) for r, s, layer, picks in steps if layer == 0]
     trace = make_trace(steps, 1, num_experts, top_k)
     for capacity in range(trace.num_keys + 1):
-        for split in ("equal", "demand"):
+        for split in ("equal", "entropy"):
             for per_layer, glob in (("lru_per_layer", "lru"), ("lfu_per_layer", "lfu")):
                 assert hits(trace, per_layer, capacity, split=split) == hits(trace, glob, capacity)
 
@@ -263,44 +306,89 @@ def test_belady_edge_semantics(make_trace):
 # --- per-layer budgets ---------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    uses=st.lists(st.integers(0, 50), min_size=1, max_size=6),
-    num_experts=st.integers(1, 8),
-    data=st.data(),
-)
-def test_budgets_sum_to_capacity(uses, num_experts, data):
+@st.composite
+def layer_uses(draw):
+    """(uses of each layer's experts, num_experts); some layers repeat an earlier layer's
+    distribution, permuted and scaled (an equal demand)."""
+    num_layers = draw(st.integers(1, 6))
+    num_experts = draw(st.integers(1, 8))
+    rows: list[list[int]] = []
+    for _ in range(num_layers):
+        if rows and draw(st.booleans()):
+            factor = draw(st.integers(1, 3))
+            rows.append([factor * u for u in draw(st.permutations(draw(st.sampled_from(rows))))])
+        else:
+            rows.append(draw(st.lists(st.integers(0, 50), min_size=num_experts, max_size=num_experts)))
+    return rows, num_experts
+
+
+def shares(row: list[int]) -> tuple:
+    total = sum(row)
+    return tuple(sorted(Fraction(u, total) for u in row)) if total else ()
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=layer_uses(), data=st.data())
+def test_budgets_sum_to_capacity(case, data):
+    uses, num_experts = case
     capacity = data.draw(st.integers(0, len(uses) * num_experts))
-    for split in ("equal", "demand"):
+    got = {}
+    for split in ("equal", "entropy"):
         b = layer_budgets(uses, capacity, num_experts, split)
         assert int(b.sum()) == capacity and b.min() >= 0 and b.max() <= num_experts
         assert b.tolist() == ref_layer_budgets(uses, capacity, num_experts, split)
-    if len(set(uses)) == 1:  # equal demand: the same split
-        assert layer_budgets(uses, capacity, num_experts, "demand").tolist() == b.tolist()
+        got[split] = b.tolist()
+    if len({shares(row) for row in uses}) == 1:  # the same distribution everywhere: equal demand
+        assert got["entropy"] == got["equal"]
+    demand = layer_demands(uses)
+    for i, j in itertools.permutations(range(len(uses)), 2):  # more demand, no fewer slots
+        if demand[i] > demand[j]:
+            assert got["entropy"][i] >= got["entropy"][j], (demand, got)
+
+
+def test_effective_experts_by_hand():
+    assert effective_experts([1, 1, 1, 1]) == pytest.approx(4)
+    assert effective_experts([2, 1, 1, 0]) == pytest.approx(2**1.5)  # entropy 1.5 bits
+    assert effective_experts([12, 0, 0, 0]) == pytest.approx(1)  # one expert: one slot's demand
+    assert effective_experts([0, 0, 0, 0]) == 0.0
+    assert layer_demands([[6, 6, 0, 0], [0, 3, 3, 0], [1, 1, 1, 1]]) == [2_000_000, 2_000_000, 4_000_000]
 
 
 def test_budgets_by_hand():
-    uses, e = [6, 3, 1], 4
+    # 12 uses in every layer (fixed top-1 over 12 tokens), spread over 4, 2 and 1 experts:
+    # a split by uses would be the equal split; the entropy split follows the demands 4 : 2 : 1
+    uses, e = [[3, 3, 3, 3], [6, 6, 0, 0], [12, 0, 0, 0]], 4
     assert layer_budgets(uses, 5, e, "equal").tolist() == [2, 2, 1]
     assert layer_budgets(uses, 7, e, "equal").tolist() == [3, 2, 2]
-    assert layer_budgets(uses, 5, e, "demand").tolist() == [3, 2, 0]  # 3, 1.5, .5: tie to layer 1
-    assert layer_budgets(uses, 7, e, "demand").tolist() == [4, 2, 1]  # 4.2 held at 4; 3 by 3:1
-    assert layer_budgets(uses, 8, e, "demand").tolist() == [4, 3, 1]
-    assert layer_budgets([5, 0, 0], 6, e, "demand").tolist() == [4, 1, 1]  # unused layers: equal
-    assert layer_budgets(uses, 12, e, "demand").tolist() == [4, 4, 4]
+    assert layer_budgets(uses, 3, e, "entropy").tolist() == [2, 1, 0]  # 1.71, .86, .43
+    assert layer_budgets(uses, 5, e, "entropy").tolist() == [3, 1, 1]  # 2.86, 1.43, .71
+    assert layer_budgets(uses, 7, e, "entropy").tolist() == [4, 2, 1]  # 4 held at 4; 3 by 2:1
+    assert layer_budgets(uses, 9, e, "entropy").tolist() == [4, 3, 2]  # 5.14 held at 4; 5 by 2:1
+    assert layer_budgets(uses, 12, e, "entropy").tolist() == [4, 4, 4]
+    # non-integer demand: 4 against 2^1.5 = 2.83 experts; 6 slots: 3.51, 2.49
+    assert layer_budgets([[1, 1, 1, 1], [2, 1, 1, 0]], 6, e, "entropy").tolist() == [4, 2]
+    assert layer_budgets([[1, 1, 1, 1], [2, 1, 1, 0]], 6, e, "equal").tolist() == [3, 3]
+    tie = [[1, 1, 0, 0], [3, 0, 0, 0], [0, 5, 0, 0]]  # demands 2, 1, 1
+    assert layer_budgets(tie, 2, e, "entropy").tolist() == [1, 1, 0]  # 1, .5, .5: tie to layer 1
+    assert layer_budgets(tie, 6, e, "entropy").tolist() == [3, 2, 1]  # 3, 1.5, 1.5
+    unused = [[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert layer_budgets(unused, 6, e, "entropy").tolist() == [4, 1, 1]  # unused layers: equal
 
 
 def test_per_layer_evicts_only_its_layer(make_trace):
-    # layer 0 alternates between two pairs of experts, layer 1 reuses expert 0: with 2 slots, 1 each
-    # (either split), layer 1 keeps its expert; global LRU lets layer 0's misses evict it
+    # layer 0 alternates between two pairs of experts, layer 1 reuses expert 0: with 1 slot of its own
+    # (2 slots split equally; 3 split by entropy, 4 effective experts against 1: 2.4, .6), layer 1
+    # keeps its expert; global LRU at 2 slots lets layer 0's misses evict it
     steps = []
     for s in range(8):
         steps += [(0, s, 0, [[2 * (s % 2), 2 * (s % 2) + 1]]), (0, s, 1, [[0]])]
     trace = make_trace(steps, 2, 4, 2)
     layer1 = trace.key_A >= 4
     for name in ("lru_per_layer", "lfu_per_layer"):
-        for split in ("equal", "demand"):
-            hit_A = replay_instant(trace, make_policy(name, split=split), 2).hit_A
+        for split, capacity, budgets in (("equal", 2, [1, 1]), ("entropy", 3, [2, 1])):
+            policy = make_policy(name, split=split)
+            assert policy.budgets(trace, capacity).tolist() == budgets, (name, split)
+            hit_A = replay_instant(trace, policy, capacity).hit_A
             assert hit_A[layer1].sum() == 7, (name, split)
     assert replay_instant(trace, make_policy("lru"), 2).hit_A[layer1].sum() == 0
 
@@ -333,14 +421,15 @@ GOLDEN = {  # (policy, params): hits at GOLDEN_CAPACITIES, frozen from moecache.
     ("belady", (("warm", True),)): (9, 17, 22, 26, 33),
     ("belady", (("bypass", False),)): (0, 10, 16, 21, 27),
     ("belady", (("bypass", False), ("warm", True))): (1, 12, 19, 25, 33),
-    ("lrfu", (("lambda_", 0.0),)): (4, 6, 10, 15, 21),
-    ("lrfu", (("lambda_", 1.0),)): (4, 6, 9, 12, 23),
-    ("lrfu", (("lambda_", 0.0731),)): (3, 8, 8, 10, 23),
-    ("lrfu", ()): (3, 8, 8, 10, 23),
+    ("lrfu", (("lambda_", 0.0),)): (0, 4, 8, 10, 24),
+    ("lrfu", (("lambda_", 1.0),)): (0, 4, 9, 11, 23),
+    ("lrfu", (("lambda_", 0.0731),)): (0, 3, 8, 8, 24),
+    ("lrfu", ()): (0, 3, 8, 8, 24),
     ("lru_per_layer", (("split", "equal"),)): (2, 6, 13, 16, 25),
-    ("lru_per_layer", (("split", "demand"),)): (2, 6, 13, 16, 24),
+    # entropy: demands 3.94 and 3.92 effective experts, the equal split at these capacities
+    ("lru_per_layer", (("split", "entropy"),)): (2, 6, 13, 16, 25),
     ("lfu_per_layer", (("split", "equal"),)): (4, 6, 9, 11, 19),
-    ("lfu_per_layer", (("split", "demand"),)): (4, 6, 9, 11, 21),
+    ("lfu_per_layer", (("split", "entropy"),)): (4, 6, 9, 11, 19),
 }
 
 

@@ -1,5 +1,8 @@
 """Cumulative LFU with per-layer budgets: the capacity is split into one budget per MoE layer (the
-`split` rules of lru_per_layer), and each layer runs cumulative LFU (same rules as lfu: counts of all
+`split` rules of lru_per_layer: "equal", or "entropy", a hindsight split in proportion to each
+layer's effective number of experts, exp(Shannon entropy) of its expert uses over the very trace
+being replayed; a split by total uses would always equal "equal", since with fixed top-k routing
+every layer has the same uses), and each layer runs cumulative LFU (same rules as lfu: counts of all
 keys grow by their uses, misses in rank order (-count, key), the victim the layer's resident with the
 lowest count, among equal counts the largest key, replaced only by a strictly greater count) within
 its own budget, evicting only its own keys. Each layer's residents sit in their own indexed heap, a
@@ -12,7 +15,7 @@ import numba as nb
 import numpy as np
 
 from moecache.sim.policies.lfu import note_use, settle
-from moecache.sim.policies.lru_per_layer import check_split, layer_budgets, uses_per_layer
+from moecache.sim.policies.lru_per_layer import check_split, trace_budgets
 from moecache.sim.policy import Policy, register
 
 
@@ -49,9 +52,7 @@ class LFUPerLayer(Policy):
         check_split(self.name, self.params["split"])
 
     def budgets(self, trace, capacity: int) -> np.ndarray:
-        split = self.params["split"]
-        uses = uses_per_layer(trace) if split == "demand" else np.zeros(trace.num_layers, np.int64)
-        return layer_budgets(uses, capacity, trace.num_experts, split)
+        return trace_budgets(trace, capacity, self.params["split"])
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers

@@ -1,23 +1,35 @@
-"""LRFU (Lee et al., 2001), the plan's "frequency-plus-recency scoring": score(k) = CRF(k) = sum over
-past uses of F(now - t), F(x) = (1/2)^(lambda_ * x), x in tokens of the token clock.
+"""LRFU (Lee et al., IEEE Trans. Computers 2001), the plan's "frequency-plus-recency scoring":
+score(k) = CRF(k) = sum over past uses of F(now - t), F(x) = (1/2)^(lambda_ * x), x in tokens of the
+token clock, and a miss is always admitted, in place of the resident with the smallest CRF.
 
-`lambda_` spans the spectrum from frequency to recency: 0 is exactly cumulative LFU (every use weighs
-1), 1 makes one use outweigh all older ones together (with one token per step, the ranking is then
-by last use, as in LRU, up to the keys last used by the same forward step). t is the token clock of
-the step that used k (a step's uses all count at its first token); uses weigh their token count.
-Same rules as lfu with the CRF in place of the count: the step's scores first take its uses, then
-its misses are considered in rank order (-score, key); free slots are filled; once full, the victim
-is the resident with the lowest score, among equal scores the largest key, and a miss replaces it
-only when its score is strictly greater. Scores of all keys are kept, resident or not. (Lee et al.'s
-buffer cache instead always replaces the lowest-CRF block on a miss; the admission rule here is the
-plan's LFU rule, so that lrfu and the LFU family differ only in the score.)
+t is the token clock of the step that used k (a step's uses all count at its first token); uses
+weigh their token count. At every step the CRFs of all the step's keys (hits and misses) first take
+its uses, so the step's hits are protected by their fresh scores; then its misses are admitted in
+router order: into a free slot while there is one, else in place of the victim, the resident with
+the smallest CRF, among equal CRFs the largest key. The miss itself is never its own victim, but a
+key admitted earlier in the same step may be (its admission and eviction then cancel out, as in
+lru). CRFs of all keys are kept, resident or not. Residents sit in an indexed min-heap (`_heap`),
+top = victim.
 
-How it differs from lfu_decay: the same exponential kernel, so lrfu(lambda_) ranks exactly as
-lfu_decay(half_life_tokens=1/lambda_) would without rounding; what differs is the parameterisation:
-a decay rate per token on LRFU's [0, 1] scale, whose end 0 (no decay, i.e. cumulative LFU) the
-half-life cannot express. Storage is that of lfu_decay: scores scaled by 2^(lambda_ * now), divided by
-a common power of two (exact) before the scale overflows; uses more than about 1100 / lambda_ tokens
-old may fall to zero. lambda_ 0 stores exact integer counts.
+`lambda_` spans the spectrum from frequency to recency. 0: every use weighs 1, so the victim is the
+resident with the fewest uses (cumulative LFU with always-admit; equal counts: the larger key). A
+tiny lambda_ also ranks by uses, but among equal counts the older uses go first. 1: one use
+outweighs all older ones together, so on one layer with one expert per one-token step the victim is
+the least recently used resident, as in LRU. Unlike LRU, all the layer steps (and tokens) of one
+forward step share its clock: keys last used by the same forward step rank by their uses in it,
+then by their older uses, then by key, not by access order.
+
+How it differs from lfu_decay: lfu_decay(half_life_tokens=h) has the same kernel (lambda_ = 1/h)
+but the LFU family's admission rule: once full, a miss replaces the victim only when its score is
+strictly greater, else it is not admitted (a tie never causes a transfer). lrfu always admits, so
+every miss with a full cache costs a transfer, and a key used once still takes a slot, until a later
+miss (perhaps of the same step) finds it the victim. (lrfu used the LFU rule until 2026-11-30, and
+then replayed exactly as lfu_decay.)
+
+Storage is that of lfu_decay: scores scaled by 2^(lambda_ * now), divided by a common power of two
+(exact) before the scale overflows; uses more than about 1100 / lambda_ tokens old may fall to zero.
+lambda_ 0 stores exact integer counts. At a tiny lambda_ the CRFs of different histories can differ by
+less than a rounding error; their order is then the rounded one.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import numpy as np
 
 from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
-from moecache.sim.policies.lfu import frequency_arrays, note_use, settle
+from moecache.sim.policies.lfu import frequency_arrays, note_use
 from moecache.sim.policy import Policy, register
 
 RENORM_EXPONENT = 512  # rescale once the weight of a new use exceeds 2^512
@@ -37,8 +49,10 @@ RENORM_EXPONENT = 512  # rescale once the weight of a new use exceeds 2^512
 
 @nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
 def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    score_K, heap, pos_K, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
+    # meta: [held, capacity, scale exponent m]; admitted_at_K: a0 of the step that last admitted k
+    score_K, heap, pos_K, miss, admitted_at_K, meta, fmeta = state
     n = meta[0]
+    cap = meta[1]
     x = fmeta[0] * clock  # fmeta[0]: lambda_
     q = math.floor(x)
     e = np.int64(q) - meta[2]
@@ -51,12 +65,31 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit
         _heap.heapify(heap, pos_K, score_K, n)  # underflow may have made unequal scores equal
     w = 2.0 ** (x - q) * 2.0**e  # 2^(lambda_ * clock - m)
     nm = 0
-    best = -1
-    for i in range(key_U.shape[0]):
+    best = -1.0  # unused: always-admit needs no "can any miss win" test
+    for i in range(key_U.shape[0]):  # every CRF first (hits sift down), misses kept in router order
         k = key_U[i]
         score_K[k] += uses_U[i] * w
         nm, best = note_use(heap, pos_K, score_K, n, miss, nm, best, k)
-    n, na, ne = settle(heap, pos_K, score_K, n, meta[1], miss, nm, best, admit_out, evict_out)
+    na = 0
+    ne = 0
+    if cap > 0:
+        for j in range(nm):
+            m = miss[j]
+            if n < cap:
+                n = _heap.push(heap, pos_K, score_K, n, m)
+            else:  # the victim is the heap's top: smallest CRF, then largest key
+                v = _heap.replace_top(heap, pos_K, score_K, n, m)
+                if admitted_at_K[v] == a0:  # admitted earlier in this very step: the two cancel out
+                    for r in range(na):
+                        if admit_out[r] == v:
+                            admit_out[r] = admit_out[na - 1]
+                    na -= 1
+                else:
+                    evict_out[ne] = v
+                    ne += 1
+            admitted_at_K[m] = a0
+            admit_out[na] = m
+            na += 1
     meta[0] = n
     return na, ne
 
@@ -76,6 +109,7 @@ class LRFU(Policy):
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
         heap, pos_K, miss = frequency_arrays(n, capacity)
+        admitted_at_K = np.full(n, -1, np.int64)
         meta = np.array([0, capacity, 0], np.int64)
         fmeta = np.array([float(self.params["lambda_"])], np.float64)
-        return np.zeros(n, np.float64), heap, pos_K, miss, meta, fmeta
+        return np.zeros(n, np.float64), heap, pos_K, miss, admitted_at_K, meta, fmeta

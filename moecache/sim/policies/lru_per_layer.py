@@ -2,25 +2,35 @@
 runs LRU (same rules as lru) over its own keys within its own budget, evicting only its own keys.
 
 `split` (see `layer_budgets`): "equal" gives every layer floor(C / L) slots and one more to each of
-the C mod L lowest layer ids; "demand" splits C in proportion to each layer's uses in the replayed
-trace (tokens selecting its experts, summed over the trace: a hindsight split), by largest remainder
-(among equal remainders the lower layer id first). A layer never gets more slots than it has experts:
-such a layer is held at num_experts and the rest is split again among the others in proportion to
-their uses. Budgets always sum to the capacity. With the same number of selections per token in
-every layer (fixed top-k routing), every layer has the same uses and "demand" equals "equal".
+the C mod L lowest layer ids. "entropy" splits C in proportion to each layer's demand, its effective
+number of experts: exp(Shannon entropy) of the layer's expert-use distribution (uses = tokens
+selecting each expert, summed over the trace), in millionths of an expert. A layer whose routing
+concentrates on few experts gets fewer slots; one spread evenly over n experts counts n. It is a
+hindsight split, computed from the very trace being replayed. (Splitting by each layer's total uses
+would be pointless: with fixed top-k routing every token selects k experts in every layer, so every
+layer has the same uses and such a split always equals "equal".)
+
+Rounding is by largest remainder (among equal remainders the lower layer id first). A layer never
+gets more slots than it has experts: such a layer is held at num_experts and the rest is split again
+among the others in proportion to their demand. Layers without demand (never used) share what is
+left equally. Budgets always sum to the capacity.
 """
 
 from __future__ import annotations
+
+import math
 
 import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
 from moecache.sim.policies.belady import cancel_or_evict
+from moecache.sim.policies.lfu import key_counts
 from moecache.sim.policies.lru import _push_front, _unlink
 from moecache.sim.policy import Policy, register
 
-SPLITS = ("equal", "demand")
+SPLITS = ("equal", "entropy")
+DEMAND_UNIT = 10**6  # demands are whole millionths of an expert, so equal demands tie exactly
 
 
 def _largest_remainder(weights: list[int], seats: int) -> list[int]:
@@ -35,10 +45,26 @@ def _largest_remainder(weights: list[int], seats: int) -> list[int]:
     return shares
 
 
-def layer_budgets(uses_L, capacity: int, num_experts: int, split: str) -> np.ndarray:
-    """Slots per layer (int64 [L]) summing to `capacity` (0 <= capacity <= L * num_experts)."""
-    uses = [int(u) for u in uses_L]
-    num_layers = len(uses)
+def effective_experts(uses_E) -> float:
+    """exp(Shannon entropy) of one layer's expert-use distribution p_e = u_e / U:
+    exp(log U - sum_e u_e log u_e / U), summed over the counts in sorted order (so it does not depend
+    on which experts hold them). 0.0 for a layer never used."""
+    counts = sorted(int(u) for u in uses_E if u > 0)
+    total = sum(counts)
+    if total == 0:
+        return 0.0
+    return math.exp(math.log(total) - sum(u * math.log(u) for u in counts) / total)
+
+
+def layer_demands(uses_LE) -> list[int]:
+    """Each layer's effective number of experts, rounded to whole millionths (DEMAND_UNIT)."""
+    return [round(effective_experts(row) * DEMAND_UNIT) for row in uses_LE]
+
+
+def layer_budgets(uses_LE, capacity: int, num_experts: int, split: str) -> np.ndarray:
+    """Slots per layer (int64 [L]) summing to `capacity` (0 <= capacity <= L * num_experts), from the
+    uses of each layer's experts over the trace (`uses_LE`: L rows of num_experts counts)."""
+    num_layers = len(uses_LE)
     if split not in SPLITS:
         raise MoecacheError(f"split must be one of {list(SPLITS)}, got {split!r}")
     if not 0 <= capacity <= num_layers * num_experts:
@@ -46,38 +72,31 @@ def layer_budgets(uses_L, capacity: int, num_experts: int, split: str) -> np.nda
     budgets = [0] * num_layers
     free = list(range(num_layers))  # layers whose budget is not yet held at num_experts
     left = capacity
-    if split == "demand":
+    if split == "entropy":
+        demand = layer_demands(uses_LE)
         while free:
-            total = sum(uses[i] for i in free)
+            total = sum(demand[i] for i in free)
             if total == 0:
                 break
-            full = [i for i in free if left * uses[i] >= num_experts * total]
+            full = [i for i in free if left * demand[i] >= num_experts * total]
             if not full:
-                for i, b in zip(free, _largest_remainder([uses[i] for i in free], left), strict=True):
+                for i, b in zip(free, _largest_remainder([demand[i] for i in free], left), strict=True):
                     budgets[i] = b
                 return np.array(budgets, np.int64)
             for i in full:
                 budgets[i] = num_experts
             left -= num_experts * len(full)
             free = [i for i in free if i not in full]
-    # equal split (or the rest of a demand split over layers that were never used)
+    # equal split (or the rest of an entropy split over layers that were never used)
     for j, i in enumerate(free):
         budgets[i] = left // len(free) + (1 if j < left % len(free) else 0)
     return np.array(budgets, np.int64)
 
 
-@nb.njit(cache=True)
-def _uses_per_layer(layer_S, start_S, uses_A, num_layers):
-    uses_L = np.zeros(num_layers, np.int64)
-    for s in range(layer_S.shape[0]):
-        for a in range(start_S[s], start_S[s + 1]):
-            uses_L[layer_S[s]] += uses_A[a]
-    return uses_L
-
-
-def uses_per_layer(trace) -> np.ndarray:
-    """Tokens selecting each layer's experts, summed over the trace (int64 [L])."""
-    return _uses_per_layer(trace.layer_S, trace.start_S, trace.uses_A, trace.num_layers)
+def trace_budgets(trace, capacity: int, split: str) -> np.ndarray:
+    """layer_budgets from the uses of every key of the trace being replayed."""
+    uses_LE = key_counts(trace).reshape(trace.num_layers, trace.num_experts)
+    return layer_budgets(uses_LE, capacity, trace.num_experts, split)
 
 
 def check_split(policy: str, split) -> str:
@@ -133,9 +152,7 @@ class LRUPerLayer(Policy):
         check_split(self.name, self.params["split"])
 
     def budgets(self, trace, capacity: int) -> np.ndarray:
-        split = self.params["split"]
-        uses = uses_per_layer(trace) if split == "demand" else np.zeros(trace.num_layers, np.int64)
-        return layer_budgets(uses, capacity, trace.num_experts, split)
+        return trace_budgets(trace, capacity, self.params["split"])
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers
