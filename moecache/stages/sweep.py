@@ -113,4 +113,4 @@ def _best(table) -> str:
         return "n/a"
     i = pc.index(base["est_ms_per_token"], pc.min(base["est_ms_per_token"])).as_py()
     r = base.slice(i, 1).to_pylist()[0]
-    return f"{r['est_ms_per_token']:.3f} ({r['label']}, C={r['capacity']}, {r['trace']})"
+    return f"{r['est_ms_per_token']:.4g} ({r['label']}, C={r['capacity']}, {r['trace']})"
