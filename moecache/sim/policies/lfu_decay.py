@@ -28,21 +28,29 @@ from moecache.sim.policy import Policy, register
 RENORM_EXPONENT = 512  # rescale once the weight of a new use exceeds 2^512
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
-def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    score_K, heap, pos_K, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
-    n = meta[0]
-    x = clock / fmeta[0]  # fmeta[0]: half-life in tokens
+@nb.njit(cache=True, inline="always", _nrt=False)
+def decayed_weight(score_K, heap, pos_K, n, meta, x):
+    """The stored weight of a use at decay exponent x (age 1 = one halving), 2^(x - m), where
+    stored scores are true scores x 2^m (m = meta[2]). Before 2^(x - m) overflows, every stored score
+    (and so the heap of the n residents) is divided by the same power of two: exact, order-keeping,
+    until old scores underflow. Shared by lfu_decay and lrfu."""
     q = math.floor(x)
     e = np.int64(q) - meta[2]
-    if e > RENORM_EXPONENT:  # divide every stored score by 2^e: exact (until scores underflow)
+    if e > RENORM_EXPONENT:
         f = 2.0 ** (-e)
         for k in range(score_K.shape[0]):
             score_K[k] *= f
         meta[2] += e
         e = 0
         _heap.heapify(heap, pos_K, score_K, n)  # underflow may have made unequal scores equal
-    w = 2.0 ** (x - q) * 2.0**e
+    return 2.0 ** (x - q) * 2.0**e
+
+
+@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
+    score_K, heap, pos_K, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
+    n = meta[0]
+    w = decayed_weight(score_K, heap, pos_K, n, meta, clock / fmeta[0])  # fmeta[0]: half-life in tokens
     nm = 0
     best = -1
     for i in range(key_U.shape[0]):

@@ -15,8 +15,8 @@ import numba as nb
 import numpy as np
 
 from moecache.sim.policies.lfu import note_use, settle
-from moecache.sim.policies.lru_per_layer import check_split, trace_budgets
-from moecache.sim.policy import Policy, register
+from moecache.sim.policies.lru_per_layer import PerLayerPolicy
+from moecache.sim.policy import register
 
 
 @nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
@@ -42,17 +42,9 @@ def lfu_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident
 
 
 @register
-class LFUPerLayer(Policy):
+class LFUPerLayer(PerLayerPolicy):
     name = "lfu_per_layer"
     step = lfu_per_layer_step
-    defaults = {"split": "equal"}
-
-    def __init__(self, **params):
-        super().__init__(**params)
-        check_split(self.name, self.params["split"])
-
-    def budgets(self, trace, capacity: int) -> np.ndarray:
-        return trace_budgets(trace, capacity, self.params["split"])
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers

@@ -34,17 +34,14 @@ less than a rounding error; their order is then the rounded one.
 
 from __future__ import annotations
 
-import math
-
 import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
 from moecache.sim.policies.lfu import frequency_arrays, note_use
+from moecache.sim.policies.lfu_decay import decayed_weight
 from moecache.sim.policy import Policy, register
-
-RENORM_EXPONENT = 512  # rescale once the weight of a new use exceeds 2^512
 
 
 @nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
@@ -53,17 +50,7 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit
     score_K, heap, pos_K, miss, admitted_at_K, meta, fmeta = state
     n = meta[0]
     cap = meta[1]
-    x = fmeta[0] * clock  # fmeta[0]: lambda_
-    q = math.floor(x)
-    e = np.int64(q) - meta[2]
-    if e > RENORM_EXPONENT:  # divide every stored score by 2^e: exact (until scores underflow)
-        f = 2.0 ** (-e)
-        for k in range(score_K.shape[0]):
-            score_K[k] *= f
-        meta[2] += e
-        e = 0
-        _heap.heapify(heap, pos_K, score_K, n)  # underflow may have made unequal scores equal
-    w = 2.0 ** (x - q) * 2.0**e  # 2^(lambda_ * clock - m)
+    w = decayed_weight(score_K, heap, pos_K, n, meta, fmeta[0] * clock)  # fmeta[0]: lambda_
     nm = 0
     best = -1.0  # unused: always-admit needs no "can any miss win" test
     for i in range(key_U.shape[0]):  # every CRF first (hits sift down), misses kept in router order

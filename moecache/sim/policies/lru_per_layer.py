@@ -141,10 +141,9 @@ def lru_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident
     return n_admit, n_evict
 
 
-@register
-class LRUPerLayer(Policy):
-    name = "lru_per_layer"
-    step = lru_per_layer_step
+class PerLayerPolicy(Policy):
+    """Base of the per-layer-budget policies: the `split` parameter and the budgets it gives."""
+
     defaults = {"split": "equal"}
 
     def __init__(self, **params):
@@ -153,6 +152,12 @@ class LRUPerLayer(Policy):
 
     def budgets(self, trace, capacity: int) -> np.ndarray:
         return trace_budgets(trace, capacity, self.params["split"])
+
+
+@register
+class LRUPerLayer(PerLayerPolicy):
+    name = "lru_per_layer"
+    step = lru_per_layer_step
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers
