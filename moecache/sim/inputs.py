@@ -28,8 +28,16 @@ def _trace_name_and_workload(art: Artifact) -> tuple[str, str]:
     return str(config.get("name", art.id)), str(config.get("workload", "unknown"))
 
 
-def load_traces(store: ArtifactStore, refs: list[str] | None) -> list[TraceInput]:
-    """The traces named by `refs` (artifact ids, artifact folders or Parquet files); with no refs,
+@dataclass(frozen=True)
+class TraceRef:
+    ref: str  # artifact id, or the Parquet file's path
+    path: Path  # the trace.parquet file
+    name: str
+    workload: str
+
+
+def resolve_traces(store: ArtifactStore, refs: list[str] | None) -> list[TraceRef]:
+    """The trace files named by `refs` (artifact ids, artifact folders or Parquet files); with no refs,
     every trace artifact (collect and import_trace) under the store, oldest first."""
     if not refs:
         arts = [a for stage in TRACE_STAGES for a in store.list(stage)]
@@ -43,7 +51,7 @@ def load_traces(store: ArtifactStore, refs: list[str] | None) -> list[TraceInput
     for ref in refs:
         path = Path(str(ref))
         if path.suffix == ".parquet":
-            found.append(TraceInput(str(path), load_trace(path)))
+            found.append(TraceRef(str(path), path, path.stem, "unknown"))
             continue
         art = store.resolve(str(ref))
         if art.stage not in TRACE_STAGES:
@@ -51,8 +59,16 @@ def load_traces(store: ArtifactStore, refs: list[str] | None) -> list[TraceInput
                 f"{ref}: a {art.stage} artifact is not a trace (expected one of {list(TRACE_STAGES)})"
             )
         name, workload = _trace_name_and_workload(art)
-        found.append(TraceInput(art.id, load_trace(art.path / "trace.parquet", name=name, workload=workload)))
+        found.append(TraceRef(art.id, art.path / "trace.parquet", name, workload))
     return found
+
+
+def load_traces(store: ArtifactStore, refs: list[str] | None) -> list[TraceInput]:
+    """The simulator's arrays of the traces named by `refs` (see resolve_traces)."""
+    return [
+        TraceInput(r.ref, load_trace(r.path, name=r.name, workload=r.workload))
+        for r in resolve_traces(store, refs)
+    ]
 
 
 def load_profile(store: ArtifactStore, ref: str) -> tuple[str, CostProfile]:

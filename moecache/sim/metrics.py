@@ -193,3 +193,44 @@ def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None
         row.update(times[i])
         rows.append(row)
     return rows
+
+
+def block_index(trace: TraceArrays, block_forward_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(block_S, request_B, block_B): every layer step's block, and each block's request and index
+    within its request. A block is `block_forward_steps` consecutive forward steps of one request
+    (the last block of a request may be shorter); blocks are numbered in trace order."""
+    if block_forward_steps < 1:
+        raise ValueError(f"block_forward_steps={block_forward_steps}: must be at least 1")
+    fwd_S, first_F = forward_index(trace)
+    request_F = trace.request_S[first_F]
+    new_request_F = np.ones(len(first_F), bool)
+    new_request_F[1:] = request_F[1:] != request_F[:-1]
+    start_F = np.maximum.accumulate(np.where(new_request_F, np.arange(len(first_F)), 0))
+    within_F = (np.arange(len(first_F)) - start_F) // block_forward_steps  # block within the request
+    new_block_F = new_request_F.copy()
+    new_block_F[1:] |= within_F[1:] != within_F[:-1]
+    block_F = np.cumsum(new_block_F) - 1
+    return block_F[fwd_S], request_F[new_block_F], within_F[new_block_F]
+
+
+def per_block(
+    trace: TraceArrays, result: ReplayResult, block_forward_steps: int, cost: CostModel | None = None
+) -> dict[str, np.ndarray]:
+    """Arrays indexed by block (see block_index): request, block, tokens, accesses, hits, transfers,
+    h2d_bytes and est_us (the forward steps' time; NaN without a time estimate). Summed over the
+    blocks they give the trace's totals, which is what a bootstrap over requests or blocks resamples."""
+    block_S, request_B, within_B = block_index(trace, block_forward_steps)
+    n = len(request_B)
+    sums = group_sums(trace, result, block_S, n)
+    us_F, first_F = _forward_us(trace, result, _cost_of(result, cost))
+    block_F = block_S[first_F]
+    return {
+        "request": request_B.astype(np.int64),
+        "block": within_B.astype(np.int64),
+        "tokens": np.bincount(block_F, trace.tokens_S[first_F], minlength=n).astype(np.int64),
+        "accesses": sums.accesses,
+        "hits": sums.hits,
+        "transfers": sums.admissions,
+        "h2d_bytes": sums.admissions * trace.expert_bytes,
+        "est_us": np.bincount(block_F, us_F, minlength=n) if us_F is not None else np.full(n, np.nan),
+    }

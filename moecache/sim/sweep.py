@@ -6,6 +6,7 @@ Each trace is loaded once; replays run on a thread pool (the compiled replay loo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -110,19 +111,35 @@ def run_jobs(
     traces: list[TraceArrays], profile: CostProfile, jobs: list[Job], workers: int, progress=None
 ) -> pa.Table:
     """All jobs' metric rows as one table, in job order (deterministic whatever the thread count)."""
+    return run_jobs_with(traces, profile, jobs, workers, progress)[0]
 
-    def one(job: Job) -> dict:
-        row, _, _ = run_job(traces[job.trace_index], profile, job)
+
+def run_jobs_with(
+    traces: list[TraceArrays],
+    profile: CostProfile,
+    jobs: list[Job],
+    workers: int,
+    progress=None,
+    extra: Callable[[Job, TraceArrays, object, CostModel], object] | None = None,
+) -> tuple[pa.Table, list]:
+    """(the metric rows as one table, extra(job, trace, result, cost) of every job), both in job order
+    (deterministic whatever the thread count). `extra` computes per-job detail (per block, per layer)
+    while the replay's result is in memory."""
+
+    def one(job: Job) -> tuple[dict, object]:
+        trace = traces[job.trace_index]
+        row, result, cost = run_job(trace, profile, job)
+        detail = extra(job, trace, result, cost) if extra is not None else None
         if progress is not None:
             progress()
-        return row
+        return row, detail
 
     if workers > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            rows = list(pool.map(one, jobs))
+            done = list(pool.map(one, jobs))
     else:
-        rows = [one(job) for job in jobs]
-    return pa.Table.from_pylist(rows)
+        done = [one(job) for job in jobs]
+    return pa.Table.from_pylist([row for row, _ in done]), [detail for _, detail in done]
 
 
 def capacity_to_target(table: pa.Table, targets: list[float]) -> pa.Table:

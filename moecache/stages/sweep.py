@@ -1,8 +1,11 @@
 """`moecache sweep`: every policy of `sweep.policies` at every capacity of the grid, on every trace.
 
 Writes `sweep.parquet` (one row per trace, policy parameters, mode, capacity and cost scales; the
-columns of docs/simulator.md), `targets.parquet` (the smallest swept capacity at which each policy
-reaches each target hit rate) and `grid.json` (the capacities swept per trace). `policy=<name>` and
+columns of docs/simulator.md), `per_block.parquet` (the same replays' counts and time per block of
+`sweep.block_forward_steps` forward steps of one request: what `moecache decide` bootstraps over),
+`per_layer.parquet` (hit rate per layer, base costs), `targets.parquet` (the smallest swept capacity
+at which each policy reaches each target hit rate), `grid.json` (the capacities swept per trace) and
+`costs.json` (the base cost model of each trace: copy time, CPU/GPU tables). `policy=<name>` and
 `capacity=N` restrict the sweep, which is how a Hydra multirun splits it:
 `moecache sweep -m policy=lfu,lru capacity=16,64`.
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import DictConfig
@@ -22,12 +27,21 @@ from moecache.artifacts import artifact_id
 from moecache.config import to_container
 from moecache.errors import MoecacheError
 from moecache.sim.inputs import load_profile, load_traces
-from moecache.sim.sweep import SCALES, Job, capacity_grid, capacity_to_target, dense_capacities, run_jobs
+from moecache.sim.metrics import per_block, per_layer
+from moecache.sim.sweep import (
+    SCALES,
+    Job,
+    capacity_grid,
+    capacity_to_target,
+    cost_model,
+    dense_capacities,
+    run_jobs_with,
+)
 from moecache.stages.base import StageResult, reusable, store_for
 from moecache.stages.simulate import cost_settings
 
 STAGE = "sweep"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def _policies(c: dict) -> dict[str, list[dict]]:
@@ -88,7 +102,17 @@ def run(cfg: DictConfig) -> StageResult:
         TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
         task = progress.add_task("replays", total=len(jobs))
-        table = run_jobs([t.trace for t in traces], profile, jobs, workers, lambda: progress.advance(task))
+        block_steps = int(sweep["block_forward_steps"])
+        if block_steps < 1:
+            raise MoecacheError(f"sweep.block_forward_steps={block_steps}: must be at least 1")
+        table, details = run_jobs_with(
+            [t.trace for t in traces],
+            profile,
+            jobs,
+            workers,
+            lambda: progress.advance(task),
+            lambda job, trace, result, cost: _detail(job, trace, result, cost, block_steps),
+        )
     targets = capacity_to_target(table, [float(x) for x in sweep["targets"]])
     summary = {
         "traces": len(traces),
@@ -99,10 +123,51 @@ def run(cfg: DictConfig) -> StageResult:
     }
     with store.create(STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=None) as tmp:
         pq.write_table(table, tmp / "sweep.parquet")
+        pq.write_table(_concat(table, [d["blocks"] for d in details], BLOCK_KEYS), tmp / "per_block.parquet")
+        layers = [d["layers"] for d in details if d["layers"] is not None]
+        pq.write_table(_concat(table, layers, LAYER_KEYS, base_only=True), tmp / "per_layer.parquet")
         pq.write_table(targets, tmp / "targets.parquet")
         (tmp / "grid.json").write_text(json.dumps(grids, indent=2) + "\n")
+        costs = {t.trace.name: cost_model(t.trace, profile, base).describe() for t in traces}
+        (tmp / "costs.json").write_text(json.dumps(costs, indent=2, default=str) + "\n")
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return StageResult(store.get(artifact_id(STAGE, SCHEMA_VERSION, config, inputs)).path, summary=summary)
+
+
+BLOCK_KEYS = ("trace", "workload", "label", "mode", "capacity", *SCALES)
+LAYER_KEYS = ("trace", "label", "mode", "capacity")
+
+
+def _is_base(job: Job) -> bool:
+    return all(getattr(job.cost, s) == 1.0 for s in SCALES)
+
+
+def _detail(job: Job, trace, result, cost, block_steps: int) -> dict:
+    """Per block (every job) and per layer (base costs only) arrays of one replay."""
+    layers = None
+    if _is_base(job):
+        by_layer = per_layer(trace, result)
+        layers = {k: by_layer[k] for k in ("layer", "accesses", "hits", "hit_rate")}
+    return {"blocks": per_block(trace, result, block_steps, cost), "layers": layers}
+
+
+def _concat(table: pa.Table, parts: list[dict], keys: tuple[str, ...], base_only: bool = False) -> pa.Table:
+    """One table of the jobs' detail arrays, each job's rows led by its sweep row's key columns
+    (`base_only`: the parts belong to the base-cost rows only, in order)."""
+    rows = np.arange(table.num_rows)
+    if base_only:
+        base = np.ones(table.num_rows, bool)
+        for s in SCALES:
+            base &= table[s].to_numpy() == 1.0
+        rows = rows[base]
+    if len(rows) != len(parts):
+        raise AssertionError(f"{len(parts)} details for {len(rows)} sweep rows")
+    sizes = [len(next(iter(p.values()))) for p in parts]
+    out = table.select(list(keys)).take(pa.array(np.repeat(rows, sizes), pa.int64()))
+    for name in parts[0] if parts else ():
+        merged = np.concatenate([p[name] for p in parts])
+        out = out.append_column(name, pa.array(merged, from_pandas=merged.dtype.kind == "f"))
+    return out
 
 
 def _best(table) -> str:

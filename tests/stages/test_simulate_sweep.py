@@ -126,6 +126,31 @@ def test_sweep_grid_targets_and_sensitivity(root):
         t["capacity"] is not None for t in hs
     )
 
+    # per block: summed per sweep row they give the row's totals; blocks stay inside one request
+    # (requests of 40, 25 and 35 one-token steps, 16 steps per block -> 3 + 2 + 3 blocks)
+    blocks = pq.read_table(res.artifact / "per_block.parquet").to_pylist()
+    keys = ("trace", "label", "mode", "capacity", "bandwidth_scale", "cpu_scale", "gpu_scale")
+    by_row: dict[tuple, list[dict]] = {}
+    for b in blocks:
+        by_row.setdefault(tuple(b[k] for k in keys), []).append(b)
+    assert len(by_row) == len(rows)
+    for r in rows:
+        group = by_row[tuple(r[k] for k in keys)]
+        assert [(b["request"], b["block"]) for b in group] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)] + [
+            (2, 0),
+            (2, 1),
+            (2, 2),
+        ]
+        assert [b["tokens"] for b in group] == [16, 16, 8, 16, 9, 16, 16, 3]
+        assert sum(b["hits"] for b in group) == round(r["hit_rate"] * r["accesses"])
+        assert sum(b["transfers"] for b in group) == r["transfers"]
+        assert sum(b["h2d_bytes"] for b in group) == r["h2d_bytes"]
+        assert sum(b["est_us"] for b in group) == pytest.approx(r["est_total_ms"] * 1e3)
+    layers = pq.read_table(res.artifact / "per_layer.parquet").to_pylist()
+    base_rows = [r for r in rows if (r["bandwidth_scale"], r["cpu_scale"], r["gpu_scale"]) == (1.0, 1.0, 1.0)]
+    assert len(layers) == LAYERS * len(base_rows)
+    assert {(x["label"], x["capacity"]) for x in layers} == {(r["label"], r["capacity"]) for r in base_rows}
+
 
 def test_multirun_with_joblib_two_jobs(root):
     res = CliRunner().invoke(

@@ -1,4 +1,4 @@
-"""Helpers for the simulator tests: small synthetic traces written as lists of layer steps.
+"""Shared test helpers: small synthetic traces written as lists of layer steps.
 
 A trace is a list of layer steps `(request, step, layer, [[experts of token 0], [experts of token 1],
 ...])` in canonical order (request, step, layer). A forward step (request, step) with one token is a
