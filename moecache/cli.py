@@ -36,6 +36,9 @@ STAGES = {
         "sweep",
         "Replay traces through every policy at every capacity of the grid; tabulate the metrics.",
     ),
+    "analyze": ("analyze", "Offline sequence analysis of traces: frequency, drift, locality, transitions."),
+    "decide": ("decide", "Apply the pre-registered decision rule to a sweep; write decision.json."),
+    "report": ("report", "Render a Markdown report with figures from a decision, its sweep and analysis."),
 }
 
 

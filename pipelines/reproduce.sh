@@ -1,31 +1,52 @@
 #!/usr/bin/env bash
-# The whole pipeline on the embedded default (tiny random-weight Qwen 3.6-architecture model,
-# bundled prompts, CPU), then the real DeepSeek-V2-Lite routing traces when ../shared is present.
-# Each stage reuses an identical earlier artifact, so a second run only re-lists them.
+# The whole pipeline, collect -> analyze -> sweep -> decide -> report, on the embedded default (tiny
+# random-weight Qwen 3.6-architecture model, bundled prompts, CPU), then analyze -> sweep -> decide ->
+# report on the real DeepSeek-V2-Lite routing traces when ../shared is present. Each stage names the
+# artifacts of the one before (its lineage) and reuses an identical earlier artifact, so a second run
+# only re-lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OVR=("$@")  # extra Hydra overrides for every stage, e.g. output_root=/tmp/out
 
+art_id() { basename "$(tail -1)"; }  # a stage prints its artifact's folder last
+
+# analyze, sweep, decide and report one set of traces; extra decide overrides after the trace list
+analyse_and_decide() {
+  local traces=$1; shift
+  echo "== analyze: frequency, drift, locality, transitions, history length on $traces"
+  local analysis; analysis=$(moecache analyze "traces=$traces" "${OVR[@]}" | art_id)
+  echo "== sweep: every policy x the capacity grid (timed, with sensitivity) on $traces"
+  local sweep; sweep=$(moecache sweep "traces=$traces" "${OVR[@]}" | art_id)
+  echo "== decide: the pre-registered rule (conf/decide/default.yaml)"
+  local decision
+  decision=$(moecache decide "decide.sweep=$sweep" "decide.analysis=$analysis" "$@" "${OVR[@]}" | art_id)
+  echo "== report"
+  moecache report "report.decision=$decision" "${OVR[@]}"
+}
+
 echo "== collect: multi_request (shuffled MT-Bench conversations)"
-MULTI=$(moecache collect workload=multi_request "${OVR[@]}" | tail -1)
+MULTI=$(moecache collect workload=multi_request "${OVR[@]}" | art_id)
 echo "== collect: long_single (one long context + question)"
-moecache collect workload=long_single "${OVR[@]}"
+LONG=$(moecache collect workload=long_single "${OVR[@]}" | art_id)
 echo "== calibrate: CPU expert time (and CUDA / H2D where CUDA is present)"
 moecache calibrate "${OVR[@]}"
+echo "== simulate: cumulative LFU, timed, on the multi_request trace at 16 / 32 / 64 slots"
+moecache simulate policy=lfu "capacity=[16,32,64]" "traces=[$MULTI]" "${OVR[@]}"
+analyse_and_decide "[$MULTI,$LONG]"
 
 TRACES=../shared/data/traces/deepseek-v2-lite-esft
 if [ -d "$TRACES" ]; then
+  REAL=()
   for task in intent law summary translation; do
     echo "== import-trace: DeepSeek-V2-Lite esft_${task}"
-    moecache import-trace trace_import.path="$TRACES/esft_${task}_routing.npz" trace_import.name="esft_${task}" "${OVR[@]}"
+    REAL+=("$(moecache import-trace trace_import.path="$TRACES/esft_${task}_routing.npz" \
+      trace_import.name="esft_${task}" "${OVR[@]}" | art_id)")
   done
+  # The ESFT traces are one workload class (teacher-forced samples of one task, many requests each):
+  # the rule requires the classes present rather than the tiny model's two.
+  analyse_and_decide "[$(IFS=,; echo "${REAL[*]}")]" decide.workloads.required=null
 else
-  echo "== import-trace: skipped: $TRACES is absent (the real DeepSeek-V2-Lite traces ship only with ../shared)"
+  echo "== DeepSeek-V2-Lite traces: skipped: $TRACES is absent (they ship only with ../shared)"
 fi
-
-echo "== simulate: cumulative LFU, timed, on the multi_request trace at 16 / 32 / 64 slots"
-moecache simulate policy=lfu "capacity=[16,32,64]" "traces=[$MULTI]" "${OVR[@]}"
-echo "== sweep: every policy x the capacity grid x every trace above (timed, with sensitivity)"
-moecache sweep "${OVR[@]}"
 
 moecache artifacts list

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -86,3 +87,33 @@ def make_trace():
 def make_trace_file():
     """write_trace, as a fixture: make_trace_file(path, steps, num_layers, num_experts, top_k=None)."""
     return write_trace
+
+
+def write_esft_npz(
+    path: Path, layers: int, experts: int, top_k: int, seq_lens, seed: int = 0, random_weights: bool = False
+) -> Path:
+    """An ESFT-format routing file (the `import-trace` input) with skewed routing, so that caches have
+    something to find: expert e is drawn with probability proportional to (experts - e)^2."""
+    rng = np.random.default_rng(seed)
+    p = np.arange(experts, 0, -1, dtype=float) ** 2
+    p /= p.sum()
+    ids = np.stack(
+        [
+            [rng.choice(experts, top_k, replace=False, p=p) for _ in range(layers)]
+            for _ in range(sum(seq_lens))
+        ]
+    )
+    weights = rng.random(ids.shape) if random_weights else np.full(ids.shape, 1.0 / top_k)
+    np.savez(
+        path,
+        expert_ids=ids.astype(np.int8),
+        gate_weights=weights.astype(np.float16),
+        seq_offsets=np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64),
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_esft_npz():
+    """write_esft_npz, as a fixture."""
+    return write_esft_npz

@@ -1,9 +1,7 @@
 """`moecache simulate` and `moecache sweep` end to end on a small imported trace."""
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -17,28 +15,10 @@ from moecache.stages import import_trace, simulate, sweep
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
 
 
-def _npz(path: Path, seed: int = 0, seq_lens=(40, 25, 35)) -> Path:
-    rng = np.random.default_rng(seed)
-    n = sum(seq_lens)
-    # skewed routing so caches have something to find
-    p = np.arange(EXPERTS, 0, -1, dtype=float) ** 2
-    p /= p.sum()
-    ids = np.stack(
-        [[rng.choice(EXPERTS, TOP_K, replace=False, p=p) for _ in range(LAYERS)] for _ in range(n)]
-    )
-    np.savez(
-        path,
-        expert_ids=ids.astype(np.int8),
-        gate_weights=np.full(ids.shape, 1.0 / TOP_K, np.float16),
-        seq_offsets=np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64),
-    )
-    return path
-
-
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(tmp_path_factory, make_esft_npz):
     root = tmp_path_factory.mktemp("sim")
-    npz = _npz(root / "small.npz")
+    npz = make_esft_npz(root / "small.npz", LAYERS, EXPERTS, TOP_K, (40, 25, 35))
     cfg = compose(
         [
             f"output_root={root}",

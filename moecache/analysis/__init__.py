@@ -1,0 +1,1 @@
+"""Offline sequence analysis of routing traces (`moecache analyze`)."""

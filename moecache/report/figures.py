@@ -1,0 +1,612 @@
+"""The report's figures: one function per figure, each writing one PNG and returning its path.
+
+Each function takes the artifact table(s) it draws (all traces; it selects its trace), the trace name and the
+output path. Degenerate input (no rows, a single capacity, no time estimate, nulls) draws a note in the axes
+instead of failing. PNGs are written without a Software/date stamp so that the same input gives the same
+bytes.
+
+Legend: L layers, E experts per layer, C capacities, P policy labels, N keys (layer, expert) of a trace.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from moecache.report.tables import curve_rows, floats, ints, labels_in_order, select  # noqa: E402
+
+DPI = 110
+STYLE = {
+    "font.size": 8,
+    "axes.titlesize": 9,
+    "axes.labelsize": 8,
+    "legend.fontsize": 6.5,
+    "xtick.labelsize": 7,
+    "ytick.labelsize": 7,
+    "figure.titlesize": 10,
+}
+VERDICTS = ("better", "equivalent", "non_inferior", "inconclusive", "worse")
+VERDICT_COLORS = ("#1a9850", "#91cf60", "#d9ef8b", "#bdbdbd", "#d73027")
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
+
+
+def _styled(draw):
+    """Run a figure function under the report's font sizes (rcParams are read when artists are made)."""
+
+    @functools.wraps(draw)
+    def wrapper(*args, **kwargs):
+        with plt.rc_context(STYLE):
+            return draw(*args, **kwargs)
+
+    return wrapper
+
+
+def _figure(width: float, height: float):
+    return plt.figure(figsize=(width, height), layout="constrained")
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def _integer_ticks(*axes) -> None:
+    """Integer tick positions (capacities, layers, experts, counts of keys) on the given Axis objects."""
+    for axis in axes:
+        axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _capacity_axis(ax, rows: pa.Table) -> None:
+    """Integer capacity ticks; a single capacity gets one tick in the middle of the axis."""
+    caps = np.unique(floats(rows, "capacity"))
+    if len(caps) == 1:
+        ax.set_xticks(caps)
+        ax.set_xlim(caps[0] - 1.0, caps[0] + 1.0)
+    else:
+        _integer_ticks(ax.xaxis)
+
+
+def _note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="0.35")
+
+
+def _label_styles(labels: list[str]) -> dict[str, dict]:
+    """A colour, line style and marker per label (fixed by the label's position in the sorted list)."""
+    n = len(labels)
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20" if n <= 20 else "turbo")
+    out = {}
+    for i, label in enumerate(labels):
+        color = cmap(i) if n <= 20 else cmap(i / max(n - 1, 1))
+        out[label] = {"color": color, "linestyle": LINESTYLES[(i // 10) % 4], "marker": MARKERS[i % 8]}
+    return out
+
+
+def _curve(rows: pa.Table, label: str, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """Capacity and value of one label's rows, sorted by capacity, without null values (C,)."""
+    sub = select(rows, label=label)
+    cap_C = floats(sub, "capacity")
+    val_C = floats(sub, column)
+    keep = ~np.isnan(val_C) & ~np.isnan(cap_C)
+    order = np.argsort(cap_C[keep], kind="stable")
+    return cap_C[keep][order], val_C[keep][order]
+
+
+def is_belady(label: str) -> bool:
+    return label == "belady" or label.startswith("belady(")
+
+
+def belady_bound(rows: pa.Table) -> tuple[np.ndarray, np.ndarray, str] | None:
+    """The offline-optimum hit rate per capacity: the warm Belady label(s) if present, else the maximum over
+    every Belady label; None when the rows have no Belady label."""
+    labels = [x for x in labels_in_order(rows) if is_belady(x)]
+    warm = [x for x in labels if "warm=true" in x.lower().replace(" ", "")]
+    chosen = warm or labels
+    if not chosen:
+        return None
+    best: dict[float, float] = {}
+    for label in chosen:
+        for c, h in zip(*_curve(rows, label, "hit_rate"), strict=True):
+            best[c] = max(best.get(c, -np.inf), h)
+    if not best:
+        return None
+    cap_C = np.array(sorted(best))
+    return cap_C, np.array([best[c] for c in cap_C]), ", ".join(chosen)
+
+
+def _legend_outside(ax, handles=None) -> None:
+    h, labels = (
+        ax.get_legend_handles_labels() if handles is None else (handles, [x.get_label() for x in handles])
+    )
+    if h:
+        ax.legend(h, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)
+
+
+def _curves(sweep: pa.Table | None, trace: str, column: str, title: str, ylabel: str):
+    """(figure, axes, rows, the labels drawn) of one sweep column vs capacity, a curve per label (base
+    scales, timed mode when present); rows None when the trace has no sweep rows (a note is drawn)."""
+    fig = _figure(9.0, 5.0)
+    ax = fig.add_subplot()
+    rows, mode = curve_rows(sweep, trace)
+    ax.set_title(f"{title} — {trace} ({mode} replay, base cost scales)")
+    ax.set_xlabel("cache capacity (expert slots)")
+    ax.set_ylabel(ylabel)
+    if rows is None or rows.num_rows == 0:
+        _note(ax, "no sweep rows for this trace")
+        return fig, ax, None, []
+    labels = labels_in_order(rows)
+    styles = _label_styles(labels)
+    drawn = []
+    for label in labels:
+        cap_C, y_C = _curve(rows, label, column)
+        if len(cap_C):
+            ax.plot(cap_C, y_C, label=label, lw=1.2, ms=3.5, **styles[label])
+            drawn.append(label)
+    return fig, ax, rows, drawn
+
+
+@_styled
+def hit_rate_vs_capacity(sweep: pa.Table | None, trace: str, path: Path) -> Path:
+    """Hit rate vs capacity for every label (base scales, timed mode when present), with the region above the
+    Belady bound shaded."""
+    fig, ax, rows, _ = _curves(
+        sweep, trace, "hit_rate", "Hit rate vs capacity", "hit rate (fraction of expert accesses)"
+    )
+    if rows is None:
+        return _save(fig, path)
+    bound = belady_bound(rows)
+    if bound is not None:
+        cap_C, hit_C, source = bound
+        if len(cap_C) == 1:  # a single capacity: shade a narrow band around it
+            cap_C, hit_C = np.array([cap_C[0] - 0.5, cap_C[0] + 0.5]), np.repeat(hit_C, 2)
+        ax.fill_between(
+            cap_C,
+            hit_C,
+            1.02,
+            color="0.6",
+            alpha=0.25,
+            hatch="//",
+            lw=0,
+            label=f"unreachable above offline optimum ({source})",
+        )
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    _capacity_axis(ax, rows)
+    _legend_outside(ax)
+    return _save(fig, path)
+
+
+@_styled
+def ms_per_token_vs_capacity(sweep: pa.Table | None, trace: str, path: Path) -> Path:
+    """Estimated milliseconds per token vs capacity for every label (the rows of hit_rate_vs_capacity)."""
+    fig, ax, rows, drawn = _curves(
+        sweep,
+        trace,
+        "est_ms_per_token",
+        "Estimated time per token vs capacity",
+        "estimated time per token (ms)",
+    )
+    if rows is None:
+        return _save(fig, path)
+    if not drawn:
+        _note(ax, "no time estimate (est_ms_per_token is null in every row)")
+    else:
+        ax.grid(alpha=0.3)
+        _capacity_axis(ax, rows)
+        _legend_outside(ax)
+    return _save(fig, path)
+
+
+def _layer_matrix(rows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layers (L,), capacities (C,) and hit rate [L, C] (NaN where no row) of one label's per-layer rows."""
+    layer_R = ints(rows, "layer")
+    cap_R = ints(rows, "capacity")
+    hit_R = floats(rows, "hit_rate")
+    layers_L, li_R = np.unique(layer_R, return_inverse=True)
+    caps_C, ci_R = np.unique(cap_R, return_inverse=True)
+    hit_LC = np.full((len(layers_L), len(caps_C)), np.nan)
+    hit_LC[li_R, ci_R] = hit_R
+    return layers_L, caps_C, hit_LC
+
+
+def _ticks(ax, axis: str, values: np.ndarray, most: int = 24) -> None:
+    step = max(1, int(np.ceil(len(values) / most)))
+    idx = np.arange(0, len(values), step)
+    if axis == "x":
+        ax.set_xticks(idx, [str(v) for v in values[idx]], rotation=90)
+    else:
+        ax.set_yticks(idx, [str(v) for v in values[idx]])
+
+
+@_styled
+def per_layer_heatmap(per_layer: pa.Table | None, trace: str, labels: list[str], path: Path) -> Path:
+    """Per-layer hit rate (rows = layers, columns = capacities), one panel per label."""
+    rows = select(per_layer, trace=trace)
+    mode = "timed"
+    if rows is not None:
+        mode = "timed" if "timed" in set(rows["mode"].to_pylist()) else "instant"
+        rows = select(rows, mode=mode)
+    fig = _figure(5.0 * max(len(labels), 1) + 1.0, 5.0)
+    fig.suptitle(f"Per-layer hit rate — {trace} ({mode} replay)")
+    axes = fig.subplots(1, max(len(labels), 1), squeeze=False)[0]
+    image = None
+    for ax, label in zip(axes, labels, strict=False):
+        sub = select(rows, label=label)
+        ax.set_title(label)
+        ax.set_xlabel("cache capacity (expert slots)")
+        ax.set_ylabel("layer")
+        if sub is None or sub.num_rows == 0:
+            _note(ax, f"no per-layer rows for {label}")
+            continue
+        layers_L, caps_C, hit_LC = _layer_matrix(sub)
+        image = ax.imshow(
+            np.ma.masked_invalid(hit_LC), aspect="auto", origin="lower", cmap="viridis", vmin=0.0, vmax=1.0
+        )
+        _ticks(ax, "x", caps_C)
+        _ticks(ax, "y", layers_L)
+        if hit_LC.size <= 120:
+            for (i, j), v in np.ndenumerate(hit_LC):
+                if not np.isnan(v):
+                    ax.text(
+                        j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.6 else "k"
+                    )
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), label="hit rate (fraction of the layer's accesses)", shrink=0.9)
+    return _save(fig, path)
+
+
+def cover(count_N: np.ndarray, fraction: float) -> int | None:
+    """Fewest keys whose counts (taken largest first) sum to at least fraction x total; None when total is 0.
+    E.g. counts [5, 3, 2], fraction 0.8: cumulative [5, 8, 10] >= 8 first at the 2nd key -> 2."""
+    total = count_N.sum()
+    if total <= 0:
+        return None
+    cum_N = np.cumsum(np.sort(count_N)[::-1])
+    return int(np.argmax(cum_N >= fraction * total)) + 1
+
+
+@_styled
+def frequency_cdf(frequency: pa.Table | None, trace: str, path: Path) -> Path:
+    """Cumulative share of selections vs number of keys (largest first): all layers, and each layer."""
+    fig = _figure(11.0, 4.6)
+    fig.suptitle(f"Expert-frequency concentration — {trace}")
+    ax_g, ax_l = fig.subplots(1, 2)
+    ax_g.set_title("all layers (keys = layer, expert)")
+    ax_g.set_xlabel("number of keys, most used first")
+    ax_g.set_ylabel("cumulative share of selections")
+    ax_l.set_title("per layer")
+    ax_l.set_xlabel("number of experts in the layer, most used first")
+    ax_l.set_ylabel("cumulative share of the layer's selections")
+    rows = select(frequency, trace=trace)
+    count_N = ints(rows, "count") if rows is not None and rows.num_rows else np.zeros(0, np.int64)
+    if count_N.sum() <= 0:
+        _note(ax_g, "no selections")
+        _note(ax_l, "no selections")
+        return _save(fig, path)
+    cum_N = np.cumsum(np.sort(count_N)[::-1]) / count_N.sum()
+    x_N = np.arange(1, len(cum_N) + 1)
+    ax_g.plot(x_N, cum_N, color="C0", lw=1.5, drawstyle="steps-post")
+    for fraction, color in ((0.8, "C1"), (0.9, "C3")):
+        k = cover(count_N, fraction)
+        ax_g.axvline(
+            k, color=color, ls="--", lw=1, label=f"cover_{int(fraction * 100)} = {k} of {len(count_N)} keys"
+        )
+        ax_g.axhline(fraction, color=color, ls=":", lw=0.8)
+    ax_g.set_ylim(0, 1.02)
+    ax_g.grid(alpha=0.3)
+    _integer_ticks(ax_g.xaxis, ax_l.xaxis)
+    ax_g.legend(loc="lower right")
+    layer_R = ints(rows, "layer")
+    layers = np.unique(layer_R)
+    cmap = plt.get_cmap("viridis")
+    for i, layer in enumerate(layers):
+        c_E = count_N[layer_R == layer]
+        if c_E.sum() <= 0:
+            continue
+        cum_E = np.cumsum(np.sort(c_E)[::-1]) / c_E.sum()
+        ax_l.plot(
+            np.arange(1, len(cum_E) + 1), cum_E, lw=0.8, alpha=0.8, color=cmap(i / max(len(layers) - 1, 1))
+        )
+    ax_l.set_ylim(0, 1.02)
+    ax_l.grid(alpha=0.3)
+    if len(layers):
+        mappable = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(layers.min(), max(layers.max(), 1)))
+        bar = fig.colorbar(mappable, ax=ax_l, label="layer")
+        _integer_ticks(bar.ax.yaxis)
+    return _save(fig, path)
+
+
+def log_histogram(value_R: np.ndarray, count_R: np.ndarray, bins: int = 30) -> tuple[np.ndarray, np.ndarray]:
+    """Integer values >= 1 weighted by counts, in logarithmic bins: bin edges and the share per bin.
+    E.g. values [1, 2, 3], counts [2, 1, 1] with edges [1, 2, 4]: shares [0.5, 0.5]."""
+    top = max(int(value_R.max()) + 1, 2)
+    edges = np.unique(np.floor(np.geomspace(1, top, bins + 1)).astype(np.int64))
+    if edges[-1] < top:
+        edges = np.append(edges, top)
+    hist, _ = np.histogram(value_R, bins=edges, weights=count_R)
+    return edges, hist / max(count_R.sum(), 1)
+
+
+def _histogram_panel(ax, rows: pa.Table | None, column: str, what: str) -> None:
+    if rows is None or rows.num_rows == 0:
+        _note(ax, f"no {what}")
+        return
+    value_R = ints(rows, column)
+    count_R = ints(rows, "count")
+    keep = value_R >= 1
+    value_R, count_R = value_R[keep], count_R[keep]
+    if count_R.sum() <= 0:
+        _note(ax, f"no {what}")
+        return
+    edges, share = log_histogram(value_R, count_R)
+    ax.stairs(share, edges, fill=True, alpha=0.7, color="C0")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    at_one = count_R[value_R == 1].sum() / count_R.sum()
+    ax.set_title(f"{ax.get_title()}; share at 1: {at_one:.3f}")
+
+
+@_styled
+def reuse_and_runs(reuse: pa.Table | None, runs: pa.Table | None, trace: str, path: Path) -> Path:
+    """Reuse-distance histogram and run-length histogram (log-x), as shares of their totals."""
+    fig = _figure(11.0, 4.3)
+    fig.suptitle(f"Reuse distance and run length — {trace}")
+    ax_r, ax_n = fig.subplots(1, 2)
+    ax_r.set_title("reuse distance")
+    ax_r.set_xlabel("reuse distance (tokens, log scale)")
+    ax_r.set_ylabel("share of reuses")
+    ax_n.set_title("run length")
+    ax_n.set_xlabel("run length (consecutive tokens selecting the key, log scale)")
+    ax_n.set_ylabel("share of runs")
+    _histogram_panel(ax_r, select(reuse, trace=trace), "distance", "reuses")
+    _histogram_panel(ax_n, select(runs, trace=trace), "run_length", "runs")
+    return _save(fig, path)
+
+
+def spaced_layers(layers: np.ndarray, most: int = 6) -> np.ndarray:
+    """Up to `most` evenly spaced entries of a sorted array (first and last included)."""
+    if len(layers) <= most:
+        return layers
+    return layers[np.unique(np.round(np.linspace(0, len(layers) - 1, most)).astype(np.int64))]
+
+
+def row_normalised(from_R: np.ndarray, to_R: np.ndarray, count_R: np.ndarray, n: int) -> np.ndarray:
+    """P(to | from) as an [n, n] matrix (rows = from); NaN rows where a from-expert has no transitions.
+    E.g. counts (0->0: 1, 0->1: 3): row 0 = [0.25, 0.75], row 1 = NaN."""
+    count_EE = np.zeros((n, n), dtype=np.float64)
+    np.add.at(count_EE, (from_R, to_R), count_R)
+    total_E = count_EE.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total_E > 0, count_EE / total_E, np.nan)
+
+
+@_styled
+def layer_transitions(
+    transitions: pa.Table | None, layer_mi: pa.Table | None, trace: str, path: Path
+) -> Path:
+    """P(expert at layer l | expert at layer l-1) for up to 6 evenly spaced layers, and the mutual information
+    between adjacent layers' choices (with its shuffled baseline) per layer."""
+    rows = select(transitions, trace=trace)
+    layers = np.unique(ints(rows, "layer")) if rows is not None and rows.num_rows else np.zeros(0, np.int64)
+    shown = spaced_layers(layers)
+    n_rows = max(1, int(np.ceil(len(shown) / 3)))
+    fig = _figure(11.0, 3.3 * n_rows + 3.0)
+    fig.suptitle(f"Adjacent-layer expert transitions — {trace}")
+    grid = fig.add_gridspec(n_rows + 1, 3, height_ratios=[1.0] * n_rows + [0.8])
+    heat_axes = [fig.add_subplot(grid[i // 3, i % 3]) for i in range(max(len(shown), 1))]
+    if len(shown) == 0:
+        _note(heat_axes[0], "no adjacent-layer transitions")
+        heat_axes[0].set_axis_off()
+    else:
+        from_R, to_R, count_R = (ints(rows, c) for c in ("from_expert", "to_expert", "count"))
+        layer_R = ints(rows, "layer")
+        n = int(max(from_R.max(), to_R.max())) + 1
+        mats = {
+            int(x): row_normalised(from_R[layer_R == x], to_R[layer_R == x], count_R[layer_R == x], n)
+            for x in shown
+        }
+        vmax = max(float(np.nanmax(m)) if np.isfinite(m).any() else 0.0 for m in mats.values()) or 1.0
+        image = None
+        for ax, layer in zip(heat_axes, shown, strict=True):
+            image = ax.imshow(
+                np.ma.masked_invalid(mats[int(layer)]),
+                cmap="magma",
+                vmin=0.0,
+                vmax=vmax,
+                interpolation="nearest",
+            )
+            ax.set_title(f"layer {layer - 1} → {layer}")
+            ax.set_xlabel(f"expert at layer {layer}")
+            ax.set_ylabel(f"expert at layer {layer - 1}")
+            _integer_ticks(ax.xaxis, ax.yaxis)
+        fig.colorbar(image, ax=heat_axes, label="P(to | from)", shrink=0.9)
+    ax_mi = fig.add_subplot(grid[n_rows, :])
+    ax_mi.set_title("mutual information between adjacent layers' expert choices")
+    ax_mi.set_xlabel("layer (the later layer of the pair)")
+    ax_mi.set_ylabel("mutual information (bits)")
+    mi = select(layer_mi, trace=trace)
+    if mi is None or mi.num_rows == 0:
+        _note(ax_mi, "no layer mutual information")
+    else:
+        order = np.argsort(ints(mi, "layer"), kind="stable")
+        layer_M = ints(mi, "layer")[order]
+        ax_mi.plot(layer_M, floats(mi, "mi_bits")[order], "o-", ms=3, lw=1.2, label="observed")
+        ax_mi.plot(
+            layer_M, floats(mi, "mi_shuffled_bits")[order], "s--", ms=3, lw=1.0, label="shuffled baseline"
+        )
+        ax_mi.grid(alpha=0.3)
+        ax_mi.legend(loc="best")
+        _integer_ticks(ax_mi.xaxis)
+        ax_mi.set_ylim(bottom=0.0)
+        if len(layer_M) == 1:
+            ax_mi.set_xlim(layer_M[0] - 1, layer_M[0] + 1)
+    return _save(fig, path)
+
+
+@_styled
+def drift_and_convergence(
+    window_drift: pa.Table | None, convergence: pa.Table | None, trace: str, path: Path
+) -> Path:
+    """JS divergence of each window vs the first (and its shuffled baseline), and how fast the ranking of
+    keys by count converges (Spearman correlation vs tokens seen; top-C overlap per capacity)."""
+    fig = _figure(11.0, 4.3)
+    fig.suptitle(f"Drift and convergence — {trace}")
+    ax_d, ax_c = fig.subplots(1, 2)
+    ax_d.set_title("window drift")
+    ax_d.set_xlabel("window start (token index)")
+    ax_d.set_ylabel("JS divergence vs the first window (bits)")
+    drift = select(window_drift, trace=trace)
+    drawn = False
+    if drift is not None and drift.num_rows:
+        order = np.argsort(floats(drift, "token_start"), kind="stable")
+        x = floats(drift, "token_start")[order]
+        for column, style, name in (
+            ("js_vs_first", "o-", "observed"),
+            ("js_vs_first_shuffled", "s--", "shuffled"),
+        ):
+            y = floats(drift, column)[order]
+            keep = ~np.isnan(y)
+            if keep.any():
+                ax_d.plot(x[keep], y[keep], style, ms=3, lw=1.2, label=name)
+                drawn = True
+    if drawn:
+        ax_d.grid(alpha=0.3)
+        ax_d.legend(loc="best")
+    else:
+        _note(ax_d, "no window drift")
+    ax_c.set_title("convergence of the key ranking")
+    ax_c.set_xlabel("tokens seen (log scale)")
+    ax_c.set_ylabel("Spearman ρ vs the final ranking / top-C overlap")
+    conv = select(convergence, trace=trace)
+    drawn = False
+    if conv is not None and conv.num_rows:
+        seen = floats(conv, "tokens_seen")
+        rho = floats(conv, "spearman")
+        points = sorted({(s, r) for s, r in zip(seen, rho, strict=True) if s > 0 and not np.isnan(r)})
+        first: dict[float, float] = {}
+        for s, r in points:
+            first.setdefault(s, r)
+        if first:
+            ax_c.plot(list(first), list(first.values()), "o-", ms=3, lw=1.4, color="k", label="Spearman ρ")
+            drawn = True
+        if "capacity" in conv.column_names and "overlap" in conv.column_names:
+            cap = floats(conv, "capacity")
+            overlap = floats(conv, "overlap")
+            for i, c in enumerate(np.unique(cap[~np.isnan(cap)])):
+                keep = (cap == c) & (seen > 0) & ~np.isnan(overlap)
+                if keep.any():
+                    order = np.argsort(seen[keep], kind="stable")
+                    ax_c.plot(
+                        seen[keep][order],
+                        overlap[keep][order],
+                        "--",
+                        lw=1.0,
+                        color=f"C{i % 10}",
+                        label=f"overlap, C={int(c)}",
+                    )
+                    drawn = True
+    if drawn:
+        ax_c.set_xscale("log")
+        ax_c.grid(alpha=0.3)
+        ax_c.legend(loc="best")
+    else:
+        _note(ax_c, "no convergence rows")
+    return _save(fig, path)
+
+
+def decision_label(verdicts: pa.Table | None, decision: dict | None) -> str | None:
+    """The selected label if the decision has one, else the first candidate label in the verdicts."""
+    selected = (decision or {}).get("selected") or {}
+    if selected.get("label"):
+        return str(selected["label"])
+    if verdicts is None:
+        return None
+    for role, label in zip(verdicts["role"].to_pylist(), verdicts["label"].to_pylist(), strict=True):
+        if role == "candidate" and label is not None:
+            return str(label)
+    return None
+
+
+@_styled
+def decision_verdicts(verdicts: pa.Table | None, decision: dict | None, path: Path) -> Path:
+    """Verdict grid (traces x capacities, colour = verdict, text = relative difference) and a forest plot of
+    the relative difference with its confidence interval per cell, the ±margin band shaded."""
+    label = decision_label(verdicts, decision)
+    rule = (decision or {}).get("rule") or {}
+    margin = rule.get("margin")
+    rows = select(verdicts, label=label) if label is not None else None
+    n_cells = rows.num_rows if rows is not None else 0
+    fig = _figure(13.0, max(4.0, 0.22 * n_cells + 1.8))
+    fig.suptitle(f"Decision: {label or 'no candidate'} vs baseline, metric {rule.get('metric', 'n/a')}")
+    ax_g, ax_f = fig.subplots(1, 2, width_ratios=[1.0, 1.2])
+    if rows is None or n_cells == 0:
+        _note(ax_g, "no verdict rows")
+        _note(ax_f, "no verdict rows")
+        return _save(fig, path)
+    rows = rows.sort_by([("trace", "ascending"), ("capacity", "ascending")])
+    trace_R = [str(t) for t in rows["trace"].to_pylist()]
+    cap_R = ints(rows, "capacity")
+    verdict_R = [str(v) for v in rows["verdict"].to_pylist()]
+    rel_R, lo_R, hi_R = (floats(rows, c) for c in ("rel_diff", "ci_lo", "ci_hi"))
+    useful_R = [bool(u) for u in rows["in_useful_range"].to_pylist()]
+    traces = sorted(set(trace_R))
+    caps = np.unique(cap_R)
+    code_TC = np.full((len(traces), len(caps)), np.nan)
+    for t, c, v, r, u in zip(trace_R, cap_R, verdict_R, rel_R, useful_R, strict=True):
+        i, j = traces.index(t), int(np.searchsorted(caps, c))
+        code_TC[i, j] = VERDICTS.index(v) if v in VERDICTS else VERDICTS.index("inconclusive")
+        text = "n/a" if np.isnan(r) else f"{100 * r:+.1f}%"
+        ax_g.text(j, i, text + ("" if u else "*"), ha="center", va="center", fontsize=6)
+    ax_g.imshow(
+        np.ma.masked_invalid(code_TC),
+        cmap=ListedColormap(VERDICT_COLORS),
+        vmin=-0.5,
+        vmax=len(VERDICTS) - 0.5,
+        aspect="auto",
+    )
+    ax_g.set_xticks(range(len(caps)), [str(c) for c in caps], rotation=90)
+    ax_g.set_yticks(range(len(traces)), traces)
+    ax_g.set_xlabel("cache capacity (expert slots); * = outside the useful range")
+    ax_g.set_title("verdict per cell (text: relative difference of the metric)")
+    ax_g.legend(
+        handles=[Patch(color=c, label=v) for v, c in zip(VERDICTS, VERDICT_COLORS, strict=True)],
+        loc="upper left",
+        bbox_to_anchor=(0.0, -0.18),
+        ncol=3,
+        frameon=False,
+    )
+    y_R = np.arange(n_cells)[::-1]
+    if margin is not None:
+        ax_f.axvspan(
+            -100 * margin, 100 * margin, color="0.5", alpha=0.15, label=f"±margin ({100 * margin:g}%)"
+        )
+    ax_f.axvline(0.0, color="k", lw=0.8)
+    for y, v, r, lo, hi, u in zip(y_R, verdict_R, rel_R, lo_R, hi_R, useful_R, strict=True):
+        if np.isnan(r):
+            continue
+        color = VERDICT_COLORS[VERDICTS.index(v)] if v in VERDICTS else VERDICT_COLORS[3]
+        if not (np.isnan(lo) or np.isnan(hi)):
+            ax_f.plot([100 * lo, 100 * hi], [y, y], color=color, lw=2.0, alpha=1.0 if u else 0.4)
+        ax_f.plot(100 * r, y, "o", color="k" if u else "0.6", ms=3)
+    ax_f.set_yticks(y_R, [f"{t}  C={c}" for t, c in zip(trace_R, cap_R, strict=True)], fontsize=6)
+    level = rule.get("confidence")
+    ax_f.set_xlabel("relative difference vs baseline (%; lower is better)")
+    ax_f.set_title(f"point estimate and {f'{100 * level:g}% ' if level else ''}confidence interval")
+    ax_f.grid(axis="x", alpha=0.3)
+    if margin is not None:
+        ax_f.legend(loc="best")
+    return _save(fig, path)

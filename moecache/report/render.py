@@ -1,0 +1,148 @@
+"""Render one self-contained report (report.md + figures/*.png) from the analysis, sweep and decision
+artifacts.
+
+The report reads only the artifacts' files (see moecache/report/tables.py for the columns it needs). An
+absent artifact (None) or file skips its part with a sentence saying so. Figure file names are the trace name
+made file-name safe plus a fixed suffix; the same inputs give the same report.md and PNG bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+
+from moecache.report import figures as fig
+from moecache.report import sections
+from moecache.report.tables import read_json, read_parquet, select, trace_names, unique_slugs
+
+ANALYSIS_FILES = (
+    "frequency.parquet",
+    "reuse.parquet",
+    "runs.parquet",
+    "layer_transitions.parquet",
+    "layer_mi.parquet",
+    "window_drift.parquet",
+    "convergence.parquet",
+)
+DEFAULT_LABEL = "lfu"
+DEFAULT_BASELINE = "static_hindsight"
+
+
+def _has_rows(table: pa.Table | None, trace: str) -> bool:
+    rows = select(table, trace=trace)
+    return rows is not None and rows.num_rows > 0
+
+
+def _workload(sweep: pa.Table | None, trace: str) -> str | None:
+    rows = select(sweep, trace=trace)
+    if rows is None or "workload" not in rows.column_names or rows.num_rows == 0:
+        return None
+    values = sorted({str(v) for v in rows["workload"].to_pylist() if v is not None})
+    return ", ".join(values) or None
+
+
+def _figure_plan(
+    data: dict[str, pa.Table | None], labels: list[str]
+) -> list[tuple[str, str, str, list[str], Callable]]:
+    """(suffix, title, artifact, files, draw(trace, path)) per per-trace figure."""
+    d = data
+    return [
+        ("hit_rate", "Hit rate vs capacity", "sweep", ["sweep.parquet"],
+         lambda t, p: fig.hit_rate_vs_capacity(d["sweep.parquet"], t, p)),
+        ("ms_per_token", "Estimated time per token vs capacity", "sweep", ["sweep.parquet"],
+         lambda t, p: fig.ms_per_token_vs_capacity(d["sweep.parquet"], t, p)),
+        ("per_layer", "Per-layer hit rate", "sweep", ["per_layer.parquet"],
+         lambda t, p: fig.per_layer_heatmap(d["per_layer.parquet"], t, labels, p)),
+        ("frequency_cdf", "Expert-frequency concentration", "analysis", ["frequency.parquet"],
+         lambda t, p: fig.frequency_cdf(d["frequency.parquet"], t, p)),
+        ("reuse_runs", "Reuse distance and run length", "analysis", ["reuse.parquet", "runs.parquet"],
+         lambda t, p: fig.reuse_and_runs(d["reuse.parquet"], d["runs.parquet"], t, p)),
+        ("layer_transitions", "Adjacent-layer transitions and mutual information", "analysis",
+         ["layer_transitions.parquet", "layer_mi.parquet"],
+         lambda t, p: fig.layer_transitions(d["layer_transitions.parquet"], d["layer_mi.parquet"], t, p)),
+        ("drift_convergence", "Drift and convergence", "analysis",
+         ["window_drift.parquet", "convergence.parquet"],
+         lambda t, p: fig.drift_and_convergence(d["window_drift.parquet"], d["convergence.parquet"], t, p)),
+    ]  # fmt: skip
+
+
+def render_report(
+    analysis_dir: Path | None, sweep_dir: Path, decision_dir: Path | None, out_dir: Path
+) -> dict:
+    """Write out_dir/report.md and out_dir/figures/*.png; return {"figures": [paths], "report": path}."""
+    out_dir = Path(out_dir)
+    figure_dir = out_dir / "figures"
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    data: dict[str, pa.Table | None] = {name: read_parquet(analysis_dir, name) for name in ANALYSIS_FILES}
+    for name in ("sweep.parquet", "targets.parquet", "per_layer.parquet"):
+        data[name] = read_parquet(sweep_dir, name)
+    summary = read_json(analysis_dir, "summary.json")
+    decision = read_json(decision_dir, "decision.json")
+    verdicts = read_parquet(decision_dir, "verdicts.parquet")
+
+    selected = ((decision or {}).get("selected") or {}).get("label") or DEFAULT_LABEL
+    baseline = ((decision or {}).get("baseline") or {}).get("label") or DEFAULT_BASELINE
+    layer_labels = [selected] + ([baseline] if baseline != selected else [])
+    written: list[Path] = []
+
+    decision_link = None
+    if verdicts is not None:
+        written.append(fig.decision_verdicts(verdicts, decision, figure_dir / "decision_verdicts.png"))
+        decision_link = "figures/decision_verdicts.png"
+
+    dirs = {"analysis": analysis_dir, "sweep": sweep_dir}
+    traces = trace_names(*data.values(), summary=summary)
+    slugs = unique_slugs(traces)
+    plan = _figure_plan(data, layer_labels)
+    trace_texts = []
+    for trace in traces:
+        entries: list[tuple[str, str | None, str]] = []
+        for suffix, title, artifact, files, draw in plan:
+            if dirs[artifact] is None:
+                entries.append((title, None, f"The {artifact} artifact is absent; figure skipped."))
+                continue
+            present = [f for f in files if data[f] is not None]
+            if not present:
+                entries.append((title, None, f"{' and '.join(files)} absent from the {artifact} artifact."))
+                continue
+            if not any(_has_rows(data[f], trace) for f in present):
+                entries.append((title, None, f"{' and '.join(present)} has no rows for this trace."))
+                continue
+            name = f"{slugs[trace]}-{suffix}.png"
+            written.append(draw(trace, figure_dir / name))
+            entries.append((title, f"figures/{name}", ""))
+        trace_summary = (summary or {}).get(trace) if summary is not None else None
+        trace_texts.append(
+            sections.trace_section(
+                trace,
+                _workload(data["sweep.parquet"], trace),
+                trace_summary if isinstance(trace_summary, dict) else None,
+                "analysis" if analysis_dir is None else "summary.json" if summary is None else None,
+                entries,
+                data["targets.parquet"],
+            )
+        )
+
+    def source(path: Path | None) -> str:
+        return "absent" if path is None else f"`{Path(path).name}`"
+
+    head = [
+        "# moecache expert-offloading report",
+        "",
+        f"Artifacts: analysis {source(analysis_dir)}, sweep {source(sweep_dir)}, "
+        f"decision {source(decision_dir)}.",
+        "",
+    ]
+    if data["sweep.parquet"] is None:
+        head += ["sweep.parquet is absent from the sweep artifact; the sweep figures are skipped.", ""]
+    if analysis_dir is not None and summary is None:
+        head += ["summary.json is absent from the analysis artifact.", ""]
+    if not traces:
+        trace_texts = ["No trace appears in any artifact.", ""]
+    text = "\n".join(head) + "\n" + sections.decision_section(decision, verdicts, decision_link) + "\n"
+    text += "\n".join(trace_texts)
+    report = out_dir / "report.md"
+    report.write_text(text.rstrip("\n") + "\n")
+    return {"figures": written, "report": report}

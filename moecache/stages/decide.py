@@ -1,0 +1,106 @@
+"""`moecache decide`: apply the pre-registered rule (conf/decide/) to a sweep; write the decision.
+
+Inputs by lineage: `decide.sweep` (null: the newest sweep artifact) and `decide.analysis` (null: the
+newest analysis artifact over the same traces, when there is one; the report shows it beside the
+decision). Writes `decision.json` (the selected policy and parameters, the reasons, the rule; what the
+runtime reads to configure itself) and `verdicts.parquet` (one row per trace, capacity and policy).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+from omegaconf import DictConfig
+
+from moecache.artifacts import Artifact, ArtifactStore, artifact_id
+from moecache.config import to_container
+from moecache.decision.decide import decide
+from moecache.decision.rule import Rule
+from moecache.errors import MoecacheError
+from moecache.sim.inputs import TRACE_STAGES
+from moecache.stages.base import StageResult, reusable, store_for
+
+STAGE = "decide"
+SCHEMA_VERSION = 1
+LINEAGE_KEYS = ("sweep", "analysis")
+
+
+def _artifact(store: ArtifactStore, ref: str | None, stage: str, what: str) -> Artifact:
+    if ref:
+        art = store.resolve(str(ref))
+        if art.stage != stage:
+            raise MoecacheError(f"{what}={ref}: a {art.stage} artifact, expected a {stage} artifact")
+        return art
+    art = store.latest(stage)
+    if art is None:
+        raise MoecacheError(f"{what}: no {stage} artifact under {store.root}/ (run `moecache {stage}` first)")
+    return art
+
+
+def trace_inputs(art: Artifact) -> list[str]:
+    """The trace artifacts (or Parquet files) among an artifact's inputs."""
+    return [
+        i for i in art.manifest.get("inputs", []) if i.split("-")[0] in TRACE_STAGES or i.endswith(".parquet")
+    ]
+
+
+def _analysis_for(store: ArtifactStore, ref: str | None, sweep: Artifact) -> Artifact | None:
+    if ref:
+        return _artifact(store, ref, "analyze", "decide.analysis")
+    same = [a for a in store.list("analyze") if sorted(trace_inputs(a)) == sorted(trace_inputs(sweep))]
+    return same[-1] if same else None
+
+
+def rule_config(c: dict) -> dict:
+    """The rule part of a resolved config's `decide` group (everything but the lineage keys)."""
+    return {k: v for k, v in c["decide"].items() if k not in LINEAGE_KEYS}
+
+
+def run(cfg: DictConfig) -> StageResult:
+    c = to_container(cfg)
+    d = c["decide"]
+    store = store_for(cfg)
+    sweep = _artifact(store, d["sweep"], "sweep", "decide.sweep")
+    analysis = _analysis_for(store, d["analysis"], sweep)
+    rule_dict = rule_config(c)
+    rule = Rule.from_dict(rule_dict)
+    inputs = [sweep.id] + ([analysis.id] if analysis else [])
+    config = {"rule": rule_dict, "sweep": sweep.id, "analysis": analysis.id if analysis else None}
+    existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, inputs)
+    if existing is not None:
+        return StageResult(
+            existing, reused=True, summary=_summary(json.loads((existing / "decision.json").read_text()))
+        )
+
+    for name in ("sweep.parquet", "per_block.parquet", "costs.json"):
+        if not (sweep.path / name).is_file():
+            raise MoecacheError(
+                f"{sweep.path}: no {name} (a sweep from before schema 2? re-run `moecache sweep force=true`)"
+            )
+    costs = json.loads((sweep.path / "costs.json").read_text())
+    copy_us = {trace: float(cost["copy_us"]) for trace, cost in costs.items()}
+    verdicts, decision = decide(
+        pq.read_table(sweep.path / "sweep.parquet"),
+        pq.read_table(sweep.path / "per_block.parquet"),
+        rule,
+        copy_us,
+    )
+    decision["inputs"] = {"sweep": sweep.id, "analysis": analysis.id if analysis else None}
+    with store.create(
+        STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=rule.seed
+    ) as tmp:
+        pq.write_table(verdicts, tmp / "verdicts.parquet")
+        (tmp / "decision.json").write_text(json.dumps(decision, indent=2) + "\n")
+    return StageResult(
+        store.get(artifact_id(STAGE, SCHEMA_VERSION, config, inputs)).path, summary=_summary(decision)
+    )
+
+
+def _summary(decision: dict) -> dict:
+    out = {"selected": decision["selected"]["label"], "cells judged": decision.get("cells")}
+    for label, ok in decision.get("competitive", {}).items():
+        out[f"{label} competitive"] = ok
+    for i, reason in enumerate(decision.get("reasons", [])[:8]):
+        out[f"reason {i + 1}"] = reason
+    return out
