@@ -44,6 +44,13 @@ class Policy:
     # Parameter names and defaults; `params` holds the values of one instance.
     defaults: ClassVar[dict[str, Any]] = {}
     step: ClassVar[Any]  # the @njit step function
+    # True: the policy may admit keys the step did not access (prefetch), so it can beat demand
+    # caching's compulsory misses; the demand-only properties of the tests skip it.
+    prefetches: ClassVar[bool] = False
+    # True: `init_state` reads `self.cost` (a CostModel, set by `bind_cost`): the policy weighs CPU
+    # time, GPU time or copy time. The simulator binds the replay's cost model before every replay.
+    needs_cost: ClassVar[bool] = False
+    cost: Any = None
 
     def __init__(self, **params: Any):
         unknown = sorted(set(params) - set(self.defaults))
@@ -52,6 +59,21 @@ class Policy:
                 f"policy {self.name}: unknown parameter(s) {unknown}; it takes {sorted(self.defaults) or 'none'}"
             )
         self.params = {**self.defaults, **params}
+
+    def bind_cost(self, cost) -> Policy:
+        """Use `cost` (a CostModel) for the next `init_state`; returns self."""
+        self.cost = cost
+        return self
+
+    def require_cost(self):
+        """The bound CostModel; a named error when there is none (a cost-aware policy replayed
+        without a cost profile, e.g. an instant replay outside the sweep)."""
+        if self.cost is None:
+            raise MoecacheError(
+                f"policy {self.name} weighs measured costs: replay it through the sweep or simulate "
+                "stage (which bind the cost profile), or call bind_cost(CostModel) first"
+            )
+        return self.cost
 
     def init_state(self, trace, capacity: int) -> tuple:
         """Fresh state for replaying `trace` (a TraceArrays) with `capacity` slots."""

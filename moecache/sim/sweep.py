@@ -87,6 +87,7 @@ def run_job(trace: TraceArrays, profile: CostProfile, job: Job) -> tuple[dict, o
     check_capacity(trace, job.capacity)
     policy = make_policy(job.policy, **job.params)
     cost = cost_model(trace, profile, job.cost)
+    policy.bind_cost(cost)
     if job.mode == "instant":
         result = replay_instant(trace, policy, job.capacity)
     else:

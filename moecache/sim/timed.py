@@ -200,6 +200,8 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
     """Replay `trace` through `policy` with `capacity` GPU slots on the timeline of `cost`."""
     check_capacity(trace, capacity)
     cost.check_trace(trace)
+    if policy.cost is None:
+        policy.bind_cost(cost)
     state = policy.init_state(trace, int(capacity))
     resident_K = initial_resident_mask(policy, state, trace, capacity)
     s, a = trace.num_steps, trace.num_accesses
