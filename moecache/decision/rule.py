@@ -127,6 +127,12 @@ class Transfers:
     max_link_busy: float | None = 1.0  # None: no bound
 
 
+@dataclass(frozen=True)
+class Predictive:
+    policies: tuple[str, ...] = ()  # predictive policies (every swept parameter set is a choice)
+    prefix_fraction: float = 0.5  # parameters chosen on this share of each trace's tokens
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rule:
     baseline: PolicyRef
@@ -140,6 +146,7 @@ class Rule:
     max_hit_rate_deficit: float = 0.05
     transfers: Transfers = Transfers()
     required_workloads: tuple[str, ...] | None = None  # None: the workloads present
+    predictive: Predictive = Predictive()
     seed: int = 0
 
     @classmethod
@@ -156,6 +163,7 @@ class Rule:
             "hit_rate",
             "transfers",
             "workloads",
+            "predictive",
             "seed",
         )
         if not isinstance(d, Mapping):
@@ -235,6 +243,17 @@ class Rule:
                 kw["required_workloads"] = tuple(
                     _text(f"workloads.required[{i}]", x) for i, x in enumerate(req)
                 )
+        if "predictive" in d:
+            pr = _mapping("predictive", d["predictive"], ("policies", "prefix_fraction"))
+            names = pr.get("policies") or []
+            if isinstance(names, str | bytes) or not isinstance(names, Sequence):
+                raise _fail("predictive.policies", names, "must be a list of policy names")
+            kw["predictive"] = Predictive(
+                policies=tuple(_text(f"predictive.policies[{i}]", x) for i, x in enumerate(names)),
+                prefix_fraction=_open_interval(
+                    "predictive.prefix_fraction", pr.get("prefix_fraction", 0.5), 0.0, 1.0
+                ),
+            )
         if "seed" in d:
             kw["seed"] = _integer("seed", d["seed"], 0)
         return cls(**kw)
@@ -257,6 +276,10 @@ class Rule:
             },
             "workloads": {
                 "required": list(self.required_workloads) if self.required_workloads is not None else None
+            },
+            "predictive": {
+                "policies": list(self.predictive.policies),
+                "prefix_fraction": self.predictive.prefix_fraction,
             },
             "seed": self.seed,
         }

@@ -3,7 +3,9 @@
 Inputs by lineage: `decide.sweep` (null: the newest sweep artifact) and `decide.analysis` (null: the
 newest analysis artifact over the same traces, when there is one; the report shows it beside the
 decision). Writes `decision.json` (the selected policy and parameters, the reasons, the rule; what the
-runtime reads to configure itself) and `verdicts.parquet` (one row per trace, capacity and policy).
+runtime reads to configure itself), `verdicts.parquet` (one row per trace, capacity and policy) and
+`predictive.parquet` (the second part: predictive policies against the first-part selection on
+held-out tokens and other workloads, decision/predictive.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from omegaconf import DictConfig
 
 from moecache.artifacts import Artifact, ArtifactStore, artifact_id
 from moecache.config import to_container
+from moecache.decision import predictive
 from moecache.decision.decide import decide
 from moecache.decision.rule import Rule
 from moecache.errors import MoecacheError
@@ -80,17 +83,16 @@ def run(cfg: DictConfig) -> StageResult:
             )
     costs = json.loads((sweep.path / "costs.json").read_text())
     copy_us = {trace: float(cost["copy_us"]) for trace, cost in costs.items()}
-    verdicts, decision = decide(
-        pq.read_table(sweep.path / "sweep.parquet"),
-        pq.read_table(sweep.path / "per_block.parquet"),
-        rule,
-        copy_us,
-    )
+    sweep_table = pq.read_table(sweep.path / "sweep.parquet")
+    blocks = pq.read_table(sweep.path / "per_block.parquet")
+    verdicts, decision = decide(sweep_table, blocks, rule, copy_us)
+    comparison = predictive.apply(decision, sweep_table, blocks, rule)
     decision["inputs"] = {"sweep": sweep.id, "analysis": analysis.id if analysis else None}
     with store.create(
         STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=rule.seed
     ) as tmp:
         pq.write_table(verdicts, tmp / "verdicts.parquet")
+        pq.write_table(comparison, tmp / "predictive.parquet")
         (tmp / "decision.json").write_text(json.dumps(decision, indent=2) + "\n")
     return StageResult(
         store.get(artifact_id(STAGE, SCHEMA_VERSION, config, inputs)).path, summary=_summary(decision)

@@ -58,7 +58,11 @@ def test_round_trip_of_the_default_rule():
 
 def test_left_out_keys_take_the_defaults_and_are_recorded():
     rule = Rule.from_dict({"baseline": DEFAULT["baseline"], "candidates": DEFAULT["candidates"]})
-    expected = {**DEFAULT, "workloads": {"required": None}}
+    expected = {
+        **DEFAULT,
+        "workloads": {"required": None},
+        "predictive": {"policies": [], "prefix_fraction": 0.5},
+    }
     assert rule.to_dict() == expected
 
 
