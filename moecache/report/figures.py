@@ -529,8 +529,9 @@ def drift_and_convergence(
 
 
 def decision_label(verdicts: pa.Table | None, decision: dict | None) -> str | None:
-    """The selected label if the decision has one, else the first candidate label in the verdicts."""
-    selected = (decision or {}).get("selected") or {}
+    """The first part's selected label if the decision has one, else the first candidate label in the
+    verdicts (a predictive selection is drawn by predictive_comparison)."""
+    selected = (decision or {}).get("first_part") or (decision or {}).get("selected") or {}
     if selected.get("label"):
         return str(selected["label"])
     if verdicts is None:
@@ -609,4 +610,46 @@ def decision_verdicts(verdicts: pa.Table | None, decision: dict | None, path: Pa
     ax_f.grid(axis="x", alpha=0.3)
     if margin is not None:
         ax_f.legend(loc="best")
+    return _save(fig, path)
+
+
+@_styled
+def predictive_comparison(table: pa.Table | None, decision: dict | None, path: Path) -> Path:
+    """The second part: per predictive policy, the relative difference against the first-part selection
+    with its confidence interval, on held-out tokens and on other workloads, coloured by verdict."""
+    reference = ((decision or {}).get("predictive") or {}).get("reference", "the first-part selection")
+    n = table.num_rows if table is not None else 0
+    fig = _figure(10.0, max(3.5, 0.2 * n + 1.8))
+    ax = fig.add_subplot()
+    ax.set_title(f"Predictive policies vs {reference} (lower is better)")
+    if n == 0:
+        _note(ax, "no predictive policy was judged")
+        return _save(fig, path)
+    rows = table.sort_by([(c, "ascending") for c in ("policy", "split", "trace", "capacity")]).to_pylist()
+    y_R = np.arange(n)[::-1]
+    margin = ((decision or {}).get("rule") or {}).get("margin")
+    if margin is not None:
+        ax.axvspan(-100 * margin, 100 * margin, color="0.5", alpha=0.15, label=f"±margin ({100 * margin:g}%)")
+    ax.axvline(0.0, color="k", lw=0.8)
+    for y, r in zip(y_R, rows, strict=True):
+        color = (
+            VERDICT_COLORS[VERDICTS.index(r["verdict"])] if r["verdict"] in VERDICTS else VERDICT_COLORS[3]
+        )
+        if r["ci_lo"] is not None and r["ci_hi"] is not None:
+            ax.plot([100 * r["ci_lo"], 100 * r["ci_hi"]], [y, y], color=color, lw=2.0)
+        if r["rel_diff"] is not None:
+            ax.plot(100 * r["rel_diff"], y, "o", color="k", ms=3)
+    labels = [
+        f"{r['label']} | {r['split'].replace('_', ' ')} | {r['trace']} C={r['capacity']}"
+        + (f" (chosen on {r['chosen_on']})" if r["split"] == "other_workload" else "")
+        for r in rows
+    ]
+    ax.set_yticks(y_R, labels, fontsize=6)
+    ax.set_xlabel("relative difference of estimated time per token (%)")
+    ax.legend(
+        handles=[Patch(color=c, label=v) for v, c in zip(VERDICTS, VERDICT_COLORS, strict=True)],
+        loc="lower right",
+        fontsize=6,
+    )
+    ax.grid(axis="x", alpha=0.3)
     return _save(fig, path)

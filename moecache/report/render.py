@@ -81,6 +81,7 @@ def render_report(
     summary = read_json(analysis_dir, "summary.json")
     decision = read_json(decision_dir, "decision.json")
     verdicts = read_parquet(decision_dir, "verdicts.parquet")
+    comparison = read_parquet(decision_dir, "predictive.parquet")
 
     selected = ((decision or {}).get("selected") or {}).get("label") or DEFAULT_LABEL
     baseline = ((decision or {}).get("baseline") or {}).get("label") or DEFAULT_BASELINE
@@ -91,6 +92,10 @@ def render_report(
     if verdicts is not None:
         written.append(fig.decision_verdicts(verdicts, decision, figure_dir / "decision_verdicts.png"))
         decision_link = "figures/decision_verdicts.png"
+    predictive_link = None
+    if comparison is not None and comparison.num_rows:
+        written.append(fig.predictive_comparison(comparison, decision, figure_dir / "predictive.png"))
+        predictive_link = "figures/predictive.png"
 
     dirs = {"analysis": analysis_dir, "sweep": sweep_dir}
     traces = trace_names(*data.values(), summary=summary)
@@ -142,6 +147,7 @@ def render_report(
     if not traces:
         trace_texts = ["No trace appears in any artifact.", ""]
     text = "\n".join(head) + "\n" + sections.decision_section(decision, verdicts, decision_link) + "\n"
+    text += sections.predictive_section(decision, comparison, predictive_link) + "\n"
     text += "\n".join(trace_texts)
     report = out_dir / "report.md"
     report.write_text(text.rstrip("\n") + "\n")

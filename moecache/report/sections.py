@@ -212,3 +212,59 @@ def trace_section(
         out += [f"**{title}**", "", f"![{title}]({link})" if link is not None else note, ""]
     out += ["### Capacity to target", "", targets_table(targets, trace), ""]
     return "\n".join(out)
+
+
+def predictive_section(decision: dict | None, table: pa.Table | None, figure: str | None) -> str:
+    """The second part: each predictive policy's choice on the prefixes, whether it is consistently
+    better than the first-part selection, and every judged cell."""
+    out = ["## Predictive strategies (second part)", ""]
+    summary = (decision or {}).get("predictive")
+    if not summary:
+        return "\n".join(out + ["The decision judged no predictive policy.", ""])
+    first = ((decision or {}).get("first_part") or {}).get("label")
+    out += [f"Reference: the first-part selection {md.code(summary.get('reference') or first)}.", ""]
+    selected = summary.get("selected")
+    out += [
+        f"**Selected: {md.code(selected['label'])}**, consistently better on held-out tokens and other workloads."
+        if selected
+        else "No predictive policy is consistently better: the first-part selection stands.",
+        "",
+    ]
+    body = []
+    for name, p in sorted((summary.get("policies") or {}).items()):
+        chosen = ", ".join(f"{t}: {md.code(x)}" for t, x in sorted((p.get("chosen") or {}).items()))
+        wins = ", ".join(p.get("better_on_workloads") or []) or "none"
+        reasons = "; ".join((p.get("reasons") or [])[:4])
+        body.append(
+            [
+                name,
+                chosen or "n/a",
+                "yes" if p.get("consistent") else "no",
+                md.pct(p.get("mean_held_out_rel_diff")),
+                wins,
+                reasons,
+            ]
+        )
+    out += [
+        md.table(
+            ["policy", "chosen on each prefix", "consistent", "mean held-out r", "better on", "reasons"], body
+        ),
+        "",
+    ]
+    if figure is not None:
+        out += [f"![Predictive policies vs the first-part selection]({figure})", ""]
+    if table is not None and table.num_rows:
+        rows = sorted(table.to_pylist(), key=lambda r: (r["policy"], r["split"], r["trace"], r["capacity"]))
+        out += [
+            md.table(
+                ["policy", "label", "split", "trace", "capacity", "unit (n)", "r", "CI", "verdict"],
+                [
+                    [r["policy"], md.code(r["label"]), r["split"], r["trace"], r["capacity"],
+                     f"{r['unit']} ({r['units']})", md.pct(r["rel_diff"]), md.interval(r["ci_lo"], r["ci_hi"]),
+                     r["verdict"]]
+                    for r in rows
+                ],
+            ),
+            "",
+        ]  # fmt: skip
+    return "\n".join(out)

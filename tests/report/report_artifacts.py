@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moecache.config import compose, to_container
+from moecache.decision.predictive import SCHEMA as PREDICTIVE_SCHEMA
 from moecache.stages.decide import rule_config
 
 TRACES = {"tiny/multi_request/seed0": "multi_request", "tiny/long_single/seed0": "long_single"}
@@ -256,8 +257,39 @@ def write_decision(folder: Path) -> Path:
         },
         "cells": 8,
         "seed": 0,
+        "first_part": {"policy": "lfu", "params": {}, "label": "lfu"},
+        "predictive": {
+            "reference": "lfu",
+            "workloads": {
+                "present": ["long_single", "multi_request"],
+                "required": ["multi_request", "long_single"],
+            },
+            "policies": {
+                "transition_prefetch": {
+                    "consistent": False,
+                    "chosen": {t: "transition_prefetch(budget=2)" for t in TRACES},
+                    "better_on_workloads": ["multi_request"],
+                    "mean_held_out_rel_diff": -0.031,
+                    "prefix_ms_per_token": {},
+                    "reasons": [
+                        "transition_prefetch: workload-specific win: better everywhere on ['multi_request'] only"
+                    ],
+                }
+            },
+            "selected": None,
+        },
     }
     (folder / "decision.json").write_text(json.dumps(decision, indent=2))
+    pred = [
+        {"policy": "transition_prefetch", "label": "transition_prefetch(budget=2)", "chosen_on": t, "trace": t,
+         "workload": "w", "split": "held_out", "capacity": c, "reference": "lfu", "unit": "block", "units": 12,
+         "metric": 0.9, "reference_metric": 1.0, "rel_diff": -0.1 if i == 0 else 0.02,
+         "ci_lo": -0.12 if i == 0 else -0.01, "ci_hi": -0.08 if i == 0 else 0.05,
+         "verdict": "better" if i == 0 else "inconclusive"}
+        for i, t in enumerate(TRACES)
+        for c in CAPACITIES[1:3]
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(pred, schema=PREDICTIVE_SCHEMA), folder / "predictive.parquet")
     return folder
 
 

@@ -52,7 +52,7 @@ def test_full_report_has_every_figure_and_section(rendered):
     result = rendered[0]
     report = result["report"]
     out = report.parent
-    expected = {f"{s}-{x}.png" for s in SLUGS for x in SUFFIXES} | {"decision_verdicts.png"}
+    expected = {f"{s}-{x}.png" for s in SLUGS for x in SUFFIXES} | {"decision_verdicts.png", "predictive.png"}
     assert {p.name for p in result["figures"]} == expected
     for path in result["figures"]:
         assert path.parent == out / "figures"
@@ -199,3 +199,12 @@ def test_decision_without_selection_says_so():
     # margin 0.05 -> 5.00%, confidence 0.95 -> 95%
     assert "equivalence margin ±5.00%; 95% confidence" in text
     assert "verdicts.parquet is absent; no verdict table." in text
+
+
+def test_predictive_section(rendered):
+    text = rendered[0]["report"].read_text()
+    section = text.split("## Predictive strategies (second part)")[1].split("\n## ")[0]
+    assert "No predictive policy is consistently better" in section
+    assert "workload-specific win" in section and "figures/predictive.png" in section
+    # one table row per judged cell: 2 traces x 2 capacities
+    assert section.count("| transition_prefetch | `transition_prefetch(budget=2)` | held_out |") == 4
