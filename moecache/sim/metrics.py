@@ -10,6 +10,12 @@ Definitions (docs/simulator.md, "Metrics"):
   cpu_fallback_selections: the same weighted by uses.
 - ready_fraction (timed only): copies complete by the next visit of their key's layer / copies whose
   layer is visited again; wasted_copies (timed only): copies whose key was evicted before they completed.
+- prefetches: admissions of keys the admitting step did not access. A prefetch is used when its key
+  is accessed while still holding that slot, unused when the key is evicted first or the trace ends.
+  prefetch_accuracy = used / prefetches (null without prefetches); prefetch_wasted_bytes = unused
+  prefetches * expert_bytes. Timed only: prefetch_timely = used prefetches whose copy was complete at
+  the first use / used prefetches; prefetch_lead_us_median = median over used prefetches of (routing
+  time of the first use - routing time of the enqueuing step). Demand policies: 0 prefetches, nulls.
 - est_*: from the layer-step times. Timed mode: the timeline's. Instant mode with a CostModel: the same
   layer formula with free copies (non_expert + max(GPU time of hits, CPU time of misses)); without a
   CostModel: null. Per token = time of the forward steps / their tokens; decode and prefill apart.
@@ -99,6 +105,22 @@ def _time_table(
     return rows
 
 
+def _prefetch_columns(trace: TraceArrays, result: ReplayResult) -> dict:
+    """The prefetch columns of one sweep row (module docstring)."""
+    n, used = result.prefetches, result.prefetches_used
+    timely = lead = None
+    if isinstance(result, TimedResult) and used:
+        timely = _ratio(np.count_nonzero(result.copy_timely_C), used)
+        lead = float(np.median(result.copy_lead_us_C[result.copy_used_C]))
+    return {
+        "prefetches": n,
+        "prefetch_accuracy": _ratio(used, n),
+        "prefetch_wasted_bytes": (n - used) * trace.expert_bytes,
+        "prefetch_timely": timely,
+        "prefetch_lead_us_median": lead,
+    }
+
+
 def summarize(trace: TraceArrays, result: ReplayResult, cost: CostModel | None = None) -> dict:
     """The metric columns of one sweep row (the caller adds trace, workload, policy, params, capacity,
     capacity_fraction and the cost scales). Timed results carry their own CostModel; for an instant
@@ -129,6 +151,7 @@ def summarize(trace: TraceArrays, result: ReplayResult, cost: CostModel | None =
             _ratio(result.copies_ready_next_visit, result.copies_with_next_visit) if timed else None
         ),
         "wasted_copies": result.wasted_copies if timed else None,
+        **_prefetch_columns(trace, result),
     }
     row.update(_time_table(trace, *_forward_us(trace, result, cost), by_request=False)[0])
     row["cost_notes"] = "; ".join(cost.all_notes()) if cost is not None else None
@@ -163,7 +186,8 @@ def per_layer(trace: TraceArrays, result: ReplayResult) -> dict[str, np.ndarray]
 
 def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None = None) -> list[dict]:
     """One dict per request (trace order): request_id, tokens, accesses, hit rates, transfers,
-    h2d_bytes, cpu_fallbacks, ready_fraction (timed) and the est_* time columns."""
+    h2d_bytes, cpu_fallbacks, prefetches (admissions of keys the step did not access), ready_fraction
+    (timed) and the est_* time columns."""
     r = len(trace.request_ids)
     sums = group_sums(trace, result, trace.request_S, r)
     accesses, hits, admits = sums.accesses, sums.hits, sums.admissions
@@ -175,6 +199,12 @@ def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None
         ready_C = np.bincount(req_C, result.copy_ready_next_C, minlength=r)
         has_next_C = np.bincount(req_C, result.copy_has_next_C, minlength=r)
     times = _time_table(trace, us_F, first_F, by_request=True)
+    prefetch_S = result.prefetch_S
+    prefetches = (
+        np.bincount(trace.request_S, prefetch_S, minlength=r).astype(np.int64)
+        if prefetch_S is not None
+        else np.zeros(r, np.int64)
+    )
     rows = []
     for i, request_id in enumerate(trace.request_ids):
         row = {
@@ -188,6 +218,7 @@ def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None
             "evictions": int(sums.evictions[i]),
             "h2d_bytes": int(admits[i]) * trace.expert_bytes,
             "cpu_fallbacks": int(accesses[i] - hits[i]),
+            "prefetches": int(prefetches[i]),
             "ready_fraction": _ratio(ready_C[i], has_next_C[i]) if timed else None,
         }
         row.update(times[i])

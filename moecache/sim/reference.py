@@ -393,3 +393,242 @@ def reference_run(trace: TraceArrays, name: str, capacity: int, **params) -> Ref
 def reference_replay(trace: TraceArrays, name: str, capacity: int, **params) -> np.ndarray:
     """Per-access hits (bool) of the reference policy `name` at `capacity` in instant mode."""
     return reference_run(trace, name, capacity, **params).hit_A
+
+
+class RefTransitionPrefetch(RefLFU):
+    """Cumulative LFU (RefLFU) for demand, then a prefetch of layer n + 1 predicted from adjacent-layer
+    transition counts. A[(n, i, j)]: expert i of layer n - 1 followed by expert j of layer n in the
+    same forward step (the previous layer step, same request and clock); N[(n - 1, i)]: times i had
+    a successor step. p_j = mean over the step's experts i with N[(n, i)] > 0 of A[(n + 1, i, j)] /
+    N[(n, i)] (summed in access order); predicted: the `top` best by (-p_j, j) with p_j >=
+    min_probability, minus keys held; up to `budget` of them, best first, take a free slot or evict
+    the LFU victim (greatest (-count, key)) unless it is a key of this step or prefetched by it (then
+    stop). A prefetch of a key that this step's demand evicted cancels that eviction."""
+
+    def __init__(self, trace, capacity, top=8, budget=2, min_probability=0.1):
+        super().__init__(trace, capacity)
+        self.E = trace.num_experts
+        self.L = trace.num_layers
+        self.top, self.budget, self.minp = top, budget, min_probability
+        self.A: dict[tuple[int, int, int], int] = {}
+        self.N: dict[tuple[int, int], int] = {}
+        self.prev = None  # (layer, clock, request, experts) of the previous step
+
+    def step(self, s, keys, uses, hits, clock, request, resident):
+        admitted, evicted = super().step(s, keys, uses, hits, clock, request, resident)
+        if not keys:
+            return admitted, evicted
+        E = self.E
+        layer = keys[0] // E
+        experts = [k - layer * E for k in keys]
+        if self.prev is not None and self.prev[:3] == (layer - 1, clock, request):
+            for i in self.prev[3]:
+                self.N[(layer - 1, i)] = self.N.get((layer - 1, i), 0) + 1
+                for j in experts:
+                    self.A[(layer, i, j)] = self.A.get((layer, i, j), 0) + 1
+        self.prev = (layer, clock, request, experts)
+        if self.budget == 0 or layer + 1 >= self.L:
+            return admitted, evicted
+        known = [i for i in experts if self.N.get((layer, i), 0) > 0]
+        p = []
+        for j in range(E):
+            total = 0.0
+            for i in known:
+                total += self.A.get((layer + 1, i, j), 0) / self.N[(layer, i)]
+            p.append(total / len(known) if known else 0.0)
+        ranked = sorted((j for j in range(E) if p[j] >= self.minp), key=lambda j: (-p[j], j))[: self.top]
+        candidates = [(layer + 1) * E + j for j in ranked if (layer + 1) * E + j not in self.held]
+        prefetched: list[int] = []
+        for k in candidates[: self.budget]:
+            if len(self.held) >= self.capacity:
+                if not self.held:
+                    break
+                victim = max(self.held, key=lambda v: (-self.score_of(v), v))
+                if victim in keys or victim in prefetched:
+                    break
+                self.held.remove(victim)
+                evicted.append(victim)
+            self.held.add(k)
+            prefetched.append(k)
+            if k in evicted:
+                evicted.remove(k)
+            else:
+                admitted.append(k)
+        return admitted, evicted
+
+
+REFERENCES["transition_prefetch"] = RefTransitionPrefetch
+
+
+class RefActivationMatch:
+    """Activation matching (moecache/sim/policies/activation_match.py), recomputed from scratch at every
+    step. cur: key -> uses in the current request; stored: the matrices (key -> uses) of the last
+    `history` finished requests, oldest first. Match: the stored matrix with the greatest
+    dot / sqrt(|stored|^2) among those with dot > 0 (ties: the newest). Priority: the key's count in
+    the match, else in cur; rank (priority, last access index (-1: never), -key), the victim the
+    lowest-ranked held key not accessed or admitted by this step. Demand: misses by (-priority, router
+    order); free slot, or replace the victim when priority >= its priority, else stop. Prefetch (with
+    a match, layer n + 1 < L): the `top` keys of layer n + 1 with match count > 0 by (-priority, -last,
+    key), skipping held ones; up to `budget`: free slot, or replace the victim when strictly better,
+    else stop."""
+
+    def __init__(self, trace, capacity, history=32, top=8, budget=2):
+        self.trace = trace
+        self.capacity = capacity
+        self.E, self.L = trace.num_experts, trace.num_layers
+        self.history, self.top, self.budget = history, top, budget
+        self.cur: dict[int, int] = {}
+        self.stored: list[dict[int, int]] = []
+        self.request = None
+        self.last: dict[int, int] = {}
+        self.held: set[int] = set()
+        self.initial: set[int] = set()
+
+    def step(self, s, keys, uses, hits, clock, request, resident):
+        if request != self.request:
+            if self.cur:
+                self.stored = (self.stored + [self.cur])[-self.history :]
+            self.cur = {}
+            self.request = request
+        a0 = int(self.trace.start_S[s])
+        for i, (k, u) in enumerate(zip(keys, uses, strict=True)):
+            self.cur[k] = self.cur.get(k, 0) + u
+            self.last[k] = a0 + i
+        match, best = None, 0.0
+        for stored in self.stored:  # oldest first: >= keeps the newest of equal cosines
+            dot = sum(c * stored.get(k, 0) for k, c in self.cur.items())
+            if dot > 0:
+                cos = dot / math.sqrt(sum(c * c for c in stored.values()))
+                if cos >= best:
+                    match, best = stored, cos
+        counts = match if match is not None else self.cur
+
+        def prio(k):
+            return counts.get(k, 0)
+
+        protected = set(keys)
+
+        def victim():
+            free = self.held - protected
+            return min(free, key=lambda k: (prio(k), self.last.get(k, -1), -k)) if free else None
+
+        admitted, evicted = [], []
+        for k in sorted((k for k in keys if k not in self.held), key=lambda k: -prio(k)):
+            if len(self.held) >= self.capacity:
+                v = victim()
+                if v is None or prio(k) < prio(v):
+                    break
+                self.held.remove(v)
+                evicted.append(v)
+            self.held.add(k)
+            admitted.append(k)
+        if match is None or not keys or keys[0] // self.E + 1 >= self.L or self.capacity == 0:
+            return admitted, evicted
+        nxt = (keys[0] // self.E + 1) * self.E
+        predicted = [k for k in range(nxt, nxt + self.E) if prio(k) > 0]
+        predicted = sorted(predicted, key=lambda k: (-prio(k), -self.last.get(k, -1), k))[: self.top]
+        done = 0
+        for k in predicted:
+            if done == self.budget:
+                break
+            if k in self.held:
+                continue
+            if len(self.held) >= self.capacity:
+                v = victim()
+                if v is None or not prio(k) > prio(v):
+                    break
+                self.held.remove(v)
+                evicted.append(v)
+            self.held.add(k)
+            protected.add(k)
+            admitted.append(k)
+            done += 1
+        return admitted, evicted
+
+
+REFERENCES["activation_match"] = RefActivationMatch
+
+
+class RefImpact:
+    """Score S_k (EMA per visit of k's layer of u_k = uses / the step's tokens, 0 when not selected) x
+    saving(m_k) = cpu(m_k) - gpu(m_k), m_k = max(1, floor(mu_k + 1/2)), mu_k an EMA of uses per access.
+    S_k is kept as in lfu_decay: X_k = sum over k's selections of alpha * u * W(V), S_k = X_k / W(V_l),
+    W(V) = 2^(V log2(1 / (1 - alpha))) (2^frac * 2^floor, not rescaled), V the layer's visit count;
+    alpha = 1: S_k = u_k of the layer's last visit. Misses by (-impact, key): admitted if impact x
+    horizon > copy_us and a slot is free or impact > the victim's (lowest impact, ties the larger key,
+    among residents that are not keys of this step nor admitted by it). Then up to `budget` times the
+    non-held key of layer n + 1 with the greatest impact > 0 (ties: the smaller key), same tests; the
+    first refusal stops. `cost` (a CostModel) is required: the compiled policy reads it from bind_cost."""
+
+    def __init__(self, trace, capacity, cost=None, alpha=0.3, horizon=8, budget=1):
+        if cost is None:
+            raise ValueError("RefImpact needs cost=CostModel")
+        self.trace, self.capacity = trace, capacity
+        self.E, self.L = trace.num_experts, trace.num_layers
+        self.alpha, self.horizon, self.budget = float(alpha), float(horizon), int(budget)
+        self.sav = (cost.cpu_table() - cost.gpu_table()).tolist()
+        self.copy_us = float(cost.copy_us())
+        self.visits = [0] * self.L
+        self.X: dict[int, float] = {}
+        self.mu: dict[int, float] = {}
+        self.held: set[int] = set()
+        self.initial: set[int] = set()
+
+    def weight(self, layer):
+        if self.alpha == 1.0:
+            return 1.0
+        x = self.visits[layer] * -math.log2(1.0 - self.alpha)
+        q = math.floor(x)
+        return 2.0 ** (x - q) * math.ldexp(1.0, q)
+
+    def impact(self, k):
+        m = min(max(1, math.floor(self.mu.get(k, 0.0) + 0.5)), len(self.sav) - 1)
+        return (self.X.get(k, 0.0) * self.sav[m]) / self.weight(k // self.E)
+
+    def step(self, s, keys, uses, hits, clock, request, resident):
+        admitted, evicted = [], []
+        if not keys:
+            return admitted, evicted
+        layer = keys[0] // self.E
+        tokens = int(self.trace.tokens_S[s])
+        self.visits[layer] += 1
+        if self.alpha == 1.0:
+            for k in range(layer * self.E, (layer + 1) * self.E):
+                self.X[k] = 0.0
+        w = self.weight(layer)
+        for k, u in zip(keys, uses, strict=True):
+            self.X[k] = self.X.get(k, 0.0) + (self.alpha * (u / tokens)) * w
+            mu = self.mu.get(k, 0.0)
+            self.mu[k] = u if mu == 0.0 else self.alpha * u + (1.0 - self.alpha) * mu
+        excluded = set(keys)
+
+        def admit(k):
+            imp = self.impact(k)
+            if not imp * self.horizon > self.copy_us:
+                return False
+            if len(self.held) >= self.capacity:
+                eligible = [v for v in self.held if v not in excluded]
+                if not eligible:
+                    return False
+                victim = min(eligible, key=lambda v: (self.impact(v), -v))
+                if not imp > self.impact(victim):
+                    return False
+                self.held.remove(victim)
+                evicted.append(victim)
+            self.held.add(k)
+            excluded.add(k)
+            admitted.append(k)
+            return True
+
+        for k in sorted((k for k in keys if k not in self.held), key=lambda k: (-self.impact(k), k)):
+            admit(k)  # every one is tried: a refusal refuses all later (lower) misses as well
+        if layer + 1 < self.L:
+            for _ in range(self.budget):
+                nxt = range((layer + 1) * self.E, (layer + 2) * self.E)
+                candidates = [k for k in nxt if k not in self.held and self.impact(k) > 0]
+                if not candidates or not admit(min(candidates, key=lambda k: (-self.impact(k), k))):
+                    break
+        return admitted, evicted
+
+
+REFERENCES["impact"] = RefImpact

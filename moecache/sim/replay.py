@@ -6,7 +6,7 @@ Legend: S layer steps, A accesses, K expert keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba as nb
 import numpy as np
@@ -25,6 +25,13 @@ class ReplayResult:
     hit_A: np.ndarray  # bool
     admits_S: np.ndarray  # int32: keys admitted (copies enqueued) at each layer step
     evicts_S: np.ndarray  # int32
+    # Prefetches: admissions of keys the admitting step did not access. A prefetch is used when its key
+    # is accessed while still holding that slot (instant mode: a hit); evicted (or still pending at the
+    # end of the trace) first, it is unused. Keyword-only, with defaults, so that results built by hand
+    # (and the positional fields of TimedResult) are unaffected.
+    prefetches: int = field(default=0, kw_only=True)
+    prefetches_used: int = field(default=0, kw_only=True)
+    prefetch_S: np.ndarray | None = field(default=None, kw_only=True)  # int32: prefetches of each step
 
 
 # Not cached on disk: numba keys the cache of a function that takes a dispatcher argument by the
@@ -33,17 +40,32 @@ class ReplayResult:
 @nb.njit(nogil=True, _nrt=False)
 def _replay_instant(
     step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity, hit_A, admits_S, evicts_S,
-    admit_buf, evict_buf,
+    prefetch_S, admit_buf, evict_buf, seen_K, pending_K,
 ):  # fmt: skip
+    """Returns (prefetches, prefetches used). Scratch per key: admit_buf, evict_buf (int32), seen_K
+    (int64, -1: last step that accessed the key), pending_K (int64, -1: index of the key's pending
+    prefetch, i.e. admitted without being accessed and not yet accessed or evicted)."""
     num_keys = resident_K.shape[0]
     held = 0
     for k in range(num_keys):
         held += resident_K[k]
+    n_prefetch = 0
+    n_used = 0
+    n_pending = 0  # prefetches neither used nor evicted yet: demand policies skip the bookkeeping
     for s in range(start_S.shape[0] - 1):
         a0 = start_S[s]
         a1 = start_S[s + 1]
         for a in range(a0, a1):
-            hit_A[a] = resident_K[key_A[a]]
+            k = key_A[a]
+            hit_A[a] = resident_K[k]
+            seen_K[k] = s
+        if n_pending > 0:
+            for a in range(a0, a1):
+                k = key_A[a]
+                if pending_K[k] >= 0:  # a prefetched key accessed while it (still) holds the slot: used
+                    pending_K[k] = -1
+                    n_pending -= 1
+                    n_used += 1
         n_admit, n_evict = step(
             state,
             key_A[a0:a1],
@@ -61,17 +83,28 @@ def _replay_instant(
             if not resident_K[k]:
                 raise ValueError("policy evicted a key that holds no slot")
             resident_K[k] = False
+            if n_pending > 0 and pending_K[k] >= 0:  # a pending prefetch evicted unused
+                pending_K[k] = -1
+                n_pending -= 1
         held -= n_evict
+        n_pf = 0
         for j in range(n_admit):
             k = admit_buf[j]
             if resident_K[k]:
                 raise ValueError("policy admitted a key that already holds a slot")
             resident_K[k] = True
+            if seen_K[k] != s:  # not accessed by this step: a prefetch
+                pending_K[k] = n_prefetch + n_pf
+                n_pf += 1
+        n_prefetch += n_pf
+        n_pending += n_pf
         held += n_admit
         if held > capacity:
             raise ValueError("policy holds more keys than the capacity")
         admits_S[s] = n_admit
         evicts_S[s] = n_evict
+        prefetch_S[s] = n_pf
+    return n_prefetch, n_used
 
 
 def check_capacity(trace: TraceArrays, capacity: int) -> None:
@@ -100,12 +133,23 @@ def replay_instant(trace: TraceArrays, policy: Policy, capacity: int) -> ReplayR
     hit_A = np.zeros(trace.num_accesses, np.bool_)
     admits_S = np.zeros(trace.num_steps, np.int32)
     evicts_S = np.zeros(trace.num_steps, np.int32)
+    prefetch_S = np.zeros(trace.num_steps, np.int32)
+    k = trace.num_keys
     try:
-        _replay_instant(
+        prefetches, used = _replay_instant(
             type(policy).step, state, trace.key_A, trace.uses_A, trace.start_S, trace.clock_S, trace.request_S,
-            resident_K, int(capacity), hit_A, admits_S, evicts_S,
-            np.empty(trace.num_keys, np.int32), np.empty(trace.num_keys, np.int32),
+            resident_K, int(capacity), hit_A, admits_S, evicts_S, prefetch_S,
+            np.empty(k, np.int32), np.empty(k, np.int32), np.full(k, -1, np.int64), np.full(k, -1, np.int64),
         )  # fmt: skip
     except ValueError as exc:
         raise MoecacheError(f"policy {policy.label()} at capacity {capacity}: {exc}") from exc
-    return ReplayResult(policy.label(), int(capacity), hit_A, admits_S, evicts_S)
+    return ReplayResult(
+        policy.label(),
+        int(capacity),
+        hit_A,
+        admits_S,
+        evicts_S,
+        prefetches=int(prefetches),
+        prefetches_used=int(used),
+        prefetch_S=prefetch_S,
+    )

@@ -20,6 +20,9 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
    a key the step just ran on the GPU, safe at the end of the step's GPU work. Queued copies are never
    cancelled: evicting a key whose copy is not complete wastes that copy (it still occupies the
    engine). Initial residents (static policies, warm Belady) are ready at time 0 at no cost.
+4. an admission of a key the step did not access is a prefetch. Its copy is pending until the key is
+   next accessed while it still holds the slot (the prefetch is used then; timely if the copy was
+   complete at that routing time) or until the key is evicted (unused).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class TimedResult(ReplayResult):
     copy_wasted_C: np.ndarray  # bool: its key was evicted before the copy completed
     copy_ready_next_C: np.ndarray  # bool: complete by the next visit of the key's layer
     copy_has_next_C: np.ndarray  # bool: the key's layer is visited again after the copy's step
+    copy_prefetch_C: np.ndarray  # bool: a prefetch (its key was not accessed by the enqueuing step)
+    copy_used_C: np.ndarray  # bool: a prefetch whose key was accessed while holding its slot
+    copy_use_us_C: np.ndarray  # float64: routing time of that first use (NaN: never used)
     cpu_fallbacks: int  # accesses executed on the CPU (misses, including keys still loading)
     cpu_fallback_selections: int  # the same weighted by uses (token selections)
     cost: CostModel | None = None
@@ -77,6 +83,16 @@ class TimedResult(ReplayResult):
     def total_us(self) -> float:
         return float(self.step_us_S.sum())
 
+    @property
+    def copy_timely_C(self) -> np.ndarray:
+        """bool: a used prefetch whose copy was complete at its first use (a hit, not a CPU fallback)."""
+        return self.copy_used_C & (self.copy_ready_us_C <= self.copy_use_us_C)
+
+    @property
+    def copy_lead_us_C(self) -> np.ndarray:
+        """float64: first use - enqueue routing time of each copy (NaN: not a used prefetch)."""
+        return self.copy_use_us_C - self.route_us_S[self.copy_step_C]
+
 
 # Not cached: a function taking a dispatcher argument (`step`) never hits numba's on-disk cache (the
 # key holds the dispatcher's per-process UUID: numba issues #6264, #2956), its index grows by one entry
@@ -86,15 +102,16 @@ class TimedResult(ReplayResult):
 def _replay_timed(
     step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity,
     cpu_us_M, gpu_us_M, non_expert_S, copy_us,
-    hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S,
-    copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C,
-    admit_buf, evict_buf, ready_K, copy_of_K, gpu_step_K,
+    hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S, prefetch_S,
+    copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
+    copy_use_C, admit_buf, evict_buf, ready_K, copy_of_K, gpu_step_K, seen_K, pending_K,
 ):  # fmt: skip
-    """Returns (copies, CPU fallback selections); copies = -1 when the copy arrays are too short
-    (the caller retries with longer ones: arrays reassigned inside the loop would cost reference
-    counting on every iteration). Scratch per key: admit_buf, evict_buf (int32), ready_K (float64,
-    zeros: copy completion of keys holding a slot), copy_of_K (int64, -1: the key's latest copy),
-    gpu_step_K (int64, -1: last step that ran the key on the GPU)."""
+    """Returns (copies, CPU fallback selections, prefetches, prefetches used); copies = -1 when the
+    copy arrays are too short (the caller retries with longer ones: arrays reassigned inside the loop
+    would cost reference counting on every iteration). Scratch per key: admit_buf, evict_buf (int32),
+    ready_K (float64, zeros: copy completion of keys holding a slot), copy_of_K (int64, -1: the key's
+    latest copy), gpu_step_K (int64, -1: last step that ran the key on the GPU), seen_K (int64, -1:
+    last step that accessed the key), pending_K (int64, -1: the key's pending prefetch copy)."""
     num_keys = resident_K.shape[0]
     num_steps = start_S.shape[0] - 1
     cap_C = copy_key_C.shape[0]
@@ -106,6 +123,9 @@ def _replay_timed(
     t = 0.0
     engine_free = 0.0
     cpu_fallback_sel = 0
+    n_prefetch = 0
+    n_used = 0
+    n_pending = 0  # prefetches neither used nor evicted yet: demand policies skip the bookkeeping
     for s in range(num_steps):
         a0 = start_S[s]
         a1 = start_S[s + 1]
@@ -117,6 +137,14 @@ def _replay_timed(
             m = uses_A[a]
             held_k = resident_K[k]
             slot_A[a] = held_k
+            seen_K[k] = s
+            if n_pending > 0 and pending_K[k] >= 0:  # a prefetched key accessed while it holds the slot
+                c = pending_K[k]
+                copy_used_C[c] = True  # used (timely if its copy is complete: ready_K[k] <= tr)
+                copy_use_C[c] = tr
+                pending_K[k] = -1
+                n_pending -= 1
+                n_used += 1
             if held_k and ready_K[k] <= tr:
                 hit_A[a] = True
                 gpu += gpu_us_M[m]
@@ -139,6 +167,9 @@ def _replay_timed(
             resident_K[k] = False
             if ready_K[k] > tr:  # still loading: the copy is wasted
                 copy_wasted_C[copy_of_K[k]] = True
+            if n_pending > 0 and pending_K[k] >= 0:  # a pending prefetch evicted unused
+                pending_K[k] = -1
+                n_pending -= 1
             if gpu_step_K[k] == s and gpu_end > tr:
                 busy_slots += 1
             else:
@@ -147,6 +178,7 @@ def _replay_timed(
         if held + n_admit > capacity:
             raise ValueError("policy holds more keys than the capacity")
         held += n_admit
+        n_pf = 0
         for j in range(n_admit):
             k = admit_buf[j]
             if resident_K[k]:
@@ -162,20 +194,31 @@ def _replay_timed(
             engine_free = ready
             ready_K[k] = ready
             if n_copies == cap_C:
-                return -1, 0
+                return -1, 0, 0, 0
             copy_key_C[n_copies] = k
             copy_step_C[n_copies] = s
             copy_start_C[n_copies] = start
             copy_ready_C[n_copies] = ready
+            copy_wasted_C[n_copies] = False
+            prefetch = seen_K[k] != s  # not accessed by this step
+            copy_prefetch_C[n_copies] = prefetch
+            copy_used_C[n_copies] = False
+            copy_use_C[n_copies] = np.nan
+            if prefetch:
+                pending_K[k] = n_copies
+                n_pf += 1
             copy_of_K[k] = n_copies
             n_copies += 1
         safe_slots += busy_slots  # safe by the next step: it starts after this step's GPU work
+        n_prefetch += n_pf
+        n_pending += n_pf
         admits_S[s] = n_admit
         evicts_S[s] = n_evict
+        prefetch_S[s] = n_pf
         step_us_S[s] = step_us
         route_us_S[s] = tr
         t += step_us
-    return n_copies, cpu_fallback_sel
+    return n_copies, cpu_fallback_sel, n_prefetch, n_used
 
 
 @nb.njit(cache=True, nogil=True)
@@ -212,19 +255,24 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
     evicts_S = np.empty(s, np.int32)
     step_us_S = np.empty(s, np.float64)
     route_us_S = np.empty(s, np.float64)
+    prefetch_S = np.empty(s, np.int32)
     cap_C = a + 16  # demand policies admit at most one copy per miss; others may retry longer
     while True:
         key_C, step_C = np.empty(cap_C, np.int32), np.empty(cap_C, np.int64)
         k = trace.num_keys
-        scratch = np.empty(k, np.int32), np.empty(k, np.int32), np.zeros(k), np.full(k, -1), np.full(k, -1)
-        start_C, ready_C, wasted_C = np.empty(cap_C), np.empty(cap_C), np.zeros(cap_C, np.bool_)
+        scratch = (
+            *(np.empty(k, np.int32), np.empty(k, np.int32), np.zeros(k)),
+            *(np.full(k, -1, np.int64) for _ in range(4)),  # copy_of_K, gpu_step_K, seen_K, pending_K
+        )
+        start_C, ready_C, wasted_C = np.empty(cap_C), np.empty(cap_C), np.empty(cap_C, np.bool_)
+        prefetch_C, used_C, use_C = np.empty(cap_C, np.bool_), np.empty(cap_C, np.bool_), np.empty(cap_C)
         try:
-            n_copies, fallback_sel = _replay_timed(
+            n_copies, fallback_sel, prefetches, used = _replay_timed(
                 type(policy).step, state, trace.key_A, trace.uses_A, trace.start_S, trace.clock_S,
                 trace.request_S, resident_K, int(capacity), cost.cpu_table(), cost.gpu_table(),
                 cost.non_expert_S(trace), float(cost.copy_us()),
-                hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S,
-                key_C, step_C, start_C, ready_C, wasted_C, *scratch,
+                hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S, prefetch_S,
+                key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
             )  # fmt: skip
         except ValueError as exc:
             raise MoecacheError(f"policy {policy.label()} at capacity {capacity}: {exc}") from exc
@@ -235,7 +283,9 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
         resident_K = initial_resident_mask(policy, state, trace, capacity)
     # Trim; copy (to free the long buffers) only when most of them is unused.
     trim = (lambda x: x[:n_copies].copy()) if 2 * n_copies < cap_C else (lambda x: x[:n_copies])
-    key_C, step_C, start_C, ready_C, wasted_C = map(trim, (key_C, step_C, start_C, ready_C, wasted_C))
+    key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C = map(
+        trim, (key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C)
+    )
     has_next, ready_next = np.zeros(n_copies, np.bool_), np.zeros(n_copies, np.bool_)
     _next_visit(
         trace.layer_S,
@@ -268,7 +318,13 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
         copy_wasted_C=wasted_C,
         copy_ready_next_C=ready_next,
         copy_has_next_C=has_next,
+        copy_prefetch_C=prefetch_C,
+        copy_used_C=used_C,
+        copy_use_us_C=use_C,
         cpu_fallbacks=a - int(np.count_nonzero(hit_A)),
         cpu_fallback_selections=int(fallback_sel),
         cost=cost,
+        prefetches=int(prefetches),
+        prefetches_used=int(used),
+        prefetch_S=prefetch_S,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from strategies import assert_matches_reference, small_traces
 
 from moecache.env_info import REPO_ROOT
 from moecache.errors import MoecacheError
@@ -87,38 +87,13 @@ def test_golden_hits(make_trace, variant):
     assert [int(reference_run(trace, name, c, **params).hit_A.sum()) for c in range(7)] == want
 
 
-@st.composite
-def small_traces(draw):
-    """Steps for make_trace: <= 3 layers, <= 6 experts, top-k <= 3, <= 40 layer steps, 1-3
-    requests, forward steps of 1-3 tokens."""
-    num_layers = draw(st.integers(1, 3))
-    num_experts = draw(st.integers(1, 6))
-    top_k = draw(st.integers(1, min(3, num_experts)))
-    steps = []
-    num_requests = draw(st.integers(1, 3))
-    for request in range(num_requests):
-        for step in range(draw(st.integers(1, 40 // (num_layers * num_requests)))):
-            tokens = draw(st.sampled_from([1, 1, 1, 2, 3]))
-            for layer in range(num_layers):
-                steps.append((request, step, layer, [
-                    draw(st.permutations(range(num_experts)))[: draw(st.integers(1, top_k))]
-                    for _ in range(tokens)
-                ]))  # fmt: skip
-    return steps, num_layers, num_experts, top_k
-
-
 @pytest.mark.parametrize("name,params", VARIANTS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=small_traces())
 def test_matches_reference(make_trace, name, params, case):
     steps, num_layers, num_experts, top_k = case
     trace = make_trace(steps, num_layers, num_experts, top_k)
-    for capacity in range(trace.num_keys + 1):
-        got = replay_instant(trace, make_policy(name, **params), capacity)
-        ref = reference_run(trace, name, capacity, **params)
-        assert np.array_equal(got.hit_A, ref.hit_A), f"capacity {capacity}"
-        assert int(got.admits_S.sum()) == ref.admissions, f"capacity {capacity}"
-        assert int(got.evicts_S.sum()) == ref.evictions, f"capacity {capacity}"
+    assert_matches_reference(trace, name, params)
 
 
 @settings(max_examples=40, deadline=None)

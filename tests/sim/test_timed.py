@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from strategies import hand_cost
 
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.cost_profile import CostProfile
@@ -24,19 +25,6 @@ from moecache.sim.timed import TimedResult, replay_timed
 
 PROFILE = REPO_ROOT / "moecache/data/cost_profiles/h200_qwen3_6_35b_a3b_2026-11-30.json"
 ESFT_LAW = (REPO_ROOT / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz").resolve()
-
-
-def hand_cost(
-    cpu=(0, 6, 9, 11, 12), gpu=(0, 1, 1.5, 2, 2.5), latency=2.0, bandwidth=128.0, **kw
-) -> CostModel:
-    return CostModel(
-        copy_latency_us=latency,
-        bandwidth_bytes_per_us=bandwidth,
-        expert_bytes=1024,
-        cpu_us_M=np.array(cpu, float),
-        gpu_us_M=np.array(gpu, float),
-        **kw,
-    )
 
 
 def random_trace(make_trace, seed=0, requests=3, tokens=12, layers=3, experts=8, top_k=2, prefill=4):

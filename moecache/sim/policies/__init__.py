@@ -1,6 +1,8 @@
 """Every placement policy, one file each; importing this package registers them all."""
 
+import moecache.sim.policies.activation_match  # noqa: F401
 import moecache.sim.policies.belady  # noqa: F401
+import moecache.sim.policies.impact  # noqa: F401
 import moecache.sim.policies.lfu  # noqa: F401
 import moecache.sim.policies.lfu_decay  # noqa: F401
 import moecache.sim.policies.lfu_per_layer  # noqa: F401
@@ -10,3 +12,4 @@ import moecache.sim.policies.lru  # noqa: F401
 import moecache.sim.policies.lru_per_layer  # noqa: F401
 import moecache.sim.policies.static_cold  # noqa: F401
 import moecache.sim.policies.static_hindsight  # noqa: F401
+import moecache.sim.policies.transition_prefetch  # noqa: F401
