@@ -181,7 +181,7 @@ def hit_rate_vs_capacity(sweep: pa.Table | None, trace: str, path: Path) -> Path
             alpha=0.25,
             hatch="//",
             lw=0,
-            label=f"unreachable above offline optimum ({source})",
+            label=f"above the demand-caching optimum ({source}); only prefetching can reach it",
         )
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
