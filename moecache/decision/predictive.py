@@ -11,7 +11,8 @@ For each policy of `rule.predictive.policies` (every parameter set swept is one 
    `bootstrap.min_requests` of them among the held-out blocks, else blocks), verdict as in part one.
 3. Other workload: the label chosen on a trace, against the reference on every trace of another workload
    (all of its blocks: none of them chose it), at each of that trace's useful capacities.
-The policy is consistent when every one of those cells is "better" (the interval below 0), every
+The policy is consistent when every one of those cells is "better" (the interval below 0) and passes the
+first part's limits (hit-rate deficit, bytes per token, copy-engine busy fraction), every
 required workload has held-out cells and, when two or more workloads are present, every trace was
 judged on another workload too. Wins on some workloads only are reported as workload-specific. Among
 consistent policies the one with the lowest mean held-out relative difference is selected, with the
@@ -88,10 +89,13 @@ def _compare(rule, blocks, trace, capacity, ref, label, keep_N, seed_key):
 
 
 def evaluate(
-    sweep: pa.Table, blocks: pa.Table, rule: Rule, reference: str, baseline: str
+    sweep: pa.Table, blocks: pa.Table, rule: Rule, reference: str, baseline: str, limits: dict | None = None
 ) -> tuple[pa.Table, dict]:
     """(rows of SCHEMA, summary) of the predictive policies against the `reference` label; useful
-    capacities are where the `baseline` label's hit rate lies in the rule's useful range."""
+    capacities are where the `baseline` label's hit rate lies in the rule's useful range. `limits`:
+    (trace, capacity, label) -> the first part's failed limits in words ("" when it passes); a cell
+    whose label fails them counts against the policy like a verdict other than better."""
+    limits = limits or {}
     rows = _base_filter(sweep, rule.mode).to_pylist()
     workload_of = {r["trace"]: r["workload"] for r in rows}
     useful: dict[str, list[int]] = {}
@@ -153,8 +157,11 @@ def evaluate(
                     "rel_diff": rel, "ci_lo": lo, "ci_hi": hi, "verdict": verdict,
                 }
             )  # fmt: skip
-            verdicts.setdefault(workload_of[t], []).append(verdict)
-            if verdict != "better":
+            failed = limits.get((t, c, label), "")
+            verdicts.setdefault(workload_of[t], []).append(verdict if not failed else "fails limits")
+            if failed:
+                reasons.append(f"{name} [{label}]: fails limits at {t} C={c} ({failed})")
+            elif verdict != "better":
                 where = f"{t} C={c}" + (f" (chosen on {chosen_on})" if split == "other_workload" else "")
                 reasons.append(f"{name} [{label}]: {verdict} on {split.replace('_', ' ')} at {where}")
         wins = [w for w, v in verdicts.items() if v and all(x == "better" for x in v)]
@@ -165,6 +172,8 @@ def evaluate(
         if not cells:
             reasons.append(f"{name}: no useful cell")
         consistent = bool(cells) and not reasons
+        one_class = f"{name}: judged on one workload class only ({present}): a workload-specific result"
+        notes = [] if len(present) >= 2 else [one_class]
         if not consistent and wins:
             reasons.append(f"{name}: workload-specific win: better everywhere on {wins} only")
         held = [r["rel_diff"] for r in out_rows if r["policy"] == name and r["split"] == "held_out"]
@@ -175,6 +184,7 @@ def evaluate(
             "mean_held_out_rel_diff": float(np.mean([x for x in held if x is not None])) if held else None,
             "prefix_ms_per_token": prefix_ms,
             "reasons": reasons,
+            "notes": notes,
         }
 
     summary = {
@@ -198,15 +208,21 @@ def evaluate(
     return pa.Table.from_pylist(out_rows, schema=SCHEMA), summary
 
 
-def apply(decision: dict, sweep: pa.Table, blocks: pa.Table, rule: Rule) -> pa.Table:
+def apply(
+    decision: dict, sweep: pa.Table, blocks: pa.Table, rule: Rule, verdicts: pa.Table | None = None
+) -> pa.Table:
     """Run the second part against the first-part selection and record it in `decision` (in place):
     `predictive` holds the evaluation; a consistent predictive policy becomes `selected` and the
     first-part choice moves to `first_part`. Returns the comparison table."""
     if not rule.predictive.policies:
         decision["predictive"] = None
         return pa.Table.from_pylist([], schema=SCHEMA)
+    limits = {}
+    if verdicts is not None:
+        for v in verdicts.select(["trace", "capacity", "label", "passes_limits", "reasons"]).to_pylist():
+            limits[v["trace"], v["capacity"], v["label"]] = "" if v["passes_limits"] else v["reasons"]
     table, summary = evaluate(
-        sweep, blocks, rule, decision["selected"]["label"], decision["baseline"]["label"]
+        sweep, blocks, rule, decision["selected"]["label"], decision["baseline"]["label"], limits
     )
     decision["predictive"] = summary
     decision["first_part"] = decision["selected"]
@@ -216,6 +232,7 @@ def apply(decision: dict, sweep: pa.Table, blocks: pa.Table, rule: Rule) -> pa.T
             f"selected {summary['selected']['label']}: consistently better than {summary['reference']}"
             " on held-out tokens and other workloads"
         )
+        decision["reasons"] += summary["policies"][summary["selected"]["policy"]]["notes"]
     else:
         decision["reasons"].append(
             f"no predictive policy consistently beats {summary['reference']}: keeping it"

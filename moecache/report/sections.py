@@ -234,7 +234,7 @@ def predictive_section(decision: dict | None, table: pa.Table | None, figure: st
     for name, p in sorted((summary.get("policies") or {}).items()):
         chosen = ", ".join(f"{t}: {md.code(x)}" for t, x in sorted((p.get("chosen") or {}).items()))
         wins = ", ".join(p.get("better_on_workloads") or []) or "none"
-        reasons = "; ".join((p.get("reasons") or [])[:4])
+        reasons = "; ".join(((p.get("reasons") or []) + (p.get("notes") or []))[:4])
         body.append(
             [
                 name,

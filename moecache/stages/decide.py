@@ -86,7 +86,7 @@ def run(cfg: DictConfig) -> StageResult:
     sweep_table = pq.read_table(sweep.path / "sweep.parquet")
     blocks = pq.read_table(sweep.path / "per_block.parquet")
     verdicts, decision = decide(sweep_table, blocks, rule, copy_us)
-    comparison = predictive.apply(decision, sweep_table, blocks, rule)
+    comparison = predictive.apply(decision, sweep_table, blocks, rule, verdicts)
     decision["inputs"] = {"sweep": sweep.id, "analysis": analysis.id if analysis else None}
     with store.create(
         STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=rule.seed

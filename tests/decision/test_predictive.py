@@ -11,6 +11,7 @@ first and the second half of each trace's tokens, and between traces.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from test_decide import rule, tables
 
@@ -124,3 +125,26 @@ def test_apply_records_first_part_and_is_deterministic():
     decision = {**d1, "selected": {"policy": "lfu", "params": {}, "label": "lfu"}, "reasons": []}
     apply(decision, sweep, blocks, none)
     assert decision["selected"]["label"] == "lfu" and "nope: not in the sweep" in decision["reasons"]
+
+
+def test_failed_limits_and_one_workload_class():
+    factors = {(k, t): (f, f) for k, f in (("b1", 0.9), ("b2", 0.8)) for t in ("mr", "ls")}
+    sweep, blocks = scenario(factors)
+    label = "transition_prefetch(budget=2)"
+    # the first part's limits fail for the chosen label at one cell: no longer consistent
+    limits = {("ls", 32, label): "link_busy 1.300 > 1"}
+    _, summary = evaluate(sweep, blocks, RULE, "lfu", "static_hindsight", limits)
+    p = summary["policies"]["transition_prefetch"]
+    assert (
+        not p["consistent"] and f"transition_prefetch [{label}]: fails limits at ls C=32" in p["reasons"][0]
+    )
+    # with the "ls" rows relabelled to the workload of "mr", one class is present: consistent, with a note
+    one = sweep.set_column(
+        sweep.schema.get_field_index("workload"), "workload", pa.array(["multi_request"] * sweep.num_rows)
+    )
+    one_rule = rule(predictive={"policies": ["transition_prefetch"]}, workloads={"required": None})
+    _, summary = evaluate(one, blocks, one_rule, "lfu", "static_hindsight")
+    p = summary["policies"]["transition_prefetch"]
+    assert p["consistent"] and p["notes"] == [
+        "transition_prefetch: judged on one workload class only (['multi_request']): a workload-specific result"
+    ]
