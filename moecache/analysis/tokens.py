@@ -3,6 +3,9 @@
 Legend: T tokens (every routed token of the trace, request by request, in token order), L MoE layers,
 K experts chosen per token and layer (top-k), E experts per layer.
 
+`lens_TL` holds the trace's logit-lens tokens (`lens_token`, docs/trace-format.md): -1 where a row has
+none (not sampled, or a trace without the column).
+
 The simulator's TraceArrays keep one access per distinct expert of a layer step; the analyses need the
 token-level routing (which token chose what, with which router weight), so they read the trace again.
 """
@@ -15,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from moecache.errors import MoecacheError
-from moecache.trace.schema import TraceMeta, read_trace
+from moecache.trace.schema import LENS_COLUMN, TraceMeta, read_trace
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,24 @@ class TokenTrace:
     decode_T: np.ndarray  # bool, generated (decode) rather than prompt (prefill) token
     name: str = "trace"
     workload: str = "unknown"
+    lens_TL: np.ndarray | None = None  # int32, logit-lens token id; -1: none. None given: all -1
+
+    def __post_init__(self):
+        T, L = self.expert_TLK.shape[:2]
+        if self.lens_TL is None:
+            object.__setattr__(self, "lens_TL", np.full((T, L), -1, np.int32))
+        else:
+            lens_TL = np.asarray(self.lens_TL, np.int32)
+            if lens_TL.shape != (T, L):
+                raise MoecacheError(
+                    f"trace {self.name}: lens_TL has shape {lens_TL.shape}, expected {(T, L)}"
+                )
+            object.__setattr__(self, "lens_TL", lens_TL)
+
+    @property
+    def has_lens(self) -> bool:
+        """Whether any row has a logit-lens token."""
+        return bool((self.lens_TL >= 0).any())
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +126,10 @@ def from_table(
     else:
         weights = np.full(flat.shape, np.nan, np.float32)
     phase = table["phase"].to_numpy(zero_copy_only=False)[order].reshape(T, L)[:, 0]
+    lens_TL = None
+    if LENS_COLUMN in table.column_names and table[LENS_COLUMN].null_count < table.num_rows:
+        lens = table[LENS_COLUMN].combine_chunks().cast(pa.int64()).fill_null(-1)
+        lens_TL = lens.to_numpy()[order].astype(np.int32).reshape(T, L)
     return TokenTrace(
         num_layers=L,
         num_experts=meta.num_experts,
@@ -117,10 +143,16 @@ def from_table(
         decode_T=np.asarray(phase == "decode"),
         name=name,
         workload=workload,
+        lens_TL=lens_TL,
     )
 
 
 def load_token_trace(path: str | Path, name: str | None = None, workload: str = "unknown") -> TokenTrace:
-    cols = ["request_id", "step_index", "token_index", "layer_id", "phase", "expert_ids", "router_weights"]
+    cols = ["request_id", "step_index", "token_index", "layer_id", "phase", "expert_ids"]
+    try:
+        present = set(pq.read_schema(path).names)
+    except (pa.ArrowInvalid, OSError):
+        present = set()  # read_trace names the problem
+    cols += [c for c in ("router_weights", LENS_COLUMN) if c in present]  # optional columns
     table, meta = read_trace(path, columns=cols)
     return from_table(table, meta, name=name or Path(path).stem, workload=workload)

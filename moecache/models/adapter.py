@@ -6,6 +6,11 @@ selected_experts_TK)`) and `.experts` (parameters `gate_up_proj [E, 2I, H]`, `do
 Dense decoder layers (a plain MLP) are skipped. A per-model adapter only names its model type, its
 shared-expert module and a tiny config for tests; everything else lives here.
 
+The logit lens (moecache/trace/lens.py) reads the residual stream entering each MoE layer's decoder
+layer (`MoELayer.decoder_layer`) and projects it through the text decoder's final norm (`.norm`) and
+the LM head (`get_output_embeddings()`): `lens_tokens`. Every supported model computes its logits as
+`lm_head(norm(hidden))`, with no scaling or soft-capping, so the lens is exact at the last layer.
+
 Shapes: T tokens, E experts, H hidden, I (MoE) intermediate, K top-k.
 """
 
@@ -33,6 +38,7 @@ class MoELayer:
     router: nn.Module  # the hook point: its forward output carries the routing
     experts: nn.Module  # holds gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     shared_experts: nn.Module | None  # always-active expert MLP, if the model has one
+    decoder_layer: nn.Module  # the decoder layer holding the block; its input is the residual stream
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -84,6 +90,7 @@ class MoEAdapter:
                     router=block.gate,
                     experts=block.experts,
                     shared_experts=shared,
+                    decoder_layer=decoder_layer,
                 )
             )
         if not self._layers:
@@ -148,6 +155,31 @@ class MoEAdapter:
         copy, no dtype conversion, no device sync (this runs on the inference path)."""
         _router_logits_TE, weights_TK, expert_ids_TK = router_output
         return weights_TK, expert_ids_TK
+
+    def final_norm(self) -> nn.Module:
+        """The text decoder's final norm (applied to the last hidden state before the LM head)."""
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+        norm = getattr(decoder, "norm", None)
+        if not isinstance(norm, nn.Module):
+            raise MoecacheError(
+                f"{type(self.model).__name__}: found no final norm (no `.norm` on its decoder)"
+            )
+        return norm
+
+    def lm_head(self) -> nn.Module:
+        """The LM head (hidden -> vocabulary logits); a bare text model has none."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if not isinstance(head, nn.Module):
+            raise MoecacheError(
+                f"{type(self.model).__name__}: no LM head (load a CausalLM or ConditionalGeneration model)"
+            )
+        return head
+
+    def lens_tokens(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """int64 [N]: the top-1 token of `lm_head(final_norm(hidden_NH))`, on the hidden state's device
+        (no sync). Rows are independent: a caller passes only the rows it wants."""
+        with torch.no_grad():
+            return self.lm_head()(self.final_norm()(hidden_NH)).argmax(dim=-1)
 
     def describe(self) -> dict:
         """The architecture numbers, JSON-able."""

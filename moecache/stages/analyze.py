@@ -4,8 +4,10 @@ Reads the traces of `traces` (empty: every trace artifact) and writes one artifa
 per statistic (every table has a `trace` column) and `summary.json` (headline figures per trace):
 frequency and concentration, drift between and within requests, convergence of the cumulative ranking,
 reuse distances and run lengths, achievable LRU / LFU / Belady hit rates, same-layer and adjacent-layer
-transitions with mutual information and next-token predictors, router weight against reuse, and the
-history-length selection on a prefix judged on held-out data.
+transitions with mutual information and next-token predictors, router weight against reuse, the
+history-length selection on a prefix judged on held-out data, and the prediction signals: inter-layer
+prefetch accuracy against lead time (layers and microseconds under `sim.cost_profile`) and, on traces
+collected with `logging.logit_lens.rate > 0`, what the logit-lens token adds over expert correlation.
 """
 
 from __future__ import annotations
@@ -18,14 +20,24 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig
 from rich.console import Console
 
-from moecache.analysis import drift, frequency, history, hit_rates, locality, router_weight, transitions
+from moecache.analysis import (
+    drift,
+    frequency,
+    history,
+    hit_rates,
+    locality,
+    router_weight,
+    signals,
+    transitions,
+)
 from moecache.analysis.tokens import TokenTrace, load_token_trace
 from moecache.artifacts import artifact_id
 from moecache.config import to_container
-from moecache.sim.inputs import resolve_traces
-from moecache.sim.sweep import capacity_grid
+from moecache.sim.inputs import load_profile, resolve_traces
+from moecache.sim.sweep import capacity_grid, cost_model
 from moecache.sim.trace_arrays import TraceArrays, load_trace
 from moecache.stages.base import StageResult, reusable, store_for
+from moecache.stages.simulate import cost_settings
 
 STAGE = "analyze"
 SCHEMA_VERSION = 1
@@ -37,7 +49,14 @@ def _per_token(tt: TokenTrace, multiples: list[float]) -> list[int]:
     return sorted({min(keys, max(1, int(round(m * per)))) for m in multiples})
 
 
-def _token_statistics(tt: TokenTrace, a: dict, seed: int) -> tuple[dict[str, pa.Table], dict]:
+def layer_us(trace: TraceArrays, cost) -> float:
+    """The shortest time one MoE layer can take under the cost model: non-expert time plus its top_k
+    experts each on the GPU for one token. A prefetch issued when layer n routes has at least d times
+    this long before layer n + d routes."""
+    return float(cost.non_expert_us_per_layer + trace.top_k * cost.gpu_table()[1])
+
+
+def _token_statistics(tt: TokenTrace, a: dict, seed: int, lead_us: float) -> tuple[dict[str, pa.Table], dict]:
     """The token-level statistics of one trace: {file stem: table}, merged summary figures."""
     tables: dict[str, pa.Table] = {}
     figures: dict = {"tokens": tt.num_tokens, "requests": tt.num_requests, "workload": tt.workload}
@@ -58,6 +77,8 @@ def _token_statistics(tt: TokenTrace, a: dict, seed: int) -> tuple[dict[str, pa.
         ("predictors", lambda: transitions.predictor_table(tt)),
         ("recurrence", lambda: transitions.recurrence_table(tt)),
         ("router_weight", lambda: router_weight.router_weight_table(tt)),
+        ("prefetch_lead", lambda: signals.lead_table(tt, int(a["max_lead_layers"]), lead_us)),
+        ("token_signal", lambda: signals.token_signal_table(tt, seed)),
     ]
     for stem, compute in steps:
         out = compute()
@@ -73,8 +94,9 @@ def run(cfg: DictConfig) -> StageResult:
     seed = int(c["seed"])
     store = store_for(cfg)
     refs = resolve_traces(store, c["traces"])
-    inputs = [r.ref for r in refs]
-    config = {"analyze": a, "traces": inputs, "seed": seed}
+    profile_ref, profile = load_profile(store, c["sim"]["cost_profile"])
+    inputs = [r.ref for r in refs] + ([profile_ref] if profile_ref.startswith("calibrate-") else [])
+    config = {"analyze": a, "traces": inputs, "seed": seed, "sim": c["sim"]}
     existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, inputs)
     if existing is not None:
         return StageResult(
@@ -89,8 +111,10 @@ def run(cfg: DictConfig) -> StageResult:
     for r in refs:
         with console.status(f"analyze {r.name}"):
             tt = load_token_trace(r.path, name=r.name, workload=r.workload)
-            tables, figures = _token_statistics(tt, a, seed)
             trace = load_trace(r.path, name=r.name, workload=r.workload)
+            cost = cost_model(trace, profile, cost_settings(c["sim"]))
+            tables, figures = _token_statistics(tt, a, seed, layer_us(trace, cost))
+            figures["copy_us"] = cost.copy_us()
             arrays.append(trace)
             tables["hit_rates"] = hit_rates.hit_rate_table(trace, capacity_grid(trace, **a["capacities"]))
         for stem, table in tables.items():
@@ -117,6 +141,7 @@ HEADLINE = (
     ("global_cover_80", "keys for 80% of selections"),
     ("reuse_share_1", "reuses at distance 1"),
     ("recall_lag1", "next-token recall, lag-1 transitions"),
+    ("recall_lead_1", "next-layer recall, layer transitions"),
     ("history_selected", "history length chosen on the prefix"),
 )
 

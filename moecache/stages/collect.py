@@ -3,6 +3,14 @@
 Writes a trace artifact: `trace.parquet` and/or `trace.jsonl` (docs/trace-format.md),
 `run_metadata.json` (model revision, versions, machine, seed, workload, logger counters, timings)
 and, only with `logging.log_text=true`, `texts.jsonl` with prompts and generated text.
+
+With `logging.logit_lens.rate > 0` the trace's `lens_token` column holds the logit lens of the sampled
+tokens (moecache/trace/lens.py). The projection runs inside the generation, in decoder-layer hooks; its
+time is measured there (`LogitLens.take_seconds`: hook wall time on the CPU; on CUDA per call the larger
+of the host time and the kernels' CUDA-event time) and subtracted from each request's generation time.
+So per request `seconds` (and the summary's generation seconds and tokens/s) exclude it, while
+`wall_seconds` includes it and `logit_lens_seconds` is the difference; run_metadata's
+`logit_lens_seconds` is the total over the run (0.0 with the lens off).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from moecache.errors import MoecacheError
 from moecache.models import load_model
 from moecache.stages.base import StageResult, reusable, store_for, torch_device
 from moecache.trace.hooks import RoutingRecorder
+from moecache.trace.lens import LogitLens
 from moecache.trace.logger import LoggerConfig, RoutingLogger
 from moecache.trace.schema import TraceMeta
 from moecache.workloads import build_conversations, encode_messages
@@ -30,14 +39,29 @@ STAGE = "collect"
 SCHEMA_VERSION = 1
 
 
+def _lens_rate(c: dict) -> float:
+    rate = (c["logging"].get("logit_lens") or {}).get("rate", 0.0)
+    try:
+        rate = float(rate)
+    except (TypeError, ValueError):
+        raise MoecacheError(f"logging.logit_lens.rate={rate!r}: expected a number in [0, 1]") from None
+    if not 0.0 <= rate <= 1.0:
+        raise MoecacheError(f"logging.logit_lens.rate={rate}: must be in [0, 1]")
+    return rate
+
+
 def _artifact_config(c: dict, device: str, revision: str) -> dict:
-    """The part of the config that decides the trace's content."""
+    """The part of the config that decides the trace's content. The logit lens is named only when it
+    is on, so that traces collected without it keep their artifact ids."""
+    logging = {k: c["logging"][k] for k in ("formats", "log_text")}
+    if _lens_rate(c) > 0:
+        logging["logit_lens"] = {"rate": _lens_rate(c)}
     return {
         "model": c["model"],
         "model_revision": revision,
         "workload": c["workload"],
         "generation": c["generation"],
-        "logging": {k: c["logging"][k] for k in ("formats", "log_text")},
+        "logging": logging,
         "seed": c["seed"],
         "device": device,
     }
@@ -97,6 +121,7 @@ def run(cfg: DictConfig) -> StageResult:
         "policy": None,
         "workload": c["workload"],
         "generation": {**c["generation"], "max_new_tokens": int(max_new)},
+        "logit_lens": {"rate": _lens_rate(c), "seed": int(cfg.seed)},
     }
     meta = TraceMeta(
         num_layers=adapter.num_layers,
@@ -114,10 +139,11 @@ def run(cfg: DictConfig) -> StageResult:
         STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=[], seed=int(cfg.seed)
     ) as tmp:
         logger = RoutingLogger(tmp, meta, run_id, LoggerConfig.from_cfg(cfg.logging))
+        lens = LogitLens(adapter, _lens_rate(c), int(cfg.seed)) if _lens_rate(c) > 0 else None
         texts = open(tmp / "texts.jsonl", "w") if cfg.logging.log_text else None  # noqa: SIM115
         try:
             with (
-                RoutingRecorder(loaded.model, adapter, logger) as recorder,
+                RoutingRecorder(loaded.model, adapter, logger, lens) as recorder,
                 Progress(
                     TextColumn("[bold]collect[/] {task.description}"),
                     BarColumn(),
@@ -142,7 +168,9 @@ def run(cfg: DictConfig) -> StageResult:
                         new_ids = _generate(
                             loaded.model, prompt_ids, c["generation"], int(max_new), device, pad_id
                         )
-                        seconds = time.perf_counter() - start
+                        wall_seconds = time.perf_counter() - start
+                        lens_seconds = lens.take_seconds() if lens is not None else 0.0
+                        seconds = wall_seconds - lens_seconds
                         answer = tokenizer.decode(new_ids, skip_special_tokens=True)
                         messages.append({"role": "assistant", "content": answer})
                         if texts is not None:
@@ -162,6 +190,8 @@ def run(cfg: DictConfig) -> StageResult:
                                 "prompt_tokens": len(prompt_ids),
                                 "new_tokens": len(new_ids),
                                 "seconds": seconds,
+                                "wall_seconds": wall_seconds,
+                                "logit_lens_seconds": lens_seconds,
                             }
                         )
                         generated_total += len(new_ids)
@@ -187,12 +217,17 @@ def run(cfg: DictConfig) -> StageResult:
             "tokens/s (incl. prefill)": round(generated_total / max(gen_seconds, 1e-9), 2),
             "log overflow events": stats.overflow_events,
         }
+        if lens is not None:
+            summary["logit lens rate"] = lens.rate
+            summary["logit lens rows"] = lens.rows_projected
+            summary["logit lens s"] = round(lens.total_seconds, 3)
         expected_rows = (prompt_tokens + generated_total - len(per_request)) * adapter.num_layers
         if stats.rows_written != expected_rows:
             raise MoecacheError(f"collect: logged {stats.rows_written} rows, expected {expected_rows}")
         run_meta_out = {
             **run_meta,
             "logger": logger.stats_dict(),
+            "logit_lens_seconds": lens.total_seconds if lens is not None else 0.0,
             "requests": per_request,
             "summary": summary,
         }

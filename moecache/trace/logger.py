@@ -6,6 +6,11 @@ small tensors the router returned) to a bounded buffer: no copy, no device sync,
 thread copies batches of records to the host (one device-to-host copy per batch on CUDA), expands
 them into one row per (token, layer) and writes Parquet row groups and/or JSON Lines.
 
+With the logit lens on (moecache/trace/lens.py), a record also carries the lens tokens of the step's
+sampled rows: their row indices (host) and a small int tensor of token ids that the router hook's
+thread computed (still on the device, no sync); the writer copies them with the routing and writes
+them to the `lens_token` column (null for the rows not sampled).
+
 A full buffer is never a silent drop: `on_overflow="raise"` raises `RoutingLogOverflow` in the
 inference path; `on_overflow="block"` applies back-pressure (the inference path waits for the writer)
 and the number of such waits and the time spent are counted in `stats`. `close()` writes every
@@ -30,7 +35,7 @@ import pyarrow.parquet as pq
 import torch
 
 from moecache.errors import MoecacheError
-from moecache.trace.schema import CACHE_COLUMNS, SCHEMA, TraceMeta, schema_with_meta
+from moecache.trace.schema import CACHE_COLUMNS, LENS_COLUMN, SCHEMA, TraceMeta, schema_with_meta
 
 FORMATS = ("parquet", "jsonl")
 OVERFLOW_MODES = ("raise", "block")
@@ -97,6 +102,8 @@ class _Record:
     layer_id: int
     expert_ids_TK: torch.Tensor
     weights_TK: torch.Tensor
+    lens_rows_N: np.ndarray | None = None  # int64 rows (0..T-1) of the step that the lens sampled
+    lens_tokens_N: torch.Tensor | None = None  # their lens token ids, same order
 
 
 WAKE_INTERVAL_S = 0.05
@@ -137,8 +144,17 @@ class RoutingLogger:
     def set_step(self, ctx: StepContext) -> None:
         self._ctx = ctx
 
-    def log(self, layer_id: int, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
-        """Record one layer's routing for the current step. Never waits on I/O."""
+    def log(
+        self,
+        layer_id: int,
+        expert_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        lens_rows_N: np.ndarray | None = None,
+        lens_tokens_N: torch.Tensor | None = None,
+    ) -> None:
+        """Record one layer's routing for the current step. Never waits on I/O. `lens_rows_N` (host
+        int64, rows of this step) and `lens_tokens_N` (their logit-lens token ids, any device): the
+        rows with a `lens_token`; the other rows get null."""
         if self._error is not None:
             raise MoecacheError(f"routing log writer failed: {self._error}") from self._error
         if self._closed:
@@ -151,7 +167,9 @@ class RoutingLogger:
         # tensors are copied to the host by the writer thread, in batches, off the inference path.
         if weights_TK.requires_grad:
             weights_TK = weights_TK.detach()
-        self._buf.append(_Record(self._ctx, layer_id, expert_ids_TK, weights_TK))
+        if (lens_rows_N is None) != (lens_tokens_N is None):
+            raise MoecacheError("routing logger: lens_rows_N and lens_tokens_N go together")
+        self._buf.append(_Record(self._ctx, layer_id, expert_ids_TK, weights_TK, lens_rows_N, lens_tokens_N))
         self.stats.records_in += 1
         if len(self._buf) >= self._wake_at:
             self._wake.set()
@@ -234,6 +252,7 @@ class RoutingLogger:
         }
         for name in CACHE_COLUMNS:
             columns[name] = pa.nulls(n, SCHEMA.field(name).type)
+        columns[LENS_COLUMN] = _lens_column(records, counts)
         return pa.table(columns, schema=SCHEMA)
 
     # ---- shutdown -------------------------------------------------------------------------------
@@ -272,7 +291,8 @@ class RoutingLogger:
 
 def _to_host(batch: list[_Record]) -> None:
     """Replace the records' tensors by host float32 / int64 copies: one concatenation and one
-    device-to-host copy per batch for device tensors (this waits for the GPU on the writer thread)."""
+    device-to-host copy per batch for device tensors (this waits for the GPU on the writer thread);
+    likewise one copy for the lens tokens of the records that have them."""
     if not batch:
         return
     counts = [r.expert_ids_TK.shape[0] for r in batch]
@@ -280,6 +300,28 @@ def _to_host(batch: list[_Record]) -> None:
     w_NK = torch.cat([r.weights_TK for r in batch]).to("cpu", torch.float32)
     for r, ids_TK, w_TK in zip(batch, ids_NK.split(counts), w_NK.split(counts), strict=True):
         r.expert_ids_TK, r.weights_TK = ids_TK, w_TK
+    lensed = [r for r in batch if r.lens_tokens_N is not None]
+    if lensed:
+        lens_N = torch.cat([r.lens_tokens_N.reshape(-1) for r in lensed]).to("cpu", torch.int64)
+        for r, tokens_N in zip(lensed, lens_N.split([r.lens_tokens_N.numel() for r in lensed]), strict=True):
+            r.lens_tokens_N = tokens_N
+
+
+def _lens_column(records: list[_Record], counts: np.ndarray) -> pa.Array:
+    """int32 `lens_token` of the records' rows: the lens token where sampled, else null."""
+    n = int(counts.sum())
+    if all(r.lens_tokens_N is None for r in records):
+        return pa.nulls(n, SCHEMA.field(LENS_COLUMN).type)
+    tokens_N = np.zeros(n, np.int32)
+    valid_N = np.zeros(n, bool)
+    start = 0
+    for r, count in zip(records, counts.tolist(), strict=True):
+        if r.lens_tokens_N is not None:
+            rows = start + np.asarray(r.lens_rows_N, np.int64)
+            tokens_N[rows] = r.lens_tokens_N.numpy()
+            valid_N[rows] = True
+        start += count
+    return pa.array(tokens_N, pa.int32(), mask=~valid_N)
 
 
 def _table_to_jsonl(table: pa.Table) -> str:

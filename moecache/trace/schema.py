@@ -41,10 +41,16 @@ SCHEMA = pa.schema(
         pa.field("copy_duration_ns", pa.int64()),
         pa.field("cpu_duration_ns", pa.int64()),
         pa.field("cuda_duration_ns", pa.int64()),
+        # Logit lens: top-1 token of the residual stream entering the row's decoder layer, through the
+        # final norm and LM head; null where the token was not sampled (logging.logit_lens.rate).
+        pa.field("lens_token", pa.int32()),
     ]
 )
 REQUIRED_COLUMNS = ("request_id", "step_index", "token_index", "phase", "layer_id", "expert_ids")
-CACHE_COLUMNS = tuple(f.name for f in SCHEMA if f.nullable)
+LENS_COLUMN = "lens_token"
+# Every nullable column is optional on input: a trace without it reads as if it were all null.
+NULLABLE_COLUMNS = tuple(f.name for f in SCHEMA if f.nullable)
+CACHE_COLUMNS = tuple(name for name in NULLABLE_COLUMNS if name != LENS_COLUMN)
 
 
 @dataclass
@@ -96,8 +102,9 @@ def schema_with_meta(meta: TraceMeta) -> pa.Schema:
 
 
 def empty_cache_columns(num_rows: int) -> dict[str, pa.Array]:
-    """Null cache columns, for traces recorded while no cache runs."""
-    return {name: pa.nulls(num_rows, SCHEMA.field(name).type) for name in CACHE_COLUMNS}
+    """Every nullable column (the cache columns and `lens_token`) all null, for traces recorded or
+    imported while no cache runs and without logit-lens samples."""
+    return {name: pa.nulls(num_rows, SCHEMA.field(name).type) for name in NULLABLE_COLUMNS}
 
 
 def read_trace(
@@ -179,6 +186,13 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
         raise MoecacheError(f"{where}: expert_ids range {e_min}..{e_max}, outside 0..{meta.num_experts - 1}")
     if not _holds_only(table["phase"], set(PHASES)):
         raise MoecacheError(f"{where}: column 'phase' holds values other than {PHASES}")
+    if LENS_COLUMN in table.column_names:  # optional: older traces do not have it
+        lens_type = table.schema.field(LENS_COLUMN).type
+        if not (pa.types.is_integer(lens_type) or pa.types.is_null(lens_type)):
+            raise MoecacheError(f"{where}: column '{LENS_COLUMN}' has type {lens_type}, expected int32")
+        lens_min = pc.min(table[LENS_COLUMN]).as_py() if not pa.types.is_null(lens_type) else None
+        if lens_min is not None and lens_min < 0:
+            raise MoecacheError(f"{where}: column '{LENS_COLUMN}' holds a negative token id ({lens_min})")
 
 
 def _holds_only(column: pa.ChunkedArray, allowed: set) -> bool:

@@ -7,9 +7,12 @@ import numpy as np
 from moecache.analysis.tokens import TokenTrace
 
 
-def token_trace(expert_TLK, request_T, num_experts: int, weight_TLK=None, name: str = "t") -> TokenTrace:
+def token_trace(
+    expert_TLK, request_T, num_experts: int, weight_TLK=None, name: str = "t", lens_TL=None
+) -> TokenTrace:
     """A TokenTrace of expert ids [T, L, K] and request indices [T] (requests contiguous, in order);
-    weight_TLK None: no router weights (NaN)."""
+    weight_TLK None: no router weights (NaN); lens_TL: logit-lens tokens [T, L] (-1: none; None: no
+    lens at all)."""
     expert_TLK = np.asarray(expert_TLK, np.int16)
     T, L, K = expert_TLK.shape
     request_T = np.asarray(request_T, np.int32)
@@ -28,6 +31,7 @@ def token_trace(expert_TLK, request_T, num_experts: int, weight_TLK=None, name: 
         position_T=position_T.astype(np.int32),
         decode_T=np.ones(T, bool),
         name=name,
+        lens_TL=None if lens_TL is None else np.asarray(lens_TL, np.int32).reshape(T, L),
     )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from moecache.errors import MoecacheError
 from moecache.models import ADAPTERS, MoEAdapter, adapter_for, register_adapter, supported_model_types
+from moecache.models.adapter import find_decoder_layers
 
 # (model_type, form): qwen3_5_moe both as its checkpoint's ConditionalGeneration wrapper and as the
 # text-only CausalLM that AutoModelForCausalLM gives.
@@ -183,3 +184,33 @@ def test_qwen3_5_moe_tiny_config_is_a_full_conditional_generation_config():
     assert config.text_config.num_experts == 8
     assert set(config.text_config.layer_types) == {"linear_attention", "full_attention"}
     assert config.vision_config.out_hidden_size == config.text_config.hidden_size
+
+
+def test_logit_lens_modules(model_and_adapter):
+    """The decoder layer of each MoE layer, the final norm and the LM head: the lens of the final
+    norm's input is exactly the model's own top-1 next token."""
+    _, model, adapter = model_and_adapter
+    decoder_layers = find_decoder_layers(model)
+    for layer in adapter.moe_layers():
+        assert layer.decoder_layer is decoder_layers[layer.model_layer_index]
+        assert layer.block is layer.decoder_layer.mlp
+    seen = {}
+    handle = adapter.final_norm().register_forward_pre_hook(
+        lambda module, args: seen.__setitem__("x", args[0].detach().clone())
+    )
+    input_ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids).logits
+    finally:
+        handle.remove()
+    lens_T = adapter.lens_tokens(seen["x"].reshape(-1, adapter.hidden_size))
+    assert lens_T.dtype == torch.int64
+    assert torch.equal(lens_T, logits.reshape(-1, logits.shape[-1]).argmax(dim=-1))
+
+
+def test_a_bare_text_model_has_no_lm_head():
+    config = ADAPTERS["mixtral"].tiny_config()
+    adapter = adapter_for(transformers.MixtralModel(config).eval())
+    with pytest.raises(MoecacheError, match="no LM head"):
+        adapter.lm_head()

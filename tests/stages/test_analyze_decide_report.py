@@ -61,11 +61,18 @@ def test_analysis_has_every_table_for_every_trace(pipeline):
     *_, a, _, _, _ = pipeline
     stems = (
         "frequency concentration request_drift window_drift convergence reuse runs token_transitions "
-        "layer_transitions layer_mi predictors recurrence router_weight hit_rates history"
+        "layer_transitions layer_mi predictors recurrence router_weight hit_rates history prefetch_lead"
     ).split()
     for stem in stems:
         table = pq.read_table(a.artifact / f"{stem}.parquet")
         assert set(table["trace"].to_pylist()) == {"multi", "long"}, stem
+    # imported traces carry no logit-lens tokens: the token-signal table is written, empty
+    assert pq.read_table(a.artifact / "token_signal.parquet").num_rows == 0
+    lead = pq.read_table(a.artifact / "prefetch_lead.parquet").to_pylist()
+    # 3 layers: leads 1 and 2 have predictions; lead 3 (the configured maximum) has none
+    assert sorted({r["lead_layers"] for r in lead if r["tokens"]}) == [1, 2]
+    assert {r["recall"] for r in lead if r["lead_layers"] == 3} == {None}
+    assert all(r["lead_us"] > 0 for r in lead)  # the bundled profile's GPU time per layer
     summary = json.loads((a.artifact / "summary.json").read_text())
     assert summary["multi"]["requests"] == 10 and summary["long"]["tokens"] == 200
     freq = pq.read_table(a.artifact / "frequency.parquet").to_pylist()

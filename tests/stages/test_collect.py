@@ -52,6 +52,34 @@ def test_trace_is_complete_and_both_formats_agree(first):
     assert meta.run["model_revision"] and meta.run["seed"] == 0 and meta.run["capacity"] is None
 
 
+def test_logit_lens_is_off_by_default_and_timed_apart_when_on(first, tmp_path):
+    _, off = first
+    table, _ = read_trace(off.artifact / "trace.parquet")
+    assert table["lens_token"].null_count == table.num_rows
+    meta_off = json.loads((off.artifact / "run_metadata.json").read_text())
+    assert meta_off["logit_lens_seconds"] == 0.0
+    assert all(
+        r["seconds"] == r["wall_seconds"] and r["logit_lens_seconds"] == 0 for r in meta_off["requests"]
+    )
+    assert "logit_lens" not in json.loads((off.artifact / "manifest.json").read_text())["config"]["logging"]
+
+    on = _run(tmp_path, "workload.num_requests=1", "logging.logit_lens.rate=1.0")
+    table, meta = read_trace(on.artifact / "trace.parquet")
+    lens = table["lens_token"].to_numpy(zero_copy_only=False)
+    assert table["lens_token"].null_count == 0 and ((lens >= 0) & (lens < 320)).all()  # tiny vocab: 320
+    assert meta.run["logit_lens"] == {"rate": 1.0, "seed": 0}
+    meta_on = json.loads((on.artifact / "run_metadata.json").read_text())
+    assert meta_on["logit_lens_seconds"] > 0
+    for r in meta_on["requests"]:
+        assert r["seconds"] == pytest.approx(r["wall_seconds"] - r["logit_lens_seconds"])
+    assert meta_on["logit_lens_seconds"] == pytest.approx(
+        sum(r["logit_lens_seconds"] for r in meta_on["requests"])
+    )
+    assert on.summary["logit lens rows"] == table.num_rows
+    with pytest.raises(MoecacheError, match="logit_lens.rate"):
+        _run(tmp_path, "logging.logit_lens.rate=2")
+
+
 def test_text_is_not_logged_by_default(first, tmp_path):
     _, result = first
     assert not (result.artifact / "texts.jsonl").exists()
