@@ -24,10 +24,13 @@ analyse_and_decide() {
   moecache report "report.decision=$decision" "${OVR[@]}"
 }
 
+# A quarter of the tokens also log the logit-lens token of every MoE layer's input (the token signal
+# of the predictive analyses; its cost is measured and excluded from the timings).
+LENS=logging.logit_lens.rate=0.25
 echo "== collect: multi_request (shuffled MT-Bench conversations)"
-MULTI=$(moecache collect workload=multi_request "${OVR[@]}" | art_id)
+MULTI=$(moecache collect workload=multi_request "$LENS" "${OVR[@]}" | art_id)
 echo "== collect: long_single (one long context + question)"
-LONG=$(moecache collect workload=long_single "${OVR[@]}" | art_id)
+LONG=$(moecache collect workload=long_single "$LENS" "${OVR[@]}" | art_id)
 echo "== calibrate: CPU expert time (and CUDA / H2D where CUDA is present)"
 moecache calibrate "${OVR[@]}"
 echo "== simulate: cumulative LFU, timed, on the multi_request trace at 16 / 32 / 64 slots"
