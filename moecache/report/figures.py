@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
@@ -652,4 +653,31 @@ def predictive_comparison(table: pa.Table | None, decision: dict | None, path: P
         fontsize=6,
     )
     ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+@_styled
+def prefetch_lead(lead: pa.Table | None, trace: str, copy_us: float | None, path: Path) -> Path:
+    """Recall of next-layer predictions from adjacent-layer transitions against the lead: in layers and
+    in microseconds (d x the shortest layer time), with one expert copy's time marked."""
+    fig = _figure(7.0, 4.2)
+    ax = fig.add_subplot()
+    ax.set_title(f"Inter-layer prefetch: recall vs lead — {trace}")
+    rows = select(lead, trace=trace)
+    if rows is None or rows.num_rows == 0:
+        _note(ax, "no prefetch-lead rows")
+        return _save(fig, path)
+    rows = rows.filter(pc.is_valid(rows["recall"]))
+    lead_us = floats(rows, "lead_us")
+    x = lead_us if not np.isnan(lead_us).any() else ints(rows, "lead_layers").astype(float)
+    ax.plot(x, floats(rows, "recall"), "o-", label="recall of the predicted K experts")
+    for xi, d in zip(x, ints(rows, "lead_layers"), strict=True):
+        ax.annotate(f"{d} layer{'s' if d > 1 else ''}", (xi, 0.02), ha="center", fontsize=7)
+    if copy_us is not None and not np.isnan(lead_us).any():
+        ax.axvline(copy_us, color="r", ls="--", lw=1, label=f"one expert copy ({copy_us:.0f} us)")
+    ax.set_xlabel("lead (us; shortest layer time x layers)" if x is lead_us else "lead (layers)")
+    ax.set_ylabel("recall")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=7)
     return _save(fig, path)

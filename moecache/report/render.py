@@ -25,6 +25,7 @@ ANALYSIS_FILES = (
     "layer_mi.parquet",
     "window_drift.parquet",
     "convergence.parquet",
+    "prefetch_lead.parquet",
 )
 DEFAULT_LABEL = "lfu"
 DEFAULT_BASELINE = "static_hindsight"
@@ -44,7 +45,7 @@ def _workload(sweep: pa.Table | None, trace: str) -> str | None:
 
 
 def _figure_plan(
-    data: dict[str, pa.Table | None], labels: list[str]
+    data: dict[str, pa.Table | None], labels: list[str], copy_us: dict[str, float]
 ) -> list[tuple[str, str, str, list[str], Callable]]:
     """(suffix, title, artifact, files, draw(trace, path)) per per-trace figure."""
     d = data
@@ -62,6 +63,8 @@ def _figure_plan(
         ("layer_transitions", "Adjacent-layer transitions and mutual information", "analysis",
          ["layer_transitions.parquet", "layer_mi.parquet"],
          lambda t, p: fig.layer_transitions(d["layer_transitions.parquet"], d["layer_mi.parquet"], t, p)),
+        ("prefetch_lead", "Inter-layer prefetch recall vs lead time", "analysis", ["prefetch_lead.parquet"],
+         lambda t, p: fig.prefetch_lead(d["prefetch_lead.parquet"], t, copy_us.get(t), p)),
         ("drift_convergence", "Drift and convergence", "analysis",
          ["window_drift.parquet", "convergence.parquet"],
          lambda t, p: fig.drift_and_convergence(d["window_drift.parquet"], d["convergence.parquet"], t, p)),
@@ -100,7 +103,8 @@ def render_report(
     dirs = {"analysis": analysis_dir, "sweep": sweep_dir}
     traces = trace_names(*data.values(), summary=summary)
     slugs = unique_slugs(traces)
-    plan = _figure_plan(data, layer_labels)
+    copy_us = {t: f.get("copy_us") for t, f in (summary or {}).items() if isinstance(f, dict)}
+    plan = _figure_plan(data, layer_labels, copy_us)
     trace_texts = []
     for trace in traces:
         entries: list[tuple[str, str | None, str]] = []
@@ -147,7 +151,7 @@ def render_report(
     if not traces:
         trace_texts = ["No trace appears in any artifact.", ""]
     text = "\n".join(head) + "\n" + sections.decision_section(decision, verdicts, decision_link) + "\n"
-    text += sections.predictive_section(decision, comparison, predictive_link) + "\n"
+    text += sections.predictive_section(decision, comparison, predictive_link, data["sweep.parquet"]) + "\n"
     text += "\n".join(trace_texts)
     report = out_dir / "report.md"
     report.write_text(text.rstrip("\n") + "\n")

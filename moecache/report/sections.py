@@ -214,7 +214,36 @@ def trace_section(
     return "\n".join(out)
 
 
-def predictive_section(decision: dict | None, table: pa.Table | None, figure: str | None) -> str:
+PREFETCH_COLUMNS = ("prefetches", "prefetch_accuracy", "prefetch_timely", "prefetch_wasted_bytes")
+
+
+def prefetch_table(sweep: pa.Table | None, table: pa.Table) -> str:
+    """Prefetch accounting (sweep rows, timed, base scales) of the judged (label, trace, capacity) cells."""
+    if sweep is None or any(c not in sweep.column_names for c in PREFETCH_COLUMNS):
+        return "The sweep has no prefetch columns."
+    cells = {(r["label"], r["trace"], r["capacity"]) for r in table.to_pylist() if r["split"] == "held_out"}
+    rows = [
+        r
+        for r in sweep.to_pylist()
+        if (r["label"], r["trace"], r["capacity"]) in cells
+        and r["mode"] == "timed"
+        and all(r.get(k, 1.0) == 1.0 for k in ("bandwidth_scale", "cpu_scale", "gpu_scale"))
+    ]
+    rows.sort(key=lambda r: (r["label"], r["trace"], r["capacity"]))
+    body = [
+        [md.code(r["label"]), r["trace"], r["capacity"], md.num(r["prefetches"] / r["tokens"] if r["tokens"] else None),
+         md.num(r["prefetch_accuracy"]), md.num(r["prefetch_timely"]),
+         md.num(r["prefetch_wasted_bytes"] / r["tokens"] if r["tokens"] else None),
+         md.num(r.get("prefetch_lead_us_median")), md.num(r["hit_rate"])]
+        for r in rows
+    ]  # fmt: skip
+    headers = ["label", "trace", "capacity", "prefetches/token", "accuracy", "timely", "wasted bytes/token"]
+    return md.table(headers + ["median lead (us)", "hit rate"], body) if body else "No judged cell."
+
+
+def predictive_section(
+    decision: dict | None, table: pa.Table | None, figure: str | None, sweep: pa.Table | None = None
+) -> str:
     """The second part: each predictive policy's choice on the prefixes, whether it is consistently
     better than the first-part selection, and every judged cell."""
     out = ["## Predictive strategies (second part)", ""]
@@ -254,6 +283,8 @@ def predictive_section(decision: dict | None, table: pa.Table | None, figure: st
     if figure is not None:
         out += [f"![Predictive policies vs the first-part selection]({figure})", ""]
     if table is not None and table.num_rows:
+        out += ["### Prefetch accounting of the chosen parameter sets (timed replay of the whole trace)", ""]
+        out += [prefetch_table(sweep, table), "", "### Every judged cell", ""]
         rows = sorted(table.to_pylist(), key=lambda r: (r["policy"], r["split"], r["trace"], r["capacity"]))
         out += [
             md.table(

@@ -32,6 +32,18 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "layer_mi.parquet": ("trace", "layer", "mi_bits", "mi_shuffled_bits"),
     "window_drift.parquet": ("trace", "token_start", "js_vs_first", "js_vs_first_shuffled"),
     "convergence.parquet": ("trace", "tokens_seen", "spearman"),
+    "prefetch_lead.parquet": ("trace", "lead_layers", "recall", "lead_us"),
+    "predictive.parquet": (
+        "policy",
+        "label",
+        "split",
+        "trace",
+        "capacity",
+        "rel_diff",
+        "ci_lo",
+        "ci_hi",
+        "verdict",
+    ),
     "verdicts.parquet": (
         "trace",
         "workload",

@@ -127,7 +127,7 @@ def write_sweep(folder: Path, sweep: list[dict] | None = None) -> Path:
 def write_analysis(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tables: dict[str, list[dict]] = {k: [] for k in ("frequency", "reuse", "runs", "layer_transitions")}
-    tables.update({k: [] for k in ("layer_mi", "window_drift", "convergence")})
+    tables.update({k: [] for k in ("layer_mi", "window_drift", "convergence", "prefetch_lead")})
     summary = {}
     for i, trace in enumerate(TRACES):
         counts = [[8, 4, 2, 1 + i], [5, 5, 3, 2]]
@@ -181,7 +181,13 @@ def write_analysis(folder: Path) -> Path:
                         "overlap": 0.5,
                     }
                 )
+        for d, recall in ((1, 0.55), (2, 0.5), (3, None)):
+            tables["prefetch_lead"].append(
+                {"trace": trace, "lead_layers": d, "recall": recall, "tokens": 0 if recall is None else 50,
+                 "lead_us": 140.0 * d}
+            )  # fmt: skip
         summary[trace] = {
+            "copy_us": 126.4,
             "global_gini": 0.123456,
             "reuse_share_distance_1": 30 / 48,
             "mean_mi_bits": 0.9,

@@ -19,7 +19,7 @@ from moecache.report.tables import unique_slugs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUFFIXES = ("hit_rate", "ms_per_token", "per_layer", "frequency_cdf", "reuse_runs", "layer_transitions")
-SUFFIXES += ("drift_convergence",)
+SUFFIXES += ("drift_convergence", "prefetch_lead")
 SLUGS = ("tiny_multi_request_seed0", "tiny_long_single_seed0")
 
 
@@ -113,7 +113,7 @@ def test_without_analysis_and_decision(artifacts, tmp_path):
     text = result["report"].read_text()
     assert "The decision artifact is absent; this section is skipped." in text
     assert "The analysis artifact is absent; no headline numbers." in text
-    assert text.count("The analysis artifact is absent; figure skipped.") == 2 * 4
+    assert text.count("The analysis artifact is absent; figure skipped.") == 2 * 5  # 5 analysis figures
     assert "Selected policy" not in text
     assert sorted(links(result["report"])) == sorted(f"figures/{name}" for name in expected)
     assert "| `lfu` | 8 | not reached |" in text  # the sweep's targets are still shown
