@@ -208,3 +208,22 @@ def test_predictive_section(rendered):
     assert "workload-specific win" in section and "figures/predictive.png" in section
     # one table row per judged cell: 2 traces x 2 capacities
     assert section.count("| transition_prefetch | `transition_prefetch(budget=2)` | held_out |") == 4
+
+
+def test_prefetch_table_of_the_judged_cells():
+    base = {"trace": "t", "mode": "timed", "bandwidth_scale": 1.0, "cpu_scale": 1.0, "gpu_scale": 1.0}
+    sweep = pa.Table.from_pylist(
+        [
+            # 40 prefetches over 100 tokens; 30 used -> accuracy 0.75; 10 unused x 1000 B / 100 tokens = 100
+            {**base, "label": "tp", "capacity": 8, "tokens": 100, "prefetches": 40, "prefetch_accuracy": 0.75,
+             "prefetch_timely": 0.9, "prefetch_wasted_bytes": 10_000, "prefetch_lead_us_median": 250.0,
+             "hit_rate": 0.5},
+            {**base, "label": "tp", "capacity": 16, "tokens": 100, "prefetches": 1, "prefetch_accuracy": 1.0,
+             "prefetch_timely": 1.0, "prefetch_wasted_bytes": 0, "prefetch_lead_us_median": 1.0, "hit_rate": 0.9},
+        ]
+    )  # fmt: skip
+    judged = pa.Table.from_pylist([{"label": "tp", "trace": "t", "capacity": 8, "split": "held_out"}])
+    text = sections.prefetch_table(sweep, judged)
+    assert "| `tp` | t | 8 | 0.4 | 0.75 | 0.9 | 100 | 250 | 0.5 |" in text
+    assert "| 16 |" not in text  # not a judged cell
+    assert sections.prefetch_table(sweep.drop(["prefetches"]), judged) == "The sweep has no prefetch columns."
