@@ -65,7 +65,7 @@ def main() -> None:
     import moecache.sim.policies  # noqa: F401
 
     for name in sorted(POLICIES):
-        policy = make_policy(name)
+        policy = make_policy(name).bind_cost(cost)  # cost-aware policies (impact) read it
         hit = replay_instant(trace, policy, args.capacity).hit_A.mean()
         t_inst = best_of(lambda p=policy: replay_instant(trace, p, args.capacity), args.repeats)
         t_timed = best_of(lambda p=policy: replay_timed(trace, p, args.capacity, cost), args.repeats)
