@@ -322,16 +322,16 @@ def token_signal_table(tt: TokenTrace, seed: int = 0) -> tuple[pa.Table, dict]:
     """Per MoE layer n >= 1 over the tokens with a lens token at n (module docstring): trace, layer,
     samples, mi_bits, mi_shuffled_bits, cmi_bits, cmi_shuffled_bits, recall_layer, recall_layer_token
     (None for a layer without samples). The shuffles use np.random.default_rng(seed), one permutation
-    per layer in layer order. Summary: <column>_mean over the layers with samples for every statistic,
-    `token_gain` = recall_layer_token_mean - recall_layer_mean and `samples` (sampled token-layer rows
+    per layer in layer order. Summary: lens_<column>_mean over the layers with samples for every statistic,
+    `token_gain` = lens_recall_layer_token_mean - lens_recall_layer_mean and `lens_samples` (sampled token-layer rows
     at layers >= 1); every value None, and no rows, when the trace has no lens token."""
     L, K = tt.num_layers, tt.top_k
     lens_TL = np.asarray(tt.lens_TL, np.int64)
     sampled_TL = lens_TL >= 0
     sampled_TL[:, 0] = False  # layer 0 has no previous layer to condition on
     if L < 2 or not sampled_TL.any():
-        summary = {f"{k}_mean": None for k in TOKEN_SIGNAL_KEYS}
-        return TOKEN_SIGNAL_SCHEMA.empty_table(), {**summary, "token_gain": None, "samples": 0}
+        summary = {f"lens_{k}_mean": None for k in TOKEN_SIGNAL_KEYS}
+        return TOKEN_SIGNAL_SCHEMA.empty_table(), {**summary, "token_gain": None, "lens_samples": 0}
 
     pair_key = np.where(sampled_TL, np.arange(L, dtype=np.int64)[None, :] * (lens_TL.max() + 1) + lens_TL, -1)
     key_TL = np.full(pair_key.shape, -1, np.int64)
@@ -358,7 +358,7 @@ def token_signal_table(tt: TokenTrace, seed: int = 0) -> tuple[pa.Table, dict]:
         defined = [v for v in values if v is not None]
         return float(np.mean(defined)) if defined else None
 
-    summary = {f"{k}_mean": mean(rows[k]) for k in TOKEN_SIGNAL_KEYS}
-    summary["token_gain"] = summary["recall_layer_token_mean"] - summary["recall_layer_mean"]
-    summary["samples"] = int(samples_L.sum())
+    summary = {f"lens_{k}_mean": mean(rows[k]) for k in TOKEN_SIGNAL_KEYS}
+    summary["token_gain"] = summary["lens_recall_layer_token_mean"] - summary["lens_recall_layer_mean"]
+    summary["lens_samples"] = int(samples_L.sum())
     return pa.table(rows, schema=TOKEN_SIGNAL_SCHEMA), summary

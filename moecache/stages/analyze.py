@@ -33,6 +33,7 @@ from moecache.analysis import (
 from moecache.analysis.tokens import TokenTrace, load_token_trace
 from moecache.artifacts import artifact_id
 from moecache.config import to_container
+from moecache.errors import MoecacheError
 from moecache.sim.inputs import load_profile, resolve_traces
 from moecache.sim.sweep import capacity_grid, cost_model
 from moecache.sim.trace_arrays import TraceArrays, load_trace
@@ -84,6 +85,9 @@ def _token_statistics(tt: TokenTrace, a: dict, seed: int, lead_us: float) -> tup
         out = compute()
         table, summary = out if isinstance(out, tuple) else (out, {})
         tables[stem] = table
+        clash = sorted(set(summary) & set(figures))
+        if clash:  # every statistic names its own figures: one must not overwrite another's
+            raise MoecacheError(f"analyze {stem}: summary key(s) {clash} already set by another statistic")
         figures.update(summary)
     return tables, figures
 

@@ -75,6 +75,14 @@ def test_analysis_has_every_table_for_every_trace(pipeline):
     assert all(r["lead_us"] > 0 for r in lead)  # the bundled profile's GPU time per layer
     summary = json.loads((a.artifact / "summary.json").read_text())
     assert summary["multi"]["requests"] == 10 and summary["long"]["tokens"] == 200
+    # the adjacent-layer MI summary is the layer_mi table's mean (no other statistic overwrites it)
+    mi = [
+        r["mi_bits"]
+        for r in pq.read_table(a.artifact / "layer_mi.parquet").to_pylist()
+        if r["trace"] == "multi"
+    ]
+    assert summary["multi"]["mi_bits_mean"] == pytest.approx(sum(mi) / len(mi))
+    assert summary["multi"]["token_gain"] is None  # no lens tokens in an imported trace
     freq = pq.read_table(a.artifact / "frequency.parquet").to_pylist()
     # every token makes LAYERS x TOP_K selections
     assert sum(r["count"] for r in freq if r["trace"] == "multi") == 200 * LAYERS * TOP_K
