@@ -218,7 +218,6 @@ def test_window_expiry(make_trace):
 
 @pytest.mark.skipif(not ESFT_LAW.is_file(), reason="../shared/data is not present")
 def test_real_trace_smoke():
-    import time
 
     from moecache.sim.trace_arrays import from_table
     from moecache.trace.esft_import import esft_to_table, load_esft_npz
@@ -232,10 +231,7 @@ def test_real_trace_smoke():
     rates = {}
     for name, params in VARIANTS:
         policy = make_policy(name, **params)
-        replay_instant(trace, policy, 300)  # compiles
-        start = time.perf_counter()
         result = replay_instant(trace, policy, 300)
-        assert time.perf_counter() - start < 2.0, policy.label()
         rates[policy.label()] = result.hit_A.mean()
         assert result.admits_S.sum() - result.evicts_S.sum() <= 300
     assert all(0.1 < r < 0.9 for r in rates.values()), rates
