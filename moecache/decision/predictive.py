@@ -230,7 +230,8 @@ def apply(
         decision["selected"] = summary["selected"]
         decision["reasons"].append(
             f"selected {summary['selected']['label']}: consistently better than {summary['reference']}"
-            " on held-out tokens and other workloads"
+            " on held-out tokens"
+            + (" and other workloads" if len(summary["workloads"]["present"]) >= 2 else "")
         )
         decision["reasons"] += summary["policies"][summary["selected"]["policy"]]["notes"]
     else:

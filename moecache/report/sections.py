@@ -253,8 +253,14 @@ def predictive_section(
     first = ((decision or {}).get("first_part") or {}).get("label")
     out += [f"Reference: the first-part selection {md.code(summary.get('reference') or first)}.", ""]
     selected = summary.get("selected")
+    present = (summary.get("workloads") or {}).get("present") or []
+    where = (
+        "on held-out tokens and other workloads"
+        if len(present) >= 2
+        else f"on held-out tokens of one workload class only ({', '.join(present)}): a workload-specific result"
+    )
     out += [
-        f"**Selected: {md.code(selected['label'])}**, consistently better on held-out tokens and other workloads."
+        f"**Selected: {md.code(selected['label'])}**, consistently better {where}."
         if selected
         else "No predictive policy is consistently better: the first-part selection stands.",
         "",
