@@ -236,7 +236,11 @@ def test_no_lens_samples_gives_no_rows_and_none_summary():
     tt = token_trace([[[0], [1]], [[1], [0]]], [0, 0], 2)  # built without lens_TL
     table, summary = token_signal_table(tt)
     assert table.num_rows == 0 and table.schema.names[:3] == ["trace", "layer", "samples"]
-    assert summary["token_gain"] is None and summary["lens_mi_bits_mean"] is None and summary["lens_samples"] == 0
+    assert (
+        summary["token_gain"] is None
+        and summary["lens_mi_bits_mean"] is None
+        and summary["lens_samples"] == 0
+    )
     # lens tokens at layer 0 only: nothing to condition on either
     only_first = token_trace([[[0], [1]], [[1], [0]]], [0, 0], 2, lens_TL=[[4, -1], [5, -1]])
     assert token_signal_table(only_first)[0].num_rows == 0
