@@ -590,7 +590,7 @@ class RefImpact:
         if not keys:
             return admitted, evicted
         layer = keys[0] // self.E
-        tokens = int(self.trace.tokens_S[s])
+        tokens = sum(uses) / self.trace.top_k  # each token selects top_k experts of the layer
         self.visits[layer] += 1
         if self.alpha == 1.0:
             for k in range(layer * self.E, (layer + 1) * self.E):

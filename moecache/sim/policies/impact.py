@@ -69,8 +69,9 @@ Implementation (O(keys of the step x log E + L) per step, plus O(E) when a layer
   heap holds mirrored indexes K - 1 - k so that _heap's tie rule picks the smaller key). The victim is
   the lowest of the L residents' heap tops by I (ties: the larger key). The step's hits leave their heap
   for the step (so they cannot be victims) and return with their new P; admitted keys join at the end.
-- u_k needs the step's tokens: the state holds the trace's start_S and tokens_S and finds the step of a0
-  (steps come in order).
+- u_k needs the step's tokens, which the step's own inputs give: every token selects top_k distinct
+  experts of the layer, so tokens = sum of the step's uses / top_k (exact for a router's output; the
+  same in the runtime, which sees nothing but the step).
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ def evict_victim(res_heap, res_pos_K, res_n_L, non_heap, non_pos_J, non_n_L, p_K
 @nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
 def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     (x_K, p_K, q_J, mu_K, res_heap, res_pos_K, res_n_L, non_heap, non_pos_J, non_n_L,
-     visits_L, scale_L, w_L, prev_K, prev_n_L, sav_M, start_S, tokens_S, miss, meta, fmeta) = state  # fmt: skip
-    # meta: [E, L, capacity, held, step cursor, budget, alpha is 1]; fmeta: [alpha, 1 - alpha,
+     visits_L, scale_L, w_L, prev_K, prev_n_L, sav_M, miss, meta, fmeta) = state  # fmt: skip
+    # meta: [E, L, capacity, held, top_k, budget, alpha is 1]; fmeta: [alpha, 1 - alpha,
     # log2(1 / (1 - alpha)), horizon, copy_us]
     n_keys = key_U.shape[0]
     if n_keys == 0:
@@ -142,11 +143,10 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
     hi = lo + num_experts
     rh = res_heap[lo:hi]
     nh = non_heap[lo:hi]
-    s = meta[4]  # the trace's step that starts at access a0 (non-empty steps start at distinct a0)
-    while start_S[s + 1] <= a0:
-        s += 1
-    meta[4] = s
-    tokens = tokens_S[s]
+    selections = 0
+    for i in range(n_keys):
+        selections += uses_U[i]
+    tokens = selections / meta[4]  # each token selects top_k experts of the layer
 
     # ---- the layer's clock: decay (lazily), or reset the last visit's scores when alpha = 1
     visit = visits_L[layer] + 1
@@ -331,7 +331,8 @@ class Impact(Policy):
         alpha = float(self.params["alpha"])
         n, layers, experts = trace.num_keys, trace.num_layers, trace.num_experts
         meta = np.array(
-            [experts, layers, capacity, 0, 0, int(self.params["budget"]), int(alpha == 1.0)], np.int64
+            [experts, layers, capacity, 0, trace.top_k, int(self.params["budget"]), int(alpha == 1.0)],
+            np.int64,
         )
         fmeta = np.array(
             [
@@ -360,8 +361,6 @@ class Impact(Policy):
             np.zeros(max(n, 1), np.int64),  # prev_K: keys of layer l's last visit in [l E, ...)
             np.zeros(layers, np.int64),  # prev_n_L
             sav_M,
-            trace.start_S,
-            trace.tokens_S,
             np.zeros(max(experts, 1), np.int64),  # miss: the step's misses
             meta,
             fmeta,
