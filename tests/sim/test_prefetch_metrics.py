@@ -19,6 +19,7 @@ from strategies import hand_cost as shared_hand_cost
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.sim.cost_model import CostModel
 from moecache.sim.metrics import per_request, summarize
+from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policy import Policy, make_policy
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
@@ -46,15 +47,9 @@ def _next_expert0_step(state, key_U, uses_U, hit_U, a0, clock, request, resident
             victim = fifo[head]
             head = (head + 1) % cap
             count -= 1
-            if admitted_at_K[victim] == a0:  # admitted by this very step: the two cancel out
-                for j in range(n_admit):
-                    if admit_out[j] == victim:
-                        admit_out[j] = admit_out[n_admit - 1]
-                        n_admit -= 1
-                        break
-            else:
-                evict_out[n_evict] = victim
-                n_evict += 1
+            n_admit, n_evict = cancel_or_evict(
+                admit_out, n_admit, evict_out, n_evict, admitted_at_K, a0, victim
+            )
         fifo[(head + count) % cap] = k
         count += 1
         admitted_at_K[k] = a0

@@ -31,6 +31,7 @@ import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
+from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policy import Policy, register
 
 
@@ -89,23 +90,6 @@ def _sift_down(heap, pos_K, mask, n, i, c):
         i = j
     heap[i] = c
     pos_K[c & mask] = i
-
-
-@nb.njit(cache=True, inline="always")
-def cancel_or_evict(admit_out, n_admit, evict_out, n_evict, admitted_at_K, a0, victim):
-    """Record the eviction of `victim`, or, when this same step admitted it, drop that admission:
-    the two cancel out. Returns (n_admit, n_evict)."""
-    if admitted_at_K[victim] == a0:
-        at = 0
-        for j in range(n_admit):  # no `break` (see above)
-            if admit_out[j] == victim:
-                at = j
-        admit_out[at] = admit_out[n_admit - 1]
-        n_admit -= 1
-    else:
-        evict_out[n_evict] = victim
-        n_evict += 1
-    return n_admit, n_evict
 
 
 @nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py

@@ -39,6 +39,7 @@ import numpy as np
 
 from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
+from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policies.lfu import frequency_arrays, note_use
 from moecache.sim.policies.lfu_decay import decayed_weight
 from moecache.sim.policy import Policy, register
@@ -66,14 +67,7 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit
                 n = _heap.push(heap, pos_K, score_K, n, m)
             else:  # the victim is the heap's top: smallest CRF, then largest key
                 v = _heap.replace_top(heap, pos_K, score_K, n, m)
-                if admitted_at_K[v] == a0:  # admitted earlier in this very step: the two cancel out
-                    for r in range(na):
-                        if admit_out[r] == v:
-                            admit_out[r] = admit_out[na - 1]
-                    na -= 1
-                else:
-                    evict_out[ne] = v
-                    ne += 1
+                na, ne = cancel_or_evict(admit_out, na, evict_out, ne, admitted_at_K, a0, v)
             admitted_at_K[m] = a0
             admit_out[na] = m
             na += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policy import Policy, register
 
 
@@ -49,15 +50,9 @@ def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_
             victim = prev_K[head]
             _unlink(prev_K, next_K, victim)
             held -= 1
-            if admitted_at_K[victim] == a0:  # admitted earlier in this very step: the two cancel out
-                for j in range(n_admit):
-                    if admit_out[j] == victim:
-                        admit_out[j] = admit_out[n_admit - 1]
-                        n_admit -= 1
-                        break
-            else:
-                evict_out[n_evict] = victim
-                n_evict += 1
+            n_admit, n_evict = cancel_or_evict(
+                admit_out, n_admit, evict_out, n_evict, admitted_at_K, a0, victim
+            )
         _push_front(prev_K, next_K, head, k)
         held += 1
         admitted_at_K[k] = a0

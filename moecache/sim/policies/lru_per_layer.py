@@ -24,7 +24,7 @@ import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
-from moecache.sim.policies.belady import cancel_or_evict
+from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policies.lfu import key_counts
 from moecache.sim.policies.lru import _push_front, _unlink
 from moecache.sim.policy import Policy, register
