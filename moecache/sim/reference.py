@@ -30,6 +30,14 @@ def per_key_uses(trace: TraceArrays) -> dict[int, int]:
     return counts
 
 
+def cancel_or_evict(victim: int, admitted: list[int], evicted: list[int]) -> None:
+    """Evict `victim`, or, when this same step admitted it, drop that admission (no copy is made)."""
+    if victim in admitted:
+        admitted.remove(victim)
+    else:
+        evicted.append(victim)
+
+
 class RefLRU:
     """Most recent last; a step's hits are refreshed (access order) before its misses are admitted
     (router order); an admitted key evicted again in the same step cancels out."""
@@ -52,10 +60,7 @@ class RefLRU:
                 continue
             if len(self.order) == self.capacity:
                 victim = self.order.pop(0)
-                if victim in admitted:
-                    admitted.remove(victim)
-                else:
-                    evicted.append(victim)
+                cancel_or_evict(victim, admitted, evicted)
             self.order.append(k)
             admitted.append(k)
         return admitted, evicted
@@ -115,10 +120,7 @@ class _RefScored:
             if self.score_of(m) > self.score_of(victim):
                 self.held.remove(victim)
                 self.held.add(m)
-                if victim in admitted:
-                    admitted.remove(victim)
-                else:
-                    evicted.append(victim)
+                cancel_or_evict(victim, admitted, evicted)
                 admitted.append(m)
         return admitted, evicted
 
@@ -221,10 +223,7 @@ class RefBelady:
                 if self.bypass and not nxt[victim] > nxt[k]:
                     continue
                 self.held.remove(victim)
-                if victim in admitted:
-                    admitted.remove(victim)
-                else:
-                    evicted.append(victim)
+                cancel_or_evict(victim, admitted, evicted)
             self.held.add(k)
             admitted.append(k)
         return admitted, evicted
@@ -257,10 +256,7 @@ class RefLRFU:
             if len(self.held) == self.capacity:
                 victim = max(self.held, key=lambda k: (-self.score.get(k, 0.0), k))
                 self.held.remove(victim)
-                if victim in admitted:
-                    admitted.remove(victim)
-                else:
-                    evicted.append(victim)
+                cancel_or_evict(victim, admitted, evicted)
             self.held.add(m)
             admitted.append(m)
         return admitted, evicted
