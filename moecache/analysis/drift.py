@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from moecache.analysis.correlation import average_ranks, spearman  # noqa: F401 (re-exported)
 from moecache.analysis.frequency import expert_counts, keys_TLK, order_by_count
 from moecache.analysis.tokens import TokenTrace
 from moecache.errors import MoecacheError
@@ -210,26 +211,6 @@ def window_drift_table(tt: TokenTrace, window_tokens: int, seed: int) -> tuple[p
         "js_last_window_vs_first_shuffled": _none_if_nan(mean[True][-1]) if W > 1 else None,
     }
     return table, summary
-
-
-def average_ranks(x_N: np.ndarray) -> np.ndarray:
-    """float64 [N]: 1-based ranks of x ascending, tied values sharing the mean of their ranks."""
-    _, inverse_N, count_U = np.unique(np.asarray(x_N), return_inverse=True, return_counts=True)
-    last_rank_U = np.cumsum(count_U)  # a group of c ties occupies ranks last-c+1 .. last
-    return (last_rank_U - 0.5 * (count_U - 1))[inverse_N.ravel()].astype(np.float64)
-
-
-def spearman(x_N: np.ndarray, y_N: np.ndarray) -> float | None:
-    """Spearman rank correlation (Pearson of average ranks); None when either side is constant."""
-    x_N, y_N = np.asarray(x_N), np.asarray(y_N)
-    if x_N.size < 2 or np.all(x_N == x_N[0]) or np.all(y_N == y_N[0]):
-        return None
-    rx = average_ranks(x_N)
-    ry = average_ranks(y_N)
-    rx -= rx.mean()
-    ry -= ry.mean()
-    rho = float((rx * ry).sum() / np.sqrt((rx * rx).sum() * (ry * ry).sum()))
-    return min(1.0, max(-1.0, rho))
 
 
 def top_overlap(x_N: np.ndarray, y_N: np.ndarray, capacity: int) -> float:

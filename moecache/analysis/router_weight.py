@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from moecache.analysis.correlation import average_ranks, pearson, spearman  # noqa: F401
 from moecache.analysis.tokens import TokenTrace
 from moecache.errors import MoecacheError
 
@@ -68,28 +69,6 @@ def reuse_flags(tt: TokenTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     )
 
 
-def pearson(x: np.ndarray, y: np.ndarray) -> float | None:
-    """Pearson correlation; None with fewer than 2 values or a constant one."""
-    if x.size < 2:
-        return None
-    dx, dy = x - x.mean(), y - y.mean()
-    denom = np.sqrt((dx * dx).sum() * (dy * dy).sum())
-    return float((dx * dy).sum() / denom) if denom > 0 else None
-
-
-def average_ranks(x: np.ndarray) -> np.ndarray:
-    """float64: 1-based ranks of x, tied values sharing the mean of their ranks."""
-    order = np.argsort(x, kind="stable")
-    sorted_x = x[order]
-    new_group = np.concatenate([[True], sorted_x[1:] != sorted_x[:-1]])
-    group = np.cumsum(new_group) - 1
-    first = np.flatnonzero(new_group)
-    last = np.concatenate([first[1:], [x.size]]) - 1
-    ranks = np.empty(x.size, np.float64)
-    ranks[order] = (first[group] + last[group]) / 2.0 + 1.0
-    return ranks
-
-
 def _rows(tt: TokenTrace, by: str, bin_X, weight_X, next_X, within_X) -> dict[str, list]:
     rows = {name: [] for name in ROUTER_WEIGHT_SCHEMA.names}
     for b in np.unique(bin_X):
@@ -138,7 +117,7 @@ def router_weight_table(tt: TokenTrace) -> tuple[pa.Table, dict]:
     full = within_X >= 0
     summary = {
         "pearson_next": pearson(weight_X, next_f),
-        "spearman_next": pearson(average_ranks(weight_X), average_ranks(next_f)),
+        "spearman_next": spearman(weight_X, next_f),
         "pearson_within_8": pearson(weight_X[full], within_X[full].astype(np.float64)),
     }
     return pa.table(rows, schema=ROUTER_WEIGHT_SCHEMA), summary

@@ -25,6 +25,7 @@ from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from moecache.analysis.frequency import cover  # noqa: E402  (the analysis's own definition)
 from moecache.report.tables import curve_rows, floats, ints, labels_in_order, select  # noqa: E402
 
 DPI = 110
@@ -268,16 +269,6 @@ def per_layer_heatmap(per_layer: pa.Table | None, trace: str, labels: list[str],
     if image is not None:
         fig.colorbar(image, ax=list(axes), label="hit rate (fraction of the layer's accesses)", shrink=0.9)
     return _save(fig, path)
-
-
-def cover(count_N: np.ndarray, fraction: float) -> int | None:
-    """Fewest keys whose counts (taken largest first) sum to at least fraction x total; None when total is 0.
-    E.g. counts [5, 3, 2], fraction 0.8: cumulative [5, 8, 10] >= 8 first at the 2nd key -> 2."""
-    total = count_N.sum()
-    if total <= 0:
-        return None
-    cum_N = np.cumsum(np.sort(count_N)[::-1])
-    return int(np.argmax(cum_N >= fraction * total)) + 1
 
 
 @_styled
