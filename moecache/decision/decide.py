@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 from moecache.decision.bootstrap import paired_ratio_bootstrap
 from moecache.decision.rule import COMPETITIVE, METRICS, MIN_UNITS, PolicyRef, Rule, classify
 from moecache.errors import MoecacheError
-from moecache.sim.sweep import SCALES
+from moecache.sim.sweep import SCALES, base_rows
 
 SWEEP_COLUMNS = ("trace", "workload", "policy", "params", "label", "mode", "capacity", *SCALES, "hit_rate")
 BLOCK_COLUMNS = (
@@ -85,13 +85,6 @@ def _require_columns(table: pa.Table, columns, name: str) -> None:
         raise MoecacheError(f"{name}: missing column(s) {missing}")
 
 
-def _base_filter(table: pa.Table, mode: str) -> pa.Table:
-    mask = pc.equal(table["mode"], mode)
-    for s in SCALES:
-        mask = pc.and_(mask, pc.equal(table[s], 1.0))
-    return table.filter(pc.fill_null(mask, False))
-
-
 def _params(row: dict) -> dict:
     try:
         return json.loads(row["params"])
@@ -124,7 +117,7 @@ class _Blocks:
     with the row range of every (trace, capacity, label)."""
 
     def __init__(self, blocks: pa.Table, labels: set[str], mode: str):
-        blocks = _base_filter(blocks, mode)
+        blocks = base_rows(blocks, mode)
         blocks = blocks.filter(pc.is_in(blocks["label"], value_set=pa.array(sorted(labels), pa.string())))
         nulls = blocks.filter(pc.is_null(blocks["est_us"]))
         if nulls.num_rows:
@@ -308,7 +301,7 @@ def decide(sweep: pa.Table, blocks: pa.Table, rule: Rule, copy_us: dict[str, flo
         raise MoecacheError(f"decide.metric={rule.metric!r}: expected one of {list(METRICS)}")
     _require_columns(sweep, SWEEP_COLUMNS, "sweep.parquet")
     _require_columns(blocks, BLOCK_COLUMNS, "per_block.parquet")
-    rows = _base_filter(sweep, rule.mode).to_pylist()
+    rows = base_rows(sweep, rule.mode).to_pylist()
     if not rows:
         raise MoecacheError(f"sweep.parquet: no row in mode {rule.mode!r} at base cost scales (all 1.0)")
     base = _label_of(rows, rule.baseline, "baseline", rule.mode)

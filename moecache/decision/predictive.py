@@ -28,8 +28,9 @@ import numpy as np
 import pyarrow as pa
 
 from moecache.decision.bootstrap import paired_ratio_bootstrap
-from moecache.decision.decide import _base_filter, _Blocks, _none, cell_seed
+from moecache.decision.decide import _Blocks, _none, cell_seed
 from moecache.decision.rule import MIN_UNITS, Rule, classify
+from moecache.sim.sweep import base_rows
 
 SCHEMA = pa.schema(
     [
@@ -96,7 +97,7 @@ def evaluate(
     (trace, capacity, label) -> the first part's failed limits in words ("" when it passes); a cell
     whose label fails them counts against the policy like a verdict other than better."""
     limits = limits or {}
-    rows = _base_filter(sweep, rule.mode).to_pylist()
+    rows = base_rows(sweep, rule.mode).to_pylist()
     workload_of = {r["trace"]: r["workload"] for r in rows}
     useful: dict[str, list[int]] = {}
     for r in rows:

@@ -17,8 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moecache.errors import MoecacheError
-
-SCALES = ("bandwidth_scale", "cpu_scale", "gpu_scale")
+from moecache.sim.sweep import base_rows
 
 # The columns the report reads from each file (other columns are ignored).
 REQUIRED: dict[str, tuple[str, ...]] = {
@@ -111,10 +110,7 @@ def select(table: pa.Table | None, **equals) -> pa.Table | None:
 
 def base_scales(table: pa.Table) -> pa.Table:
     """The rows at the base cost scales (all three *_scale == 1.0) where the table has those columns."""
-    for s in SCALES:
-        if s in table.column_names:
-            table = table.filter(pc.fill_null(pc.equal(table[s], 1.0), False))
-    return table
+    return base_rows(table)
 
 
 def preferred_mode(table: pa.Table | None) -> str:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from moecache.cost_profile import CostProfile
 from moecache.errors import MoecacheError
@@ -141,6 +142,19 @@ def run_jobs_with(
     else:
         done = [one(job) for job in jobs]
     return pa.Table.from_pylist([row for row, _ in done]), [detail for _, detail in done]
+
+
+def base_rows(table: pa.Table, mode: str | None = None) -> pa.Table:
+    """The rows at the base cost scales (every *_scale column the table has equals 1.0), and of
+    `mode` when given: the sweep rows every decision and figure reads (not the sensitivity rows)."""
+    masks = [pc.equal(table["mode"], mode)] if mode is not None else []
+    masks += [pc.equal(table[s], 1.0) for s in SCALES if s in table.column_names]
+    if not masks:
+        return table
+    keep = masks[0]
+    for mask in masks[1:]:
+        keep = pc.and_(keep, mask)
+    return table.filter(pc.fill_null(keep, False))
 
 
 def capacity_to_target(table: pa.Table, targets: list[float]) -> pa.Table:

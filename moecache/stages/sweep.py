@@ -31,6 +31,7 @@ from moecache.sim.metrics import per_block, per_layer
 from moecache.sim.sweep import (
     SCALES,
     Job,
+    base_rows,
     capacity_grid,
     capacity_to_target,
     cost_model,
@@ -123,9 +124,11 @@ def run(cfg: DictConfig) -> StageResult:
     }
     with store.create(STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=None) as tmp:
         pq.write_table(table, tmp / "sweep.parquet")
-        pq.write_table(_concat(table, [d["blocks"] for d in details], BLOCK_KEYS), tmp / "per_block.parquet")
-        layers = [d["layers"] for d in details if d["layers"] is not None]
-        pq.write_table(_concat(table, layers, LAYER_KEYS, base_only=True), tmp / "per_layer.parquet")
+        blocks = [d["blocks"] for d in details]
+        pq.write_table(_concat(table, range(len(details)), blocks, BLOCK_KEYS), tmp / "per_block.parquet")
+        base_jobs = [i for i, d in enumerate(details) if d["layers"] is not None]
+        layers = [details[i]["layers"] for i in base_jobs]
+        pq.write_table(_concat(table, base_jobs, layers, LAYER_KEYS), tmp / "per_layer.parquet")
         pq.write_table(targets, tmp / "targets.parquet")
         (tmp / "grid.json").write_text(json.dumps(grids, indent=2) + "\n")
         costs = {t.trace.name: cost_model(t.trace, profile, base).describe() for t in traces}
@@ -151,19 +154,10 @@ def _detail(job: Job, trace, result, cost, block_steps: int) -> dict:
     return {"blocks": per_block(trace, result, block_steps, cost), "layers": layers}
 
 
-def _concat(table: pa.Table, parts: list[dict], keys: tuple[str, ...], base_only: bool = False) -> pa.Table:
-    """One table of the jobs' detail arrays, each job's rows led by its sweep row's key columns
-    (`base_only`: the parts belong to the base-cost rows only, in order)."""
-    rows = np.arange(table.num_rows)
-    if base_only:
-        base = np.ones(table.num_rows, bool)
-        for s in SCALES:
-            base &= table[s].to_numpy() == 1.0
-        rows = rows[base]
-    if len(rows) != len(parts):
-        raise AssertionError(f"{len(parts)} details for {len(rows)} sweep rows")
+def _concat(table: pa.Table, rows, parts: list[dict], keys: tuple[str, ...]) -> pa.Table:
+    """One table of detail arrays, parts[i] led by the key columns of sweep row rows[i]."""
     sizes = [len(next(iter(p.values()))) for p in parts]
-    out = table.select(list(keys)).take(pa.array(np.repeat(rows, sizes), pa.int64()))
+    out = table.select(list(keys)).take(pa.array(np.repeat(np.asarray(rows, np.int64), sizes), pa.int64()))
     for name in parts[0] if parts else ():
         merged = np.concatenate([p[name] for p in parts])
         out = out.append_column(name, pa.array(merged, from_pandas=merged.dtype.kind == "f"))
@@ -171,9 +165,7 @@ def _concat(table: pa.Table, parts: list[dict], keys: tuple[str, ...], base_only
 
 
 def _best(table) -> str:
-    base = table.filter(pc.equal(table["mode"], "timed"))
-    for s in SCALES:
-        base = base.filter(pc.equal(base[s], 1.0))
+    base = base_rows(table, "timed")
     if base.num_rows == 0 or base["est_ms_per_token"].null_count == base.num_rows:
         return "n/a"
     i = pc.index(base["est_ms_per_token"], pc.min(base["est_ms_per_token"])).as_py()
