@@ -112,7 +112,7 @@ def cell_seed(seed: int, trace: str, capacity: int) -> np.random.SeedSequence:
     return np.random.SeedSequence([int(seed), name, int(capacity)])
 
 
-class _Blocks:
+class BlockIndex:
     """The per_block rows of the mode at base scales, sorted by (trace, capacity, label, request, block),
     with the row range of every (trace, capacity, label)."""
 
@@ -160,7 +160,7 @@ def _fmt(x: float | None, spec: str) -> str:
     return "undefined" if x is None else format(x, spec)
 
 
-def _none(x) -> float | None:
+def finite_or_none(x) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
@@ -190,7 +190,7 @@ def _cell(
     row_of: dict[str, dict],
     labels: list[str],
     roles: dict[str, str],
-    blocks: _Blocks,
+    blocks: BlockIndex,
     copy_us: float | None,
 ) -> list[dict]:
     """The verdict rows of one cell: every swept label but the baseline (labels[0])."""
@@ -219,7 +219,7 @@ def _cell(
     )
     est_P, tokens_P = num_PU.sum(axis=1), den_PU.sum(axis=1)
     metric_P = [est / 1e3 / tok if tok > 0 else None for est, tok in zip(est_P, tokens_P, strict=True)]
-    base_hit = _none(row_of[labels[0]]["hit_rate"])
+    base_hit = finite_or_none(row_of[labels[0]]["hit_rate"])
     useful = rule.in_useful_range(base_hit)
 
     out = []
@@ -229,8 +229,8 @@ def _cell(
         transfers, h2d = blocks.transfers_N[sl].sum(), blocks.h2d_N[sl].sum()
         bytes_per_token = h2d / tokens if tokens > 0 else None
         link_busy = transfers * copy_us / est if copy_us is not None and est > 0 else None
-        hit = _none(row_of[labels[p]]["hit_rate"])
-        rel, lo, hi = _none(rel_P[p]), _none(lo_P[p]), _none(hi_P[p])
+        hit = finite_or_none(row_of[labels[p]]["hit_rate"])
+        rel, lo, hi = finite_or_none(rel_P[p]), finite_or_none(lo_P[p]), finite_or_none(hi_P[p])
         failed = _limits(rule, hit, base_hit, bytes_per_token, link_busy)
         if units < MIN_UNITS:
             verdict, notes = "inconclusive", [f"fewer than {MIN_UNITS} units"]
@@ -254,8 +254,8 @@ def _cell(
                 "competitive": verdict in COMPETITIVE,
                 "hit_rate": hit,
                 "baseline_hit_rate": base_hit,
-                "bytes_per_token": _none(bytes_per_token),
-                "link_busy": _none(link_busy),
+                "bytes_per_token": finite_or_none(bytes_per_token),
+                "link_busy": finite_or_none(link_busy),
                 "passes_limits": not failed,
                 "reasons": "; ".join(notes + failed),
                 "in_useful_range": useful,
@@ -326,7 +326,7 @@ def decide(sweep: pa.Table, blocks: pa.Table, rule: Rule, copy_us: dict[str, flo
             )
         row_of[r["label"]] = r
     swept_labels = {r["label"] for r in rows}
-    block_index = _Blocks(blocks, swept_labels, rule.mode)
+    block_index = BlockIndex(blocks, swept_labels, rule.mode)
     others = sorted(swept_labels - {base, *cands})
 
     notes: list[str] = []
@@ -362,7 +362,7 @@ def _decision(rule, base, cands, cells, workload_of, verdicts, notes) -> dict:
             (t, c)
             for t, by_capacity in cells.items()
             for c, row_of in by_capacity.items()
-            if base in row_of and rule.in_useful_range(_none(row_of[base]["hit_rate"]))
+            if base in row_of and rule.in_useful_range(finite_or_none(row_of[base]["hit_rate"]))
         }
     )
     useful_traces = {t for t, _ in useful_cells}

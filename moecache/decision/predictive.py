@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from moecache.decision.bootstrap import paired_ratio_bootstrap
-from moecache.decision.decide import _Blocks, _none, cell_seed
+from moecache.decision.decide import BlockIndex, cell_seed, finite_or_none
 from moecache.decision.rule import MIN_UNITS, Rule, classify
 from moecache.sim.sweep import base_rows
 
@@ -54,7 +54,7 @@ SCHEMA = pa.schema(
 )
 
 
-def _prefix_mask(blocks: _Blocks, sl: slice, fraction: float) -> np.ndarray:
+def _prefix_mask(blocks: BlockIndex, sl: slice, fraction: float) -> np.ndarray:
     """Blocks (rows of `sl`, in trace order) whose first token comes before `fraction` of the tokens."""
     tokens_N = blocks.tokens_N[sl]
     start_N = np.cumsum(tokens_N) - tokens_N
@@ -76,15 +76,19 @@ def _compare(rule, blocks, trace, capacity, ref, label, keep_N, seed_key):
         num_PU, den_PU, 0, rule.bootstrap.resamples, cell_seed(rule.seed, seed_key, capacity), rule.confidence
     )
     units = num_PU.shape[1]
-    verdict = classify(_none(lo[1]), _none(hi[1]), rule.margin) if units >= MIN_UNITS else "inconclusive"
+    verdict = (
+        classify(finite_or_none(lo[1]), finite_or_none(hi[1]), rule.margin)
+        if units >= MIN_UNITS
+        else "inconclusive"
+    )
     metric = [n.sum() / 1e3 / d.sum() if d.sum() > 0 else None for n, d in zip(num_PU, den_PU, strict=True)]
     return (
         "request" if by_request else "block",
         units,
         metric,
-        _none(rel[1]),
-        _none(lo[1]),
-        _none(hi[1]),
+        finite_or_none(rel[1]),
+        finite_or_none(lo[1]),
+        finite_or_none(hi[1]),
         verdict,
     )
 
@@ -101,14 +105,14 @@ def evaluate(
     workload_of = {r["trace"]: r["workload"] for r in rows}
     useful: dict[str, list[int]] = {}
     for r in rows:
-        if r["label"] == baseline and rule.in_useful_range(_none(r["hit_rate"])):
+        if r["label"] == baseline and rule.in_useful_range(finite_or_none(r["hit_rate"])):
             useful.setdefault(r["trace"], []).append(int(r["capacity"]))
     traces = sorted(useful)
     labels_of = {
         name: sorted({r["label"] for r in rows if r["policy"] == name}) for name in rule.predictive.policies
     }
     wanted = {reference} | {x for labels in labels_of.values() for x in labels}
-    index = _Blocks(blocks, wanted, rule.mode)
+    index = BlockIndex(blocks, wanted, rule.mode)
     present = sorted({workload_of[t] for t in traces})
     required = list(rule.required_workloads) if rule.required_workloads is not None else present
 
@@ -154,7 +158,7 @@ def evaluate(
                 {
                     "policy": name, "label": label, "chosen_on": chosen_on, "trace": t,
                     "workload": workload_of[t], "split": split, "capacity": c, "reference": reference,
-                    "unit": unit, "units": units, "metric": _none(metric[1]), "reference_metric": _none(metric[0]),
+                    "unit": unit, "units": units, "metric": finite_or_none(metric[1]), "reference_metric": finite_or_none(metric[0]),
                     "rel_diff": rel, "ci_lo": lo, "ci_hi": hi, "verdict": verdict,
                 }
             )  # fmt: skip

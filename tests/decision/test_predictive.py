@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 from test_decide import rule, tables
 
-from moecache.decision.decide import _Blocks
+from moecache.decision.decide import BlockIndex
 from moecache.decision.predictive import SCHEMA, _prefix_mask, apply, evaluate
 
 CAPS = {8: 0.10, 16: 0.50, 32: 0.90}
@@ -66,7 +66,7 @@ def test_prefix_mask_by_tokens():
         [{"trace": "t", "workload": "w", "policy": "lfu", "params": {}, "capacity": 1, "hit_rate": 0.5,
           "blocks": [(0, i, 2, 1.0, 0, 0) for i in range(4)]}]
     )  # fmt: skip
-    index = _Blocks(blocks, {"lfu"}, "timed")
+    index = BlockIndex(blocks, {"lfu"}, "timed")
     assert _prefix_mask(index, index.get("t", 1, "lfu"), 0.5).tolist() == [True, True, False, False]
 
 
