@@ -47,9 +47,8 @@ class Policy:
     # True: the policy may admit keys the step did not access (prefetch), so it can beat demand
     # caching's compulsory misses; the demand-only properties of the tests skip it.
     prefetches: ClassVar[bool] = False
-    # True: `init_state` reads `self.cost` (a CostModel, set by `bind_cost`): the policy weighs CPU
-    # time, GPU time or copy time. The simulator binds the replay's cost model before every replay.
-    needs_cost: ClassVar[bool] = False
+    # The replay's CostModel (set by `bind_cost`; the simulator binds it before every replay). A policy
+    # that weighs CPU, GPU or copy time reads it in `init_state` through `require_cost`.
     cost: Any = None
 
     def __init__(self, **params: Any):

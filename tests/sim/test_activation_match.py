@@ -190,7 +190,10 @@ def test_bad_parameters_are_named(params, word):
         make_policy(NAME, **params)
 
 
-def test_registered_as_a_prefetcher():
+def test_registered_as_a_prefetcher(make_trace):
     policy = make_policy(NAME)
-    assert policy.prefetches and not policy.needs_cost
+    # a prefetcher that needs no cost model: it replays with none bound
+    trace = make_trace([(0, 0, 0, [[0]]), (0, 0, 1, [[1]])], 2, 2)
+    assert policy.prefetches and policy.cost is None
+    assert replay_instant(trace, policy, 1).hit_A.size == trace.num_accesses
     assert policy.params == {"history": 32, "top": 8, "budget": 2}

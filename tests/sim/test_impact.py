@@ -244,7 +244,12 @@ def test_needs_a_bound_cost(make_trace):
     trace = make_trace(GOLDEN, 3, 2)
     with pytest.raises(MoecacheError, match="policy impact weighs measured costs"):
         replay_instant(trace, make_policy("impact"), 2)
-    assert make_policy("impact").needs_cost and make_policy("impact").prefetches
+    assert make_policy("impact").prefetches
+    # bound, the same replay runs
+    assert (
+        replay_instant(trace, make_policy("impact").bind_cost(hand_cost()), 2).hit_A.size
+        == trace.num_accesses
+    )
 
 
 def test_cost_tables_must_cover_the_trace(make_trace):

@@ -253,10 +253,12 @@ def test_bad_parameters(params, word):
         make_policy(NAME, **params)
 
 
-def test_config_and_flags():
+def test_config_and_flags(make_trace):
     conf = yaml.safe_load((REPO_ROOT / "conf/policy/transition_prefetch.yaml").read_text())
     assert conf == {"name": NAME, "params": {"top": 8, "budget": 2, "min_probability": 0.1}}
     policy = make_policy(NAME)
     assert policy.params == conf["params"]
-    assert policy.prefetches and policy.cold_start and not policy.needs_cost
+    assert policy.prefetches and policy.cold_start and policy.cost is None
+    trace = make_trace([(0, 0, 0, [[0]]), (0, 0, 1, [[1]])], 2, 2)
+    assert replay_instant(trace, policy, 1).hit_A.size == trace.num_accesses  # no cost model needed
     make_policy(NAME, top=1, budget=0, min_probability=0)  # the edges are valid

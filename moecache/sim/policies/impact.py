@@ -306,7 +306,6 @@ class Impact(Policy):
     step = impact_step
     defaults = {"alpha": 0.3, "horizon": 8, "budget": 1}
     prefetches = True
-    needs_cost = True
 
     def __init__(self, **params):
         super().__init__(**params)
