@@ -117,3 +117,22 @@ def write_esft_npz(
 def make_esft_npz():
     """write_esft_npz, as a fixture."""
     return write_esft_npz
+
+
+ESFT_LAW = (
+    Path(__file__).resolve().parents[1] / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz"
+)
+
+
+@pytest.fixture(scope="session")
+def esft_law_trace() -> TraceArrays:
+    """The real DeepSeek-V2-Lite esft_law routing trace (8,327 tokens, 26 layers x 64 experts, top-6,
+    one token per step) as TraceArrays; the test is skipped where ../shared is absent."""
+    from moecache.trace.esft_import import esft_to_table, load_esft_npz
+
+    if not ESFT_LAW.is_file():
+        pytest.skip("../shared/data is not present")
+    meta = TraceMeta(num_layers=26, num_experts=64, top_k=6, expert_bytes=17301504)
+    arrays = load_esft_npz(ESFT_LAW, num_layers=26, num_experts=64, top_k=6)
+    table = esft_to_table(arrays, name="esft_law", run_id="esft_law", tokens_per_step=1, meta=meta)
+    return from_table(table, meta, name="esft_law")

@@ -22,9 +22,6 @@ from moecache.sim.reference import reference_run
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
 
-ESFT_LAW = (
-    Path(__file__).resolve().parents[2] / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz"
-).resolve()
 PROFILE = (
     Path(__file__).resolve().parents[2] / "moecache/data/cost_profiles/h200_qwen3_6_35b_a3b_2026-11-30.json"
 )
@@ -283,18 +280,11 @@ def test_bad_parameters(params, word):
         make_policy("impact", **params)
 
 
-@pytest.mark.skipif(not ESFT_LAW.is_file(), reason="../shared/data is not present")
-def test_real_trace_smoke():
+def test_real_trace_smoke(esft_law_trace):
     from moecache.cost_profile import CostProfile
     from moecache.sim.sweep import CostSettings, cost_model
-    from moecache.sim.trace_arrays import from_table
-    from moecache.trace.esft_import import esft_to_table, load_esft_npz
-    from moecache.trace.schema import TraceMeta
 
-    arrays = load_esft_npz(Path(ESFT_LAW), num_layers=26, num_experts=64, top_k=6)
-    meta = TraceMeta(26, 64, 6, 17301504)
-    table = esft_to_table(arrays, name="esft_law", run_id="esft_law", tokens_per_step=1, meta=meta)
-    trace = from_table(table.select(["request_id", "step_index", "layer_id", "phase", "expert_ids"]), meta)
+    trace = esft_law_trace
     cost = cost_model(trace, CostProfile.load(PROFILE), CostSettings())
     policy = make_policy("impact").bind_cost(cost)
     result = replay_instant(trace, policy, 300)

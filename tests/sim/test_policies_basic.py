@@ -5,20 +5,16 @@ parameters."""
 from __future__ import annotations
 
 from itertools import pairwise
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from strategies import assert_matches_reference, small_traces
 
-from moecache.env_info import REPO_ROOT
 from moecache.errors import MoecacheError
 from moecache.sim.policy import make_policy
 from moecache.sim.reference import per_key_uses, reference_run
 from moecache.sim.replay import replay_instant
-
-ESFT_LAW = (REPO_ROOT / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz").resolve()
 
 # (policy, params) of every variant tested here
 VARIANTS = [
@@ -216,17 +212,8 @@ def test_window_expiry(make_trace):
     assert hits == reference_run(trace, "lfu_window", 1, window_tokens=2).hit_A.tolist()
 
 
-@pytest.mark.skipif(not ESFT_LAW.is_file(), reason="../shared/data is not present")
-def test_real_trace_smoke():
-
-    from moecache.sim.trace_arrays import from_table
-    from moecache.trace.esft_import import esft_to_table, load_esft_npz
-    from moecache.trace.schema import TraceMeta
-
-    arrays = load_esft_npz(Path(ESFT_LAW), num_layers=26, num_experts=64, top_k=6)
-    meta = TraceMeta(26, 64, 6, 17301504)
-    table = esft_to_table(arrays, name="esft_law", run_id="esft_law", tokens_per_step=1, meta=meta)
-    trace = from_table(table.select(["request_id", "step_index", "layer_id", "phase", "expert_ids"]), meta)
+def test_real_trace_smoke(esft_law_trace):
+    trace = esft_law_trace
     assert trace.num_accesses == 8327 * 26 * 6
     rates = {}
     for name, params in VARIANTS:

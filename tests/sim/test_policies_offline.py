@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 from fractions import Fraction
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,10 +19,6 @@ from moecache.sim.policies.lru_per_layer import effective_experts, layer_budgets
 from moecache.sim.policy import POLICIES, make_policy
 from moecache.sim.reference import ref_layer_budgets, reference_run
 from moecache.sim.replay import replay_instant
-
-ESFT_LAW = (
-    Path(__file__).resolve().parents[2] / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz"
-).resolve()
 
 VARIANTS = [
     ("belady", {}),
@@ -447,16 +442,8 @@ def test_golden_hit_counts(make_trace):
 # --- real trace ----------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not ESFT_LAW.is_file(), reason="../shared/data is not present")
-def test_real_trace_smoke():
-    from moecache.sim.trace_arrays import from_table
-    from moecache.trace.esft_import import esft_to_table, load_esft_npz
-    from moecache.trace.schema import TraceMeta
-
-    meta = TraceMeta(num_layers=26, num_experts=64, top_k=6, expert_bytes=17301504)
-    arrays = load_esft_npz(ESFT_LAW, num_layers=26, num_experts=64, top_k=6)
-    table = esft_to_table(arrays, name="esft_law", run_id="esft_law", tokens_per_step=1, meta=meta)
-    trace = from_table(table, meta, name="esft_law")
+def test_real_trace_smoke(esft_law_trace):
+    trace = esft_law_trace
     capacity = 300
     result = {}
     for name, params in [*VARIANTS[:4], ("lrfu", {}), *VARIANTS[7:]]:

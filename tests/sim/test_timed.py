@@ -24,7 +24,6 @@ from moecache.sim.replay import replay_instant
 from moecache.sim.timed import TimedResult, replay_timed
 
 PROFILE = REPO_ROOT / "moecache/data/cost_profiles/h200_qwen3_6_35b_a3b_2026-11-30.json"
-ESFT_LAW = (REPO_ROOT / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz").resolve()
 
 
 def random_trace(make_trace, seed=0, requests=3, tokens=12, layers=3, experts=8, top_k=2, prefill=4):
@@ -332,16 +331,8 @@ def test_cost_model_must_cover_the_trace(make_trace):
 # ---- the real trace (smoke) -------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not ESFT_LAW.is_file(), reason="../shared traces not present")
-def test_real_trace_smoke():
-    from moecache.sim.trace_arrays import from_table
-    from moecache.trace.esft_import import esft_to_table, load_esft_npz
-    from moecache.trace.schema import TraceMeta
-
-    arrays = load_esft_npz(ESFT_LAW, num_layers=26, num_experts=64, top_k=6)
-    meta = TraceMeta(num_layers=26, num_experts=64, top_k=6, expert_bytes=17301504)
-    table = esft_to_table(arrays, name="esft_law", run_id="law", tokens_per_step=1, meta=meta)
-    trace = from_table(table, meta, name="esft_law").subset_requests(np.arange(3))
+def test_real_trace_smoke(esft_law_trace):
+    trace = esft_law_trace.subset_requests(np.arange(3))
     cost = CostModel.for_trace(CostProfile.load(PROFILE), trace)
     inst = replay_instant(trace, make_policy("lru"), 300)
     free = replay_timed(trace, make_policy("lru"), 300, cost.infinite_bandwidth())
