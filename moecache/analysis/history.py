@@ -3,9 +3,9 @@ and judged on data it was not chosen on.
 
 Candidates are parameter sets of the counting policies (cumulative LFU, LFU reset per request, windowed
 LFU, decayed LFU), replayed in instant mode at a few capacities (multiples of layers x top_k). For each
-trace: the candidate with the highest mean hit rate over the prefix (the first `prefix_fraction` of the
-forward steps; ties: the earlier candidate) is selected; the table then gives every candidate's hit rate
-on the held-out rest of the same replay (the policy keeps its state across the split, as it would when
+trace: the candidate with the highest mean hit rate over the prefix (the forward steps that start
+before `prefix_fraction` of the trace's tokens; ties: the earlier candidate) is selected; the table then
+gives every candidate's hit rate on the held-out rest of the same replay (the policy keeps its state across the split, as it would when
 running on) and on each other trace as a whole, so a reader sees whether the prefix's choice holds.
 
 Legend: S layer steps, A accesses.
@@ -53,13 +53,16 @@ def capacities_for(trace: TraceArrays, multiples: list[float]) -> list[int]:
 
 
 def split_access(trace: TraceArrays, prefix_fraction: float) -> int:
-    """The first access of the held-out part: the first `prefix_fraction` of the forward steps are
-    the prefix (at least one forward step in each part when the trace has two or more)."""
+    """The first access of the held-out part: the prefix is the forward steps that start before
+    `prefix_fraction` of the trace's tokens (the rule `moecache decide` splits its blocks by), with
+    at least one forward step in each part when the trace has two or more."""
     if not 0 < prefix_fraction < 1:
         raise MoecacheError(f"analyze.history.prefix_fraction={prefix_fraction}: must be in (0, 1)")
-    fwd_S, first_F = forward_index(trace)
+    _, first_F = forward_index(trace)
     forwards = len(first_F)
-    cut = min(max(1, int(round(prefix_fraction * forwards))), max(1, forwards - 1))
+    before_F = trace.clock_S[first_F]  # tokens of the trace before each forward step
+    cut = int(np.searchsorted(before_F, prefix_fraction * trace.num_tokens, side="left"))
+    cut = min(max(1, cut), max(1, forwards - 1))
     return int(trace.start_S[first_F[cut]]) if cut < forwards else trace.num_accesses
 
 

@@ -18,6 +18,11 @@ def test_split_is_by_forward_steps(make_trace):
     assert split_access(trace, 0.99) == 3  # and one in the held-out part
     with pytest.raises(MoecacheError, match="prefix_fraction"):
         split_access(trace, 1.0)
+    # by tokens: a 4-token prefill (one access per token's expert: 2 distinct keys) then 4 decode
+    # steps; half of the 8 tokens = 4 -> the prefix is the prefill alone, the held-out part starts at
+    # the first decode step's access (index 2)
+    prefill = [(0, 0, 0, [[0], [1], [0], [1]])] + [(0, i, 0, [[i % 2]]) for i in range(1, 5)]
+    assert split_access(make_trace(prefill, 1, 2), 0.5) == 2
 
 
 def test_selection_on_prefix_and_held_out_rates(make_trace):
