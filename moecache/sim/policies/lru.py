@@ -30,10 +30,11 @@ def _push_front(prev_K, next_K, head, k):
     next_K[head] = k
 
 
-@nb.njit(cache=True, _nrt=False)
-def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    prev_K, next_K, admitted_at_K, meta = state  # meta: [head sentinel, keys holding a slot, capacity]
-    head, held, cap = meta[0], meta[1], meta[2]
+@nb.njit(cache=True, inline="always", _nrt=False)
+def lru_update(prev_K, next_K, admitted_at_K, head, held, cap, key_U, hit_U, a0, admit_out, evict_out):
+    """One step of LRU over the list behind sentinel `head` holding `held` of `cap` slots: the step's
+    hits move to the front (in access order), then each miss is admitted at the front, evicting the
+    back when full. Returns (held, n_admit, n_evict)."""
     for i in range(key_U.shape[0]):
         if hit_U[i]:
             _unlink(prev_K, next_K, key_U[i])
@@ -41,7 +42,7 @@ def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_
     n_admit = 0
     n_evict = 0
     if cap == 0:
-        return 0, 0
+        return held, 0, 0
     for i in range(key_U.shape[0]):
         if hit_U[i]:
             continue
@@ -58,6 +59,15 @@ def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_
         admitted_at_K[k] = a0
         admit_out[n_admit] = k
         n_admit += 1
+    return held, n_admit, n_evict
+
+
+@nb.njit(cache=True, _nrt=False)
+def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
+    prev_K, next_K, admitted_at_K, meta = state  # meta: [head sentinel, keys holding a slot, capacity]
+    held, n_admit, n_evict = lru_update(
+        prev_K, next_K, admitted_at_K, meta[0], meta[1], meta[2], key_U, hit_U, a0, admit_out, evict_out
+    )
     meta[1] = held
     return n_admit, n_evict
 

@@ -24,9 +24,8 @@ import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
-from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policies.lfu import key_counts
-from moecache.sim.policies.lru import _push_front, _unlink
+from moecache.sim.policies.lru import lru_update
 from moecache.sim.policy import Policy, register
 
 SPLITS = ("equal", "entropy")
@@ -108,36 +107,15 @@ def check_split(policy: str, split) -> str:
 @nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
 def lru_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     prev_K, next_K, admitted_at_K, held_L, budget_L, meta = state  # meta: [num_experts, num_keys]
-    m = key_U.shape[0]
     n_admit = 0
     n_evict = 0
-    if m > 0:
+    if key_U.shape[0] > 0:
         layer = key_U[0] // meta[0]  # every key of a layer step belongs to its layer
         head = meta[1] + layer  # the layer's list sentinel
-        for i in range(m):
-            if hit_U[i]:
-                _unlink(prev_K, next_K, key_U[i])
-                _push_front(prev_K, next_K, head, key_U[i])
-        cap = budget_L[layer]
-        held = held_L[layer]
-        if cap > 0:
-            for i in range(m):
-                if hit_U[i]:
-                    continue
-                k = key_U[i]
-                if held == cap:
-                    victim = prev_K[head]
-                    _unlink(prev_K, next_K, victim)
-                    held -= 1
-                    n_admit, n_evict = cancel_or_evict(
-                        admit_out, n_admit, evict_out, n_evict, admitted_at_K, a0, victim
-                    )
-                _push_front(prev_K, next_K, head, k)
-                held += 1
-                admitted_at_K[k] = a0
-                admit_out[n_admit] = k
-                n_admit += 1
-            held_L[layer] = held
+        held_L[layer], n_admit, n_evict = lru_update(
+            prev_K, next_K, admitted_at_K, head, held_L[layer], budget_L[layer], key_U, hit_U, a0,
+            admit_out, evict_out,
+        )  # fmt: skip
     return n_admit, n_evict
 
 
