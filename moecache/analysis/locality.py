@@ -6,8 +6,9 @@ with an earlier selection of the same key), N runs.
 
 A selection (t, l, e) is a use of the key l * E + e. Its reuse distance is t - t', t' < t the latest
 earlier token, in trace order and across requests, whose S_{t',l} contains e; a key's first use is
-cold (no distance). A run is a maximal stretch of consecutive tokens of one request that all select the
-key; runs end at request boundaries.
+cold (no distance). Distances count the tokens analysed (the complete tokens, tokens.py). A run is a
+maximal stretch of consecutive tokens of one request that all select the key; runs end at request
+boundaries and at a token left out of the analysis (TokenTrace.segment_T).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def run_lengths(tt: TokenTrace) -> np.ndarray:
     continues_X = (
         (key_X[1:] == key_X[:-1])
         & (token_X[1:] - token_X[:-1] == 1)
-        & (tt.request_T[token_X[1:]] == tt.request_T[token_X[:-1]])
+        & (tt.segment_T[token_X[1:]] == tt.segment_T[token_X[:-1]])
     )
     run_X = np.cumsum(np.concatenate([[True], ~continues_X])) - 1
     return np.bincount(run_X).astype(np.int64)

@@ -1,7 +1,8 @@
 """Does a higher router weight mean the expert is used again soon?
 
 Legend: T tokens (trace order: request by request, token order within a request), L layers, K top-k,
-E experts per layer, X selections (t, l, k) whose token t has a successor t+1 in its request, B bins.
+E experts per layer, X selections (t, l, k) whose token t has a successor t+1 in its request (its next
+token, not left out of the analysis: TokenTrace.segment_T), B bins.
 
 Per selection of expert e at (t, l): reuse_next = e in S_{t+1,l}; reuse_within_8 = e in S_{t+d,l} for
 some d in 1..8, defined only when t has at least 8 successors in its request.
@@ -35,8 +36,8 @@ def reuse_flags(tt: TokenTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     """(weight_X float64, rank_X int64, next_X bool, within_X int8) over the selections whose token has a
     successor, in (token, layer, rank) order; within_X is -1 where fewer than 8 successors exist."""
     T, L, K, E = tt.num_tokens, tt.num_layers, tt.top_k, tt.num_experts
-    bounds = tt.request_bounds()
-    successors_T = bounds[tt.request_T.astype(np.int64) + 1] - 1 - np.arange(T)
+    bounds = tt.segment_bounds()  # successors: the neighbours ahead, no token left out between
+    successors_T = bounds[tt.segment_T.astype(np.int64) + 1] - 1 - np.arange(T)
     t_N = np.flatnonzero(successors_T >= 1)
     full_N = successors_T[t_N] >= WINDOW
     next_NLK = np.zeros((len(t_N), L, K), bool)

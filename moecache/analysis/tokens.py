@@ -6,6 +6,11 @@ K experts chosen per token and layer (top-k), E experts per layer.
 `lens_TL` holds the trace's logit-lens tokens (`lens_token`, docs/trace-format.md): -1 where a row has
 none (not sampled, or a trace without the column).
 
+Only complete tokens are here (one row for each MoE layer, top_k experts in each; `from_table`): a
+valid trace may lack some layers of a few tokens, and token-level statistics need every layer of a
+token. `tokens_left_out` counts the others; `segment_T` marks which kept tokens are neighbours (the
+statistics over consecutive tokens, t and t + lag, use it instead of the request).
+
 The simulator's TraceArrays keep one access per distinct expert of a layer step; the analyses need the
 token-level routing (which token chose what, with which router weight), so they read the trace again.
 """
@@ -39,9 +44,20 @@ class TokenTrace:
     name: str = "trace"
     workload: str = "unknown"
     lens_TL: np.ndarray | None = None  # int32, logit-lens token id; -1: none. None given: all -1
+    # int32: tokens t and t + 1 are neighbours (consecutive in one request, no token left out between
+    # them) iff segment_T[t] == segment_T[t + 1]. None given: request_T (every token kept)
+    segment_T: np.ndarray | None = None
+    tokens_left_out: int = 0  # the trace's incomplete tokens (see from_table), not in these arrays
+    requests_left_out: int = 0  # requests without a complete token
 
     def __post_init__(self):
         T, L = self.expert_TLK.shape[:2]
+        if self.segment_T is None:
+            object.__setattr__(self, "segment_T", np.asarray(self.request_T, np.int32))
+        elif np.shape(self.segment_T) != (T,):
+            raise MoecacheError(
+                f"trace {self.name}: segment_T has shape {np.shape(self.segment_T)}, expected {(T,)}"
+            )
         if self.lens_TL is None:
             object.__setattr__(self, "lens_TL", np.full((T, L), -1, np.int32))
         else:
@@ -67,84 +83,104 @@ class TokenTrace:
 
     def request_bounds(self) -> np.ndarray:
         """int64 [R+1]: request r is tokens bounds[r]:bounds[r+1]."""
-        counts = np.bincount(self.request_T, minlength=self.num_requests)
-        bounds = np.zeros(self.num_requests + 1, np.int64)
-        np.cumsum(counts, out=bounds[1:])
-        return bounds
+        return _bounds(self.request_T, self.num_requests)
+
+    def segment_bounds(self) -> np.ndarray:
+        """int64 [G+1]: segment g (a run of neighbouring tokens, see segment_T) is tokens
+        bounds[g]:bounds[g+1]."""
+        return _bounds(self.segment_T, int(self.segment_T.max()) + 1 if self.num_tokens else 0)
+
+
+def _bounds(group_T: np.ndarray, groups: int) -> np.ndarray:
+    """int64 [groups+1]: the token range of each group of a contiguous, ascending numbering."""
+    bounds = np.zeros(groups + 1, np.int64)
+    np.cumsum(np.bincount(group_T, minlength=groups), out=bounds[1:])
+    return bounds
 
 
 def from_table(
     table: pa.Table, meta: TraceMeta, name: str = "trace", workload: str = "unknown"
 ) -> TokenTrace:
-    """The TokenTrace of a validated canonical trace table. Every token must have one row per MoE
-    layer and exactly top_k experts per row (what a model's router produces); otherwise the error
-    names the trace and the first offending request/token."""
+    """The TokenTrace of a validated canonical trace table, made of its complete tokens: those with
+    exactly one row for each of the L MoE layers, each row with exactly top_k experts (what a model's
+    router produces). A valid trace may hold others (a real export that lacks a few layers of some
+    tokens, a row with fewer experts): they are left out and counted in `tokens_left_out`, and
+    `segment_T` keeps the tokens on either side of one from counting as neighbours."""
     if table.num_rows == 0:
         raise MoecacheError(f"trace {name}: no rows")
     L, K = meta.num_layers, meta.top_k
-    requests = pc.dictionary_encode(table["request_id"]).combine_chunks()
-    codes = requests.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    values = requests.dictionary.to_pylist()
-    # requests numbered in order of first appearance
-    first_row = np.full(len(values), table.num_rows, np.int64)
-    np.minimum.at(first_row, codes, np.arange(table.num_rows))
-    rank = np.empty(len(values), np.int64)
-    rank[np.argsort(first_row, kind="stable")] = np.arange(len(values))
-    request_R = rank[codes]
+    values, request_R = _requests_by_first_row(table["request_id"])
     token_R = table["token_index"].to_numpy().astype(np.int64)
     layer_R = table["layer_id"].to_numpy().astype(np.int64)
-    order = np.lexsort((layer_R, token_R, request_R))
-    request_R, token_R, layer_R = request_R[order], token_R[order], layer_R[order]
+    order = np.lexsort((layer_R, token_R, request_R))  # rows by request, token, layer
+    request_O, token_O, layer_O = request_R[order], token_R[order], layer_R[order]
     experts = table["expert_ids"].combine_chunks()
-    lengths = np.diff(experts.offsets.to_numpy())
-    bad = np.flatnonzero(lengths[order] != K)
-    if bad.size or table.num_rows % L:
-        r = int(order[bad[0]]) if bad.size else 0
+    offsets_R = experts.offsets.to_numpy().astype(np.int64)
+    length_O = np.diff(offsets_R)[order]
+    new_token_O = np.ones(order.size, bool)
+    new_token_O[1:] = (request_O[1:] != request_O[:-1]) | (token_O[1:] != token_O[:-1])
+    token_of_O = np.cumsum(new_token_O) - 1  # every row's token, 0 .. all tokens - 1
+    first_O = np.flatnonzero(new_token_O)  # each token's first row
+    # a complete token: L rows, no layer twice (so layers 0 .. L-1, ascending), K experts in each row
+    irregular_O = length_O != K
+    irregular_O[1:] |= ~new_token_O[1:] & (layer_O[1:] == layer_O[:-1])
+    complete_A = (np.diff(np.append(first_O, order.size)) == L) & ~np.logical_or.reduceat(
+        irregular_O, first_O
+    )  # A: every token of the trace, complete or not
+    keep_O = complete_A[token_of_O]
+    rows = order[keep_O]  # the kept rows, token by token, layers ascending
+    T = rows.size // L
+    if T == 0:
         raise MoecacheError(
-            f"trace {name}: every row needs top_k={K} experts and every token {L} layers; "
-            f"row {r} (request {values[codes[r]]!r}, token {int(table['token_index'][r].as_py())}) "
-            f"has {int(lengths[r])} experts / the trace has {table.num_rows} rows"
+            f"trace {name}: no complete token (one row for each of the {L} MoE layers, {K} experts in "
+            f"each); {complete_A.size} token(s) all left out"
         )
-    T = table.num_rows // L
-    layer_TL = layer_R.reshape(T, L)
-    token_TL = token_R.reshape(T, L)
-    request_TL = request_R.reshape(T, L)
-    ok = (
-        (layer_TL == np.arange(L)).all(axis=1)
-        & (token_TL == token_TL[:, :1]).all(axis=1)
-        & (request_TL == request_TL[:, :1]).all(axis=1)
-    )
-    if not ok.all():
-        t = int(np.flatnonzero(~ok)[0])
-        raise MoecacheError(
-            f"trace {name}: request {values[int(np.flatnonzero(rank == request_TL[t, 0])[0])]!r} token "
-            f"{int(token_TL[t, 0])} does not have exactly one row for each of the {L} MoE layers"
-        )
-    flat = experts.values.to_numpy().astype(np.int16).reshape(-1, K)
+    request_A = request_O[first_O]
+    segment_A = np.cumsum(np.concatenate([[True], (request_A[1:] != request_A[:-1]) | ~complete_A[:-1]]))
+    kept_requests, request_T = np.unique(request_A[complete_A], return_inverse=True)
+    experts_TLK = experts.values.to_numpy()[offsets_R[rows][:, None] + np.arange(K)].reshape(T, L, K)
     if "router_weights" in table.column_names:
-        weights = table["router_weights"].combine_chunks().values.to_numpy().astype(np.float32).reshape(-1, K)
+        weights = table["router_weights"].combine_chunks()
+        w_offsets = weights.offsets.to_numpy().astype(np.int64)
+        weight_TLK = weights.values.to_numpy(zero_copy_only=False)[w_offsets[rows][:, None] + np.arange(K)]
     else:
-        weights = np.full(flat.shape, np.nan, np.float32)
-    phase = table["phase"].to_numpy(zero_copy_only=False)[order].reshape(T, L)[:, 0]
+        weight_TLK = np.full(rows.size * K, np.nan, np.float32)
+    phase_T = table["phase"].to_numpy(zero_copy_only=False)[rows[::L]]
     lens_TL = None
     if LENS_COLUMN in table.column_names and table[LENS_COLUMN].null_count < table.num_rows:
         lens = table[LENS_COLUMN].combine_chunks().cast(pa.int64()).fill_null(-1)
-        lens_TL = lens.to_numpy()[order].astype(np.int32).reshape(T, L)
+        lens_TL = lens.to_numpy()[rows].astype(np.int32).reshape(T, L)
     return TokenTrace(
         num_layers=L,
         num_experts=meta.num_experts,
         top_k=K,
         expert_bytes=meta.expert_bytes,
-        request_ids=tuple(values[int(c)] for c in np.argsort(rank)),
-        expert_TLK=flat[order].reshape(T, L, K),
-        weight_TLK=weights[order].reshape(T, L, K),
-        request_T=request_TL[:, 0].astype(np.int32),
-        position_T=token_TL[:, 0].astype(np.int32),
-        decode_T=np.asarray(phase == "decode"),
+        request_ids=tuple(values[int(r)] for r in kept_requests),
+        expert_TLK=experts_TLK.astype(np.int16),
+        weight_TLK=np.asarray(weight_TLK, np.float32).reshape(T, L, K),
+        request_T=request_T.astype(np.int32),
+        position_T=token_O[first_O][complete_A].astype(np.int32),
+        decode_T=np.asarray(phase_T == "decode"),
         name=name,
         workload=workload,
         lens_TL=lens_TL,
+        segment_T=np.unique(segment_A[complete_A], return_inverse=True)[1].astype(np.int32),
+        tokens_left_out=int(complete_A.size - T),
+        requests_left_out=int(np.unique(request_A).size - kept_requests.size),
     )
+
+
+def _requests_by_first_row(column: pa.ChunkedArray) -> tuple[list, np.ndarray]:
+    """(request ids in order of first appearance, int64 [N] each row's index into them)."""
+    requests = pc.dictionary_encode(column).combine_chunks()
+    codes = requests.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    values = requests.dictionary.to_pylist()
+    first_row = np.full(len(values), codes.size, np.int64)
+    np.minimum.at(first_row, codes, np.arange(codes.size))
+    by_first = np.argsort(first_row, kind="stable")
+    rank = np.empty(len(values), np.int64)
+    rank[by_first] = np.arange(len(values))
+    return [values[int(c)] for c in by_first], rank[codes]
 
 
 def load_token_trace(path: str | Path, name: str | None = None, workload: str = "unknown") -> TokenTrace:

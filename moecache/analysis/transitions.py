@@ -79,11 +79,12 @@ def _pair_counts(from_NLK: np.ndarray, to_NLK: np.ndarray, num_experts: int) -> 
 
 
 def _same_request_ahead(tt: TokenTrace, lag: int) -> np.ndarray:
-    """int64: the tokens t whose token t + lag is in the same request."""
+    """int64: the tokens t whose token t + lag is in the same request, lag tokens later (segment_T:
+    no token of the trace left out between them)."""
     T = tt.num_tokens
     if T <= lag:
         return np.zeros(0, np.int64)
-    return np.flatnonzero(tt.request_T[:-lag] == tt.request_T[lag:]).astype(np.int64)
+    return np.flatnonzero(tt.segment_T[:-lag] == tt.segment_T[lag:]).astype(np.int64)
 
 
 def token_transitions(tt: TokenTrace, lag: int) -> np.ndarray:
@@ -211,9 +212,10 @@ def _top_k_hits(score_E, freq_E, member_E, chosen_E, pick_K):
 
 
 @nb.njit(cache=True, nogil=True)
-def _predictor_hits(expert_TLK, request_T, num_experts):
+def _predictor_hits(expert_TLK, segment_T, num_experts):
     """(hits_LP, tokens_L): per layer and predictor (PREDICTORS order) the experts of S_{t,l} that the
-    prediction contains, summed over the evaluated tokens (those with t-1 and t-2 in the same request),
+    prediction contains, summed over the evaluated tokens (those with t-1 and t-2 their neighbours in
+    the same request: segment_T),
     and their number. The online counts of token t are added after its prediction at that layer (a
     layer's predictions read only that layer's counts), so every prediction sees tokens < t only."""
     T, L, K = expert_TLK.shape
@@ -229,8 +231,8 @@ def _predictor_hits(expert_TLK, request_T, num_experts):
     chosen_E = np.zeros(E, np.bool_)
     pick_K = np.zeros(K, np.int64)
     for t in range(T):
-        has1 = t >= 1 and request_T[t - 1] == request_T[t]
-        has2 = t >= 2 and request_T[t - 2] == request_T[t]  # requests are contiguous: t-1 is in it too
+        has1 = t >= 1 and segment_T[t - 1] == segment_T[t]
+        has2 = t >= 2 and segment_T[t - 2] == segment_T[t]  # segments are contiguous: t-1 is in it too
         for layer in range(L):
             freq_E = freq_LE[layer]
             if has2:
@@ -284,7 +286,7 @@ def predictor_table(tt: TokenTrace) -> tuple[pa.Table, dict]:
     K = tt.top_k
     hits_LP, tokens_L = _predictor_hits(
         np.ascontiguousarray(tt.expert_TLK, dtype=np.int64),
-        np.ascontiguousarray(tt.request_T, dtype=np.int64),
+        np.ascontiguousarray(tt.segment_T, dtype=np.int64),
         tt.num_experts,
     )
     rows = {name: [] for name in PREDICTOR_SCHEMA.names}
@@ -316,7 +318,7 @@ def recurrence_table(tt: TokenTrace) -> pa.Table:
     T, E = tt.num_tokens, tt.num_experts
     t_N = np.zeros(0, np.int64)
     if T >= 3:
-        t_N = 1 + np.flatnonzero(tt.request_T[:-2] == tt.request_T[2:])
+        t_N = 1 + np.flatnonzero(tt.segment_T[:-2] == tt.segment_T[2:])
     cases_C = np.zeros(4, np.int64)  # code = 2 * in_t + in_t_minus_1
     reused_C = np.zeros(4, np.int64)
     member_TE = np.zeros((T, E), bool)

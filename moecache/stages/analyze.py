@@ -8,6 +8,11 @@ transitions with mutual information and next-token predictors, router weight aga
 history-length selection on a prefix judged on held-out data, and the prediction signals: inter-layer
 prefetch accuracy against lead time (layers and microseconds under `sim.cost_profile`) and, on traces
 collected with `logging.logit_lens.rate > 0`, what the logit-lens token adds over expert correlation.
+
+Every trace that `read_trace` accepts is analysed. The token-level statistics need every MoE layer of a
+token, so they use the complete tokens only (moecache/analysis/tokens.py); `tokens` counts those, and
+`tokens_left_out` / `requests_left_out` in summary.json (and the stderr summary) count the rest. The
+simulator's statistics (hit rates, history length) replay every row.
 """
 
 from __future__ import annotations
@@ -60,7 +65,13 @@ def layer_us(trace: TraceArrays, cost) -> float:
 def _token_statistics(tt: TokenTrace, a: dict, seed: int, lead_us: float) -> tuple[dict[str, pa.Table], dict]:
     """The token-level statistics of one trace: {file stem: table}, merged summary figures."""
     tables: dict[str, pa.Table] = {}
-    figures: dict = {"tokens": tt.num_tokens, "requests": tt.num_requests, "workload": tt.workload}
+    figures: dict = {
+        "tokens": tt.num_tokens,
+        "requests": tt.num_requests,
+        "tokens_left_out": tt.tokens_left_out,
+        "requests_left_out": tt.requests_left_out,
+        "workload": tt.workload,
+    }
     steps: list[tuple[str, Callable[[], object]]] = [
         ("frequency", lambda: frequency.frequency_table(tt)),
         ("concentration", lambda: frequency.concentration_table(tt, [float(f) for f in a["coverage"]])),
@@ -142,6 +153,7 @@ def run(cfg: DictConfig) -> StageResult:
 
 
 HEADLINE = (
+    ("tokens_left_out", "incomplete tokens left out"),
     ("global_cover_80", "keys for 80% of selections"),
     ("reuse_share_1", "reuses at distance 1"),
     ("recall_lag1", "next-token recall, lag-1 transitions"),

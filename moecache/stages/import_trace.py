@@ -3,11 +3,14 @@
 Formats (`trace_import.format`):
 
 - `esft_npz`: the DeepSeek ESFT routing traces (moecache/trace/esft_import.py);
-- `parquet`: an existing canonical trace (docs/trace-format.md), validated and re-published.
+- `parquet`: an existing canonical trace (docs/trace-format.md), validated, sorted into canonical row
+  order and re-published (duplicated rows and nulls are refused, as `read_trace` refuses them).
 
 The artifact (`outputs/import_trace/<id>/`) holds `trace.parquet`, `run_metadata.json` and, when the
 source ships one, its licence as `LICENSE-source`. Its id covers the resolved `trace_import` group and
-the sha256 of the input file's bytes, so a changed input gives a new artifact.
+the sha256 of the input file's bytes, so a changed input gives a new artifact. The written
+`trace.parquet` is read back through `read_trace` before the artifact is published, so import-trace
+never publishes a trace that a later stage would refuse.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -28,6 +32,7 @@ from moecache.errors import MoecacheError
 from moecache.stages.base import StageResult, reusable, store_for
 from moecache.trace.esft_import import esft_to_table, load_esft_npz
 from moecache.trace.schema import SCHEMA, TraceMeta, read_trace, schema_with_meta, validate_table
+from moecache.trace.validity import canonical_order, check_row_order
 
 STAGE = "import_trace"
 SCHEMA_VERSION = 1
@@ -92,6 +97,7 @@ def run(cfg: DictConfig) -> StageResult:
         STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=[], seed=None, extra={"summary": summary}
     ) as tmp:
         pq.write_table(table, tmp / TRACE_FILE)
+        read_trace(tmp / TRACE_FILE)  # publish only what every stage accepts
         write_json_atomic(
             tmp / RUN_METADATA, {**meta.run, "summary": summary, "trace_meta": _meta_dict(meta)}
         )
@@ -122,8 +128,11 @@ def _esft(path: Path, group: dict, run_meta: dict) -> tuple[pa.Table, TraceMeta]
 
 
 def _parquet(path: Path, group: dict, run_meta: dict) -> tuple[pa.Table, TraceMeta]:
-    """A canonical trace, validated, conformed to SCHEMA's column types, with import notes in `run`."""
-    table, meta = read_trace(path)
+    """A canonical trace, validated, sorted into canonical row order, conformed to SCHEMA's column
+    types, with import notes in `run`. Sorting is a conversion, not a change of the data (every
+    stage replays rows in that order); a duplicated row is refused, naming both rows of the file."""
+    table, meta = read_trace(path, require_order=False)
+    table = _canonical(table, str(path))
     meta.run = {**meta.run, "import": run_meta}
     columns, fields = [], []
     for f in SCHEMA:
@@ -144,6 +153,18 @@ def _parquet(path: Path, group: dict, run_meta: dict) -> tuple[pa.Table, TraceMe
     fields += [table.schema.field(c) for c in extra]
     schema = pa.schema(fields, metadata=schema_with_meta(meta).metadata)
     return pa.Table.from_arrays(columns, schema=schema), meta
+
+
+def _canonical(table: pa.Table, where: str) -> pa.Table:
+    """`table` in canonical row order (requests in order of their first row). Duplicated rows are
+    refused with their row numbers in the file: after the stable sort they are neighbours."""
+    order_N = canonical_order(table)
+    if np.array_equal(order_N, np.arange(table.num_rows)):
+        check_row_order(table, where)
+        return table
+    table = table.take(pa.array(order_N))
+    check_row_order(table, where, row_N=order_N)
+    return table
 
 
 def trace_summary(table: pa.Table, meta: TraceMeta) -> dict:

@@ -11,9 +11,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moecache.errors import MoecacheError
+from moecache.trace import validity
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"moecache.trace"
@@ -113,11 +115,13 @@ def read_trace(
     columns: list[str] | None = None,
     dictionary_strings: bool = False,
     use_threads: bool = True,
+    require_order: bool = True,
 ) -> tuple[pa.Table, TraceMeta]:
-    """Read and validate a canonical trace; every failure names the file and what is wrong.
-    `dictionary_strings`: read the string columns (run_id, request_id, phase) as dictionary arrays,
-    which skips decoding one string per row (the simulator only needs their codes). `use_threads`:
-    decode columns on pyarrow's thread pool."""
+    """Read and validate a canonical trace (validate_table); every failure names the file and what
+    is wrong. `dictionary_strings`: read the string columns (run_id, request_id, phase) as dictionary
+    arrays, which skips decoding one string per row (the simulator only needs their codes).
+    `use_threads`: decode columns on pyarrow's thread pool. `require_order=False` only for a
+    converter that sorts the rows itself and then validates the result (import-trace)."""
     path = Path(path)
     if not path.is_file():
         raise MoecacheError(f"{path}: no such trace file")
@@ -147,11 +151,15 @@ def read_trace(
             f"num_experts, top_k and expert_bytes (found {sorted(meta_dict)})"
         )
     meta = TraceMeta.from_json(json.dumps(meta_dict), str(path))
-    validate_table(table, meta, str(path))
+    validate_table(table, meta, str(path), require_order=require_order)
     return table, meta
 
 
-def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
+def validate_table(table: pa.Table, meta: TraceMeta, where: str, require_order: bool = True) -> None:
+    """Every rule of a valid trace (docs/trace-format.md, "Validity"), on a whole table or on the
+    column subset a stage reads (it must hold the required columns; string columns may be
+    dictionary-encoded). `require_order=False` leaves out the row-order and duplicate check (for
+    import-trace, which sorts first and checks after)."""
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise MoecacheError(f"{where}: missing trace column(s) {missing}; found {table.column_names}")
@@ -167,23 +175,8 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
             raise MoecacheError(f"{where}: column '{name}' has type {got}, expected {want}")
     if table.num_rows == 0:
         return
-    import pyarrow.compute as pc
-
-    layer_min, layer_max = pc.min_max(table["layer_id"]).values()
-    if layer_min.as_py() < 0 or layer_max.as_py() >= meta.num_layers:
-        raise MoecacheError(
-            f"{where}: layer_id ranges {layer_min}..{layer_max}, outside 0..{meta.num_layers - 1} (num_layers)"
-        )
-    lengths = pc.list_value_length(table["expert_ids"])
-    len_min, len_max = pc.min_max(lengths).values()
-    if len_min.as_py() < 1 or len_max.as_py() > meta.top_k:
-        raise MoecacheError(
-            f"{where}: expert_ids lists hold {len_min}..{len_max} experts; top_k is {meta.top_k}"
-        )
-    flat = pc.list_flatten(table["expert_ids"])
-    e_min, e_max = pc.min_max(flat).values()
-    if e_min.as_py() < 0 or e_max.as_py() >= meta.num_experts:
-        raise MoecacheError(f"{where}: expert_ids range {e_min}..{e_max}, outside 0..{meta.num_experts - 1}")
+    validity.check_no_nulls(table, REQUIRED_COLUMNS, where)
+    _check_ranges(table, meta, where)
     if not _holds_only(table["phase"], set(PHASES)):
         raise MoecacheError(f"{where}: column 'phase' holds values other than {PHASES}")
     if LENS_COLUMN in table.column_names:  # optional: older traces do not have it
@@ -193,13 +186,54 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str) -> None:
         lens_min = pc.min(table[LENS_COLUMN]).as_py() if not pa.types.is_null(lens_type) else None
         if lens_min is not None and lens_min < 0:
             raise MoecacheError(f"{where}: column '{LENS_COLUMN}' holds a negative token id ({lens_min})")
+    if "router_weights" in table.column_names:  # optional on input; where present, one per expert
+        validity.check_weights_match(table, where)
+    validity.check_distinct_experts(table, where)
+    if require_order:
+        validity.check_row_order(table, where)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _check_ranges(table: pa.Table, meta: TraceMeta, where: str) -> None:
+    """Integer columns within what the format and the model allow (the columns hold no null here)."""
+    for name in ("step_index", "token_index"):
+        low, high = (v.as_py() for v in pc.min_max(table[name]).values())
+        if low < 0 or high > INT32_MAX:
+            row = validity.first_outside(table[name], 0, INT32_MAX)
+            raise MoecacheError(
+                f"{where}: column '{name}' is {table[name][row].as_py()} at row {row}, outside 0..{INT32_MAX}"
+            )
+    layer_min, layer_max = (v.as_py() for v in pc.min_max(table["layer_id"]).values())
+    if layer_min < 0 or layer_max >= meta.num_layers:
+        row = validity.first_outside(table["layer_id"], 0, meta.num_layers - 1)
+        raise MoecacheError(
+            f"{where}: column 'layer_id' is {table['layer_id'][row].as_py()} at row {row}, outside "
+            f"0..{meta.num_layers - 1} (num_layers); layer_id ranges {layer_min}..{layer_max}"
+        )
+    lengths = pc.list_value_length(table["expert_ids"])
+    len_min, len_max = (v.as_py() for v in pc.min_max(lengths).values())
+    if len_min < 1 or len_max > meta.top_k:
+        row = validity.first_outside(lengths, 1, meta.top_k)
+        raise MoecacheError(
+            f"{where}: column 'expert_ids' holds {table['expert_ids'][row].as_py()} at row {row}: "
+            f"{lengths[row].as_py()} experts, expected 1..{meta.top_k} (top_k); expert_ids lists hold "
+            f"{len_min}..{len_max} experts"
+        )
+    flat = pc.list_flatten(table["expert_ids"])
+    e_min, e_max = (v.as_py() for v in pc.min_max(flat).values())
+    if e_min < 0 or e_max >= meta.num_experts:
+        row = validity.row_of_item(table["expert_ids"], validity.first_outside(flat, 0, meta.num_experts - 1))
+        raise MoecacheError(
+            f"{where}: column 'expert_ids' holds {table['expert_ids'][row].as_py()} at row {row}, an "
+            f"expert outside 0..{meta.num_experts - 1} (num_experts); expert_ids range {e_min}..{e_max}"
+        )
 
 
 def _holds_only(column: pa.ChunkedArray, allowed: set) -> bool:
     """Whether every value of a string column, plain or dictionary-encoded, is in `allowed` (for a
     dictionary, only the entries that some row uses count)."""
-    import pyarrow.compute as pc
-
     if not pa.types.is_dictionary(column.type):
         return set(pc.unique(column).to_pylist()) <= allowed
     for chunk in column.chunks:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
@@ -255,3 +256,76 @@ def test_cli(tmp_path):
     assert bad.exit_code != 0
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "nope.npz: no such file" in lines[0]
+
+
+def _published_parquet(tmp_path: Path, table, name: str) -> Path:
+    path = tmp_path / f"{name}.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+def test_parquet_import_sorts_a_shuffled_trace_into_canonical_order(tmp_path):
+    """A converter may reorder rows (every stage replays them in canonical order): the shuffled trace
+    is refused by read_trace, published sorted by import-trace, and replays exactly as the original.
+    The shuffle keeps the requests' first rows in their order (requests are sorted by first row) and
+    scatters every other row."""
+    from moecache.analysis.hit_rates import hit_rate_table
+    from moecache.sim.trace_arrays import load_trace
+
+    first, table, _ = import_npz(tmp_path, GOOD, tokens_per_step=4)
+    ids = table["request_id"].to_pylist()
+    heads = [ids.index(r) for r in dict.fromkeys(ids)]
+    rest = np.setdiff1d(np.arange(table.num_rows), heads)
+    order = np.concatenate([heads, np.random.default_rng(1).permutation(rest)])
+    shuffled = _published_parquet(tmp_path, table.take(order), "shuffled")
+    with pytest.raises(MoecacheError, match="out of canonical order|not contiguous"):
+        read_trace(shuffled)
+    result = import_trace.run(make_cfg(tmp_path, shuffled, format="parquet", name="sorted"))
+    published, _ = read_trace(result.artifact / "trace.parquet")
+    assert published.equals(table)
+    assert result.summary == first.summary
+
+    def replay(path):
+        return hit_rate_table(load_trace(path), [2, 5]).drop_columns(["trace"])
+
+    assert replay(result.artifact / "trace.parquet").equals(replay(first.artifact / "trace.parquet"))
+
+
+@pytest.mark.parametrize(
+    "case, make, needle",
+    [
+        ("duplicate", lambda t: t.take(np.concatenate([np.arange(t.num_rows), [4]])), "duplicates row 4"),
+        ("null layer", lambda t: _null_at(t, "layer_id", 7), "column 'layer_id' is null at row 7"),
+        ("null item", lambda t: _null_at(t, "expert_ids", 2, [1, None]), "null expert at row 2"),
+    ],
+)
+def test_parquet_import_refuses_duplicates_and_nulls(tmp_path, case, make, needle):
+    _, table, _ = import_npz(tmp_path, GOOD)
+    bad = _published_parquet(tmp_path, make(table), case.replace(" ", "_"))
+    before = set((tmp_path / "out" / "import_trace").iterdir())
+    with pytest.raises(MoecacheError) as err:
+        import_trace.run(make_cfg(tmp_path, bad, format="parquet", name="bad"))
+    message = str(err.value)
+    assert needle in message and str(bad) in message and "\n" not in message
+    assert set((tmp_path / "out" / "import_trace").iterdir()) == before
+
+
+def _null_at(table, name: str, row: int, value=None):
+    values = table[name].to_pylist()
+    values[row] = value
+    field = table.schema.field(name).with_nullable(True)
+    return table.set_column(table.schema.get_field_index(name), field, pa.array(values, field.type))
+
+
+def test_import_validates_what_it_writes(tmp_path, monkeypatch):
+    """The written file goes through read_trace before the artifact is published: a writer that put
+    rows out of order (here: a Parquet writer reversing them) is refused, leaving no artifact."""
+    real = pq.write_table
+
+    def reversing_writer(table, where, **kwargs):
+        real(table.take(np.arange(table.num_rows)[::-1]), where, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", reversing_writer)
+    with pytest.raises(MoecacheError, match="trace.parquet: row 1 is out of canonical order"):
+        import_npz(tmp_path, GOOD)
+    assert list((tmp_path / "out" / "import_trace").iterdir()) == []
