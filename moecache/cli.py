@@ -2,7 +2,11 @@
 
 Each stage subcommand takes Hydra overrides (`moecache collect model=tiny generation.max_new_tokens=64`)
 and `-m/--multirun` for a Hydra sweep. Progress and the summary table go to stderr; the last line on
-stdout is the output artifact's path.
+stdout is the output artifact's path. Every bad input, also under `-m`, is one line on stderr
+(`moecache <stage>: error: ...`) and exit code 2, before any computation: config values before anything
+is read, a capacity against a trace's expert count right after that trace is read.
+
+Imports stay lazy: `moecache --help` loads neither Hydra, numba nor torch (<= 0.3 s from a cold start).
 """
 
 from __future__ import annotations
@@ -10,18 +14,19 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from moecache.errors import MoecacheError
+from moecache.stage_keys import STAGE_KEYS, check_overrides, group_options, stage_reads
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.splitlines()[0])
 artifacts_app = typer.Typer(no_args_is_help=True, help="List and inspect artifacts under output_root.")
 app.add_typer(artifacts_app, name="artifacts")
 
-err_console = Console(stderr=True)
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # moecache.config.CONF_DIR, without importing Hydra
+LAUNCHERS = "basic (default), joblib, submitit_local, submitit_slurm"
 
 # subcommand -> (module in moecache.stages, help)
 STAGES = {
@@ -48,6 +53,10 @@ def _fail(stage: str, exc: BaseException) -> None:
 
 
 def _print_summary(stage: str, result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    err_console = Console(stderr=True)
     table = Table(title=f"moecache {stage}" + (" (reused existing artifact)" if result.reused else ""))
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -56,31 +65,72 @@ def _print_summary(stage: str, result) -> None:
     err_console.print(table)
 
 
-def _run_stage(stage: str, overrides: list[str], multirun: bool) -> None:
+def _stage_config_yaml(stage: str, overrides: list[str], what: str, resolve: bool) -> str:
+    """The composed config as YAML: `job` the keys `stage` reads, `all` the whole tree, `hydra` Hydra's."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     from moecache.config import compose
-    from moecache.config import multirun as hydra_multirun
 
-    module = importlib.import_module(f"moecache.stages.{STAGES[stage][0]}")
-
-    def once(cfg):
-        result = module.run(cfg)
-        _print_summary(stage, result)
-        print(result.artifact, flush=True)
-        return str(result.artifact)
-
+    cfg = compose(overrides, with_hydra=what == "hydra")
     try:
+        if what == "hydra":
+            node = cfg.hydra
+        else:
+            node = OmegaConf.masked_copy(cfg, [k for k in cfg if what == "all" or stage_reads(stage, str(k))])
+        return OmegaConf.to_yaml(node, resolve=resolve)
+    except OmegaConfBaseException as exc:
+        raise MoecacheError(f"--cfg {what}: {' '.join(str(exc).split())}") from exc
+
+
+def _run_stage(stage: str, overrides: list[str], multirun: bool, show_cfg: str | None, resolve: bool) -> None:
+    try:
+        check_overrides(stage, overrides, CONF_DIR)
+        if show_cfg is not None:
+            print(_stage_config_yaml(stage, overrides, show_cfg, resolve), end="")
+            return
+        from moecache.config import compose
+        from moecache.config import multirun as hydra_multirun
+        from moecache.stages.base import prepare
+
+        module = importlib.import_module(f"moecache.stages.{STAGES[stage][0]}")
+
+        def once(cfg):
+            prepare(cfg, stage)
+            result = module.run(cfg)
+            _print_summary(stage, result)
+            print(result.artifact, flush=True)
+            return str(result.artifact)
+
         if multirun:
-            hydra_multirun(stage, once, overrides)
+            hydra_multirun(stage, once, overrides, preflight=lambda cfg: prepare(cfg, stage))
         else:
             once(compose(overrides))
     except MoecacheError as exc:
         _fail(stage, exc)
 
 
+def _stage_epilog(stage: str) -> str:
+    """The stage's config groups and their options (read from conf/), and how to see its config."""
+    lines = [f"Config keys it reads: {', '.join(STAGE_KEYS[stage])}, output_root, force."]
+    for key in STAGE_KEYS[stage]:
+        if (CONF_DIR / key).is_dir():
+            lines.append(
+                f"Group {key}: {', '.join(group_options(CONF_DIR, key))} (select with {key}=OPTION)."
+            )
+    lines.append(f"Launchers (with -m, hydra/launcher=NAME): {LAUNCHERS}.")
+    lines.append(
+        f"Print the composed config without running: moecache {stage} --cfg job [OVERRIDES] "
+        "(--cfg all: the whole tree; --cfg hydra: Hydra's; --resolve: interpolations resolved)."
+    )
+    return "\n\n".join(lines)
+
+
 def _make_stage_command(stage: str, help_text: str) -> None:
     @app.command(
         stage,
         help=help_text + " Extra arguments are Hydra overrides (key=value, group=option).",
+        epilog=_stage_epilog(stage),
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     )
     def _command(
@@ -88,8 +138,17 @@ def _make_stage_command(stage: str, help_text: str) -> None:
         multirun: bool = typer.Option(
             False, "-m", "--multirun", help="Hydra multirun over comma-separated values."
         ),
+        cfg: str = typer.Option(
+            None,
+            "--cfg",
+            "-c",
+            help="Print the composed config and exit: job (the keys this stage reads), all, or hydra.",
+        ),
+        resolve: bool = typer.Option(False, "--resolve", help="With --cfg: resolve interpolations."),
     ) -> None:
-        _run_stage(stage, list(ctx.args), multirun)
+        if cfg is not None and cfg not in ("job", "all", "hydra"):
+            _fail(stage, MoecacheError(f"--cfg {cfg}: expected job, all or hydra"))
+        _run_stage(stage, list(ctx.args), multirun, cfg, resolve)
 
 
 for _stage, (_module, _help) in STAGES.items():
@@ -102,42 +161,60 @@ def _default_output_root() -> str:
     return os.environ.get("MOECACHE_OUTPUT_ROOT", "outputs")
 
 
+def _stage_folder(stage: str) -> str:
+    """The artifact folder name of a stage given by its command (import-trace) or folder name."""
+    folders = {name: module for name, (module, _) in STAGES.items()}
+    if stage in folders or stage in folders.values():
+        return folders.get(stage, stage)
+    raise MoecacheError(f"--stage {stage}: no such stage; known: {', '.join(STAGES)}")
+
+
+def aligned(rows: list[tuple[str, ...]]) -> str:
+    """Plain columns padded to their widest cell, the last one unpadded: ids are never cut short, in a
+    narrow terminal or through a pipe (a rich Table truncates them with '…')."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]) for r in rows)
+
+
 @artifacts_app.command("list")
 def artifacts_list(
-    stage: str = typer.Option(None, help="Only this stage."),
+    stage: str = typer.Option(None, help=f"Only this stage: {', '.join(STAGES)}."),
     output_root: str = typer.Option(
         None, help="The artifact folder (default: $MOECACHE_OUTPUT_ROOT or outputs)."
     ),
 ) -> None:
-    """One line per artifact: id, stage, created time, inputs."""
+    """One line per artifact: id, stage, created time, inputs (oldest first)."""
     from moecache.artifacts import ArtifactStore
 
     output_root = output_root or _default_output_root()
-    table = Table()
-    for col in ("artifact id", "stage", "created", "inputs"):
-        table.add_column(col)
-    found = ArtifactStore(output_root).list(stage)
-    for art in found:
-        m = art.manifest
-        table.add_row(art.id, art.stage, m.get("created_at", "?"), ", ".join(m.get("inputs", [])) or "-")
-    Console().print(table if found else f"no artifacts under {output_root}/")
+    try:
+        found = ArtifactStore(output_root).list(_stage_folder(stage) if stage else None)
+        rows = [("artifact id", "stage", "created", "inputs")]
+        for art in found:
+            m = art.manifest
+            inputs = ", ".join(str(i) for i in m.get("inputs", [])) or "-"
+            rows.append((art.id, art.stage, str(m.get("created_at", "?")), inputs))
+    except MoecacheError as exc:
+        _fail("artifacts list", exc)
+    print(aligned(rows) if found else f"no artifacts under {output_root}/")
 
 
 @artifacts_app.command("show")
 def artifacts_show(
-    artifact: str = typer.Argument(..., help="Artifact id or folder."),
+    artifact: str = typer.Argument(..., help="Artifact id, a unique prefix of one, or its folder."),
     output_root: str = typer.Option(
         None, help="The artifact folder (default: $MOECACHE_OUTPUT_ROOT or outputs)."
     ),
 ) -> None:
-    """Print an artifact's manifest (JSON) and its files."""
+    """Print an artifact's manifest (JSON) and its folder."""
     from moecache.artifacts import ArtifactStore
 
     try:
-        art = ArtifactStore(output_root or _default_output_root()).resolve(artifact)
+        art = ArtifactStore(output_root or _default_output_root()).resolve_prefix(artifact)
+        manifest = art.manifest
     except MoecacheError as exc:
         _fail("artifacts show", exc)
-    print(json.dumps(art.manifest, indent=2, sort_keys=True))
+    print(json.dumps(manifest, indent=2, sort_keys=True))
     print(art.path)
 
 

@@ -37,7 +37,7 @@ from moecache.config import to_container
 from moecache.cost_profile import PROFILE_FILE, CostProfile
 from moecache.env_info import cpu_model
 from moecache.errors import MoecacheError
-from moecache.stages.base import StageResult, reusable, store_for, torch_device
+from moecache.stages.base import StageResult, prepare, reusable, store_for, torch_device
 
 STAGE = "calibrate"
 SCHEMA_VERSION = 1
@@ -270,6 +270,7 @@ def summary(profile: CostProfile) -> dict:
 
 
 def run(cfg: DictConfig) -> StageResult:
+    prepare(cfg, STAGE)
     device = torch_device(cfg)
     settings = _settings(cfg)
     shape, dtype, source = resolve_shape(cfg)

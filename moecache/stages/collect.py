@@ -24,11 +24,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moecache.artifacts import artifact_id
-from moecache.config import to_container
 from moecache.env_info import machine_info, package_versions
 from moecache.errors import MoecacheError
 from moecache.models import load_model
-from moecache.stages.base import StageResult, reusable, store_for, torch_device
+from moecache.stages.base import StageResult, prepare, reusable, store_for, torch_device
 from moecache.trace.hooks import RoutingRecorder
 from moecache.trace.lens import LogitLens
 from moecache.trace.logger import LoggerConfig, RoutingLogger
@@ -88,7 +87,7 @@ def _generate(model, ids: list[int], gen: dict, max_new_tokens: int, device: str
 
 
 def run(cfg: DictConfig) -> StageResult:
-    c = to_container(cfg)
+    c = prepare(cfg, STAGE)  # also refuses logging.enabled=false: logging is what collect is for
     device = torch_device(cfg)
     loaded = load_model(cfg.model, cfg.output_root, device)
     config = _artifact_config(c, device, loaded.revision)

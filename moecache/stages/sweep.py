@@ -6,8 +6,12 @@ columns of docs/simulator.md), `per_block.parquet` (the same replays' counts and
 `per_layer.parquet` (hit rate per layer, base costs), `targets.parquet` (the smallest swept capacity
 at which each policy reaches each target hit rate), `grid.json` (the capacities swept per trace) and
 `costs.json` (the base cost model of each trace: copy time, CPU/GPU tables). `policy=<name>` and
-`capacity=N` restrict the sweep, which is how a Hydra multirun splits it:
-`moecache sweep -m policy=lfu,lru capacity=16,64`.
+`capacity=...` restrict the sweep, which is how a Hydra multirun splits it:
+`moecache sweep -m policy=lfu,lru capacity=16,64`. `capacity` takes the syntax of moecache/capacity.py
+(slots, `25%`, `12GiB`, or a list), resolved per trace.
+
+`sweep.workers` is not part of the artifact id: it changes how the replays are scheduled, not what they
+compute (the table is in job order whatever the thread count).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moecache.artifacts import artifact_id
-from moecache.config import to_container
 from moecache.errors import MoecacheError
 from moecache.sim.inputs import load_profile, load_traces
 from moecache.sim.metrics import per_block, per_layer
@@ -38,8 +41,8 @@ from moecache.sim.sweep import (
     dense_capacities,
     run_jobs_with,
 )
-from moecache.stages.base import StageResult, reusable, store_for
-from moecache.stages.simulate import cost_settings
+from moecache.stages.base import StageResult, prepare, profile_digest, reusable, store_for
+from moecache.stages.simulate import check_policy, cost_settings, trace_capacities
 
 STAGE = "sweep"
 SCHEMA_VERSION = 2
@@ -47,28 +50,40 @@ SCHEMA_VERSION = 2
 
 def _policies(c: dict) -> dict[str, list[dict]]:
     if c.get("policy"):
+        check_policy(c["policy"])
         return {c["policy"]["name"]: [dict(c["policy"].get("params") or {})]}
     policies = c["sweep"]["policies"]
     if not policies:
         raise MoecacheError("sweep.policies is empty: nothing to sweep")
-    return {name: [dict(p or {}) for p in params] for name, params in policies.items()}
+    out = {name: [dict(p or {}) for p in params] for name, params in policies.items()}
+    for name, param_sets in out.items():
+        for i, params in enumerate(param_sets):
+            check_policy({"name": name, "params": params}, where=f"sweep.policies.{name}[{i}]")
+    return out
 
 
-def run(cfg: DictConfig) -> StageResult:
-    c = to_container(cfg)
-    sweep = c["sweep"]
-    store = store_for(cfg)
-    traces = load_traces(store, c["traces"])
-    profile_ref, profile = load_profile(store, c["sim"]["cost_profile"])
-    policies = _policies(c)
-    inputs = [t.ref for t in traces] + ([profile_ref] if profile_ref.startswith("calibrate-") else [])
-    config = {
-        "sweep": sweep,
+def _id_config(c: dict, policies: dict, inputs: list[str], profile_ref: str) -> dict:
+    """The part of the config that determines the sweep's result (not `workers`: see the docstring)."""
+    return {
+        "sweep": {k: v for k, v in c["sweep"].items() if k != "workers"},
         "sim": c["sim"],
+        "cost_profile_sha256": profile_digest(profile_ref),
         "policies": policies,
         "capacity": c["capacity"],
         "traces": inputs,
     }
+
+
+def run(cfg: DictConfig) -> StageResult:
+    c = prepare(cfg, STAGE)
+    sweep = c["sweep"]
+    policies = _policies(c)
+    store = store_for(cfg)
+    traces = load_traces(store, c["traces"])
+    fixed = [trace_capacities(c["capacity"], t.trace) for t in traces] if c["capacity"] is not None else None
+    profile_ref, profile = load_profile(store, c["sim"]["cost_profile"])
+    inputs = [t.ref for t in traces] + ([profile_ref] if profile_ref.startswith("calibrate-") else [])
+    config = _id_config(c, policies, inputs, profile_ref)
     existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, inputs)
     if existing is not None:
         return StageResult(existing, reused=True, summary=json.loads((existing / "summary.json").read_text()))
@@ -76,8 +91,8 @@ def run(cfg: DictConfig) -> StageResult:
     base = cost_settings(c["sim"])
     grids, jobs = {}, []
     for index, t in enumerate(traces):
-        if c["capacity"] is not None:
-            caps = sens_caps = [int(c["capacity"])]
+        if fixed is not None:
+            caps = sens_caps = fixed[index]
         else:
             caps = capacity_grid(t.trace, **sweep["capacities"])
             dense = sweep["capacities"]
@@ -89,11 +104,6 @@ def run(cfg: DictConfig) -> StageResult:
                     jobs += [Job(index, name, params, cap, mode, base) for cap in caps]
                 if name in sweep["sensitivity"]["policies"]:
                     for scale in sweep["sensitivity"]["scales"]:
-                        unknown = set(scale) - set(SCALES)
-                        if unknown:
-                            raise MoecacheError(
-                                f"sweep.sensitivity.scales: unknown key(s) {sorted(unknown)}; use {list(SCALES)}"
-                            )
                         jobs += [
                             Job(index, name, params, cap, "timed", base.scaled(**scale)) for cap in sens_caps
                         ]
@@ -103,9 +113,7 @@ def run(cfg: DictConfig) -> StageResult:
         TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
         task = progress.add_task("replays", total=len(jobs))
-        block_steps = int(sweep["block_forward_steps"])
-        if block_steps < 1:
-            raise MoecacheError(f"sweep.block_forward_steps={block_steps}: must be at least 1")
+        block_steps = sweep["block_forward_steps"]
         table, details = run_jobs_with(
             [t.trace for t in traces],
             profile,

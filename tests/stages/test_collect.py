@@ -163,3 +163,13 @@ def test_unknown_model_type_lists_supported(tmp_path):
     (ckpt / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(MoecacheError, match="qwen3_5_moe"):
         _run(tmp_path, f"model.path={ckpt}")
+
+
+def test_logging_enabled_false_is_refused_before_the_model_loads(tmp_path):
+    """collect's output is the routing log: `logging.enabled=false` contradicts the command (null, the
+    default, lets the stage decide; the runtime's inference path reads it as off)."""
+    with pytest.raises(MoecacheError, match="logging.enabled=false: `moecache collect` always logs routing"):
+        _run(tmp_path, "logging.enabled=false")
+    with pytest.raises(MoecacheError, match="logging.enabled='no': expected true or false"):
+        _run(tmp_path, "logging.enabled=no")
+    assert not (tmp_path / "models").exists() and not (tmp_path / "collect").exists()

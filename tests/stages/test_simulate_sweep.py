@@ -1,6 +1,7 @@
 """`moecache simulate` and `moecache sweep` end to end on a small imported trace."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -132,30 +133,67 @@ def test_sweep_grid_targets_and_sensitivity(root):
     assert {(x["label"], x["capacity"]) for x in layers} == {(r["label"], r["capacity"]) for r in base_rows}
 
 
-def test_multirun_with_joblib_two_jobs(root):
+def _multirun_sweeps(root, launcher: list[str], policies: str) -> list[dict]:
     res = CliRunner().invoke(
         app,
         [
             "sweep",
             "-m",
-            "hydra/launcher=joblib",
-            "hydra.launcher.n_jobs=2",
-            "policy=lru,static_cold",
+            *launcher,
+            f"policy={policies}",
             "capacity=6",
             f"output_root={root}",
             "sweep.modes=[instant]",
         ],
     )
     assert res.exit_code == 0, res.output
-    made = [
+    return [
         json.loads((p / "manifest.json").read_text())
         for p in (root / "sweep").iterdir()
         if (p / "manifest.json").exists()
     ]
+
+
+def test_multirun_with_joblib_two_jobs(root):
+    made = _multirun_sweeps(root, ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], "lru,static_cold")
     assert {tuple(m["config"]["policies"]) for m in made if m["config"]["capacity"] == 6} >= {
         ("lru",),
         ("static_cold",),
     }
+
+
+def test_multirun_with_submitit_local_two_jobs(root):
+    """The SLURM launcher's local twin: each job a separate process started by submitit."""
+    made = _multirun_sweeps(
+        root, ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5"], "lfu,lru"
+    )
+    assert {tuple(m["config"]["policies"]) for m in made if m["config"]["capacity"] == 6} >= {
+        ("lfu",),
+        ("lru",),
+    }
+
+
+def test_capacity_as_percentage_and_memory_budget(root):
+    """25% of 3 x 8 keys is 6 slots; 37.5 MiB of 6 MiB experts is 6 slots (6.25, rounded down)."""
+    by_slots = simulate.run(compose([f"output_root={root}", "capacity=[0,6]", "policy=lru"]))
+    mixed = simulate.run(compose([f"output_root={root}", "capacity=[0%,25%]", "policy=lru"]))
+    budget = simulate.run(compose([f"output_root={root}", "capacity=[0B,37.5MiB]", "policy=lru"]))
+    want = pq.read_table(by_slots.artifact / "metrics.parquet").to_pylist()
+    for res in (mixed, budget):
+        got = pq.read_table(res.artifact / "metrics.parquet").to_pylist()
+        assert [r["capacity"] for r in got] == [0, 6]
+        assert [r["hit_rate"] for r in got] == [r["hit_rate"] for r in want]
+    one = sweep.run(compose([f"output_root={root}", "capacity=25%", "policy=lru", "sweep.modes=[instant]"]))
+    assert json.loads((one.artifact / "grid.json").read_text()) == {"small": [6]}
+
+
+def test_sweep_workers_do_not_change_the_artifact(root):
+    args = [f"output_root={root}", "policy=lru", "capacity=6", "sweep.modes=[instant]"]
+    one = sweep.run(compose([*args, "sweep.workers=1"]))
+    two = sweep.run(compose([*args, "sweep.workers=2"]))
+    assert two.reused and two.artifact == one.artifact
+    other = sweep.run(compose([*args, "sweep.block_forward_steps=8"]))
+    assert other.artifact != one.artifact
 
 
 def test_bad_input_is_named(root, tmp_path):
@@ -183,3 +221,15 @@ def test_bad_input_is_named(root, tmp_path):
     )
     with pytest.raises(MoecacheError, match="expert_ids range"):
         simulate.run(compose([f"output_root={root}", "capacity=3", f"traces=[{out}]"]))
+
+
+def test_a_cost_profile_file_is_identified_by_its_content(root, tmp_path):
+    bundled = next((Path(simulate.__file__).parents[1] / "data" / "cost_profiles").glob("*.json"))
+    profile = tmp_path / "profile.json"
+    profile.write_text(bundled.read_text())
+    args = [f"output_root={root}", "capacity=6", "policy=lru", f"sim.cost_profile={profile}"]
+    first = simulate.run(compose(args))
+    assert simulate.run(compose(args)).reused
+    profile.write_text(json.dumps(json.loads(bundled.read_text()), indent=1))  # same numbers, new bytes
+    again = simulate.run(compose(args))
+    assert not again.reused and again.artifact != first.artifact

@@ -1,0 +1,229 @@
+"""Type and range checks of the config values each stage reads, run before the stage does any work.
+
+Hydra parses `force=no` as the string "no", `capacity=3.7` as a float and `sim.bandwidth_scale=abc` as
+a string; the stages used to coerce such values (`bool("no")` is true, `int(3.7)` is 3) or fail deep
+inside with a traceback. Here every value is checked against what it must be, and a value that is not
+exactly that is refused with one line naming the key and the value: never coerced.
+
+The rules are a table per config group (`RULES`); `check_config(stage, c)` applies those of the keys
+`stage` reads (moecache/stage_keys.py). A group's own semantic checks (a policy's parameters, a trace's
+contents) stay with the code that owns them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from moecache.capacity import capacity_specs
+from moecache.errors import MoecacheError
+from moecache.stage_keys import STAGE_KEYS
+
+Check = Callable[[str, object], None]
+MODES = ("instant", "timed")  # moecache.sim.sweep.MODES; repeated so checking needs no numba import
+SCALES = ("bandwidth_scale", "cpu_scale", "gpu_scale")  # moecache.sim.sweep.SCALES
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _fail(key: str, value, want: str) -> None:
+    raise MoecacheError(f"{key}={_show(value)}: expected {want}")
+
+
+def boolean(key: str, value) -> None:
+    if not isinstance(value, bool):
+        _fail(key, value, "true or false")
+
+
+def integer(low: int | None = None) -> Check:
+    def check(key: str, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+            _fail(key, value, "an integer" + (f" >= {low}" if low is not None else ""))
+
+    return check
+
+
+def number(low: float | None = None, high: float | None = None, *, low_open=False, high_open=False) -> Check:
+    """A finite int or float in [low, high]; `low_open` / `high_open` exclude the bound itself."""
+    lo = "(" if low_open or low is None else "["
+    hi = ")" if high_open or high is None else "]"
+    where = f" in {lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
+
+    def check(key: str, value) -> None:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if ok and low is not None:
+            ok = value > low if low_open else value >= low
+        if ok and high is not None:
+            ok = value < high if high_open else value <= high
+        if not ok:
+            _fail(key, value, "a number" + (where if (low, high) != (None, None) else ""))
+
+    return check
+
+
+def string(key: str, value) -> None:
+    if not isinstance(value, str) or not value:
+        _fail(key, value, "a non-empty string")
+
+
+def one_of(*options: str) -> Check:
+    def check(key: str, value) -> None:
+        if value not in options:
+            _fail(key, value, f"one of {', '.join(options)}")
+
+    return check
+
+
+def optional(inner: Check) -> Check:
+    def check(key: str, value) -> None:
+        if value is not None:
+            inner(key, value)
+
+    return check
+
+
+def list_of(inner: Check, *, nonempty: bool = True) -> Check:
+    def check(key: str, value) -> None:
+        if not isinstance(value, list):
+            _fail(key, value, "a list, e.g. [a,b]")
+        if nonempty and not value:
+            _fail(key, value, "a non-empty list")
+        for i, item in enumerate(value):
+            inner(f"{key}[{i}]", item)
+
+    return check
+
+
+def _scale_set(key: str, value) -> None:
+    if not isinstance(value, dict) or not value:
+        _fail(key, value, f"a mapping of {', '.join(SCALES)} to factors")
+    for name, factor in value.items():
+        if name not in SCALES:
+            raise MoecacheError(f"{key}: unknown key {name!r}; use {', '.join(SCALES)}")
+        number(0, low_open=True)(f"{key}.{name}", factor)
+
+
+def _policy_sets(key: str, value) -> None:
+    """sweep.policies: policy name -> list of parameter mappings (the names and parameters themselves
+    are checked by the policy registry when the sweep builds its jobs)."""
+    if not isinstance(value, dict):
+        _fail(key, value, "a mapping of policy name to a list of parameter sets")
+    for name, sets in value.items():
+        if not isinstance(sets, list) or not sets or not all(isinstance(p, dict | None) for p in sets):
+            _fail(f"{key}.{name}", sets, "a non-empty list of parameter mappings, e.g. [{}]")
+
+
+def _capacity(required: bool) -> Check:
+    def check(key: str, value) -> None:
+        if value is None:
+            if required:
+                raise MoecacheError(
+                    f"{key} is required: give a slot count, a percentage ('25%'), a memory budget"
+                    " ('12GiB') or a list of them"
+                )
+            return
+        capacity_specs(value, key=key)
+
+    return check
+
+
+def _logging_enabled(key: str, value) -> None:
+    """`collect` exists to log routing: `logging.enabled=false` there contradicts the command. null (the
+    default) means "the stage decides": on in collect, off in the runtime's inference path."""
+    optional(boolean)(key, value)
+    if value is False:
+        raise MoecacheError(
+            f"{key}=false: `moecache collect` always logs routing (that is its output); "
+            "drop the override (logging.enabled is for the runtime's inference path)"
+        )
+
+
+COMMON = {"force": boolean, "output_root": string}
+RULES: dict[str, dict[str, Check]] = {
+    "seed": {"seed": integer(0)},
+    "device": {"device": string},
+    "traces": {"traces": list_of(string, nonempty=False)},
+    "sim": {
+        "sim.mode": one_of(*MODES),
+        "sim.cost_profile": string,
+        "sim.dtype": optional(string),
+        "sim.non_expert_us_per_layer": number(0),
+        **{f"sim.{s}": number(0, low_open=True) for s in SCALES},
+    },
+    "sweep.capacities": {
+        "sweep.capacities.dense_multiple": number(0, low_open=True),
+        "sweep.capacities.dense_step": optional(integer(1)),
+        "sweep.capacities.fractions": list_of(number(0, 1, low_open=True), nonempty=False),
+    },
+    "sweep": {
+        "sweep.policies": _policy_sets,
+        "sweep.modes": list_of(one_of(*MODES)),
+        "sweep.sensitivity.policies": list_of(string, nonempty=False),
+        "sweep.sensitivity.scales": list_of(_scale_set, nonempty=False),
+        "sweep.block_forward_steps": integer(1),
+        "sweep.targets": list_of(number(0, 1, low_open=True), nonempty=False),
+        "sweep.workers": optional(integer(1)),
+    },
+    "logging": {
+        "logging.enabled": _logging_enabled,
+        "logging.formats": list_of(one_of("parquet", "jsonl")),
+        "logging.queue_size": integer(1),
+        "logging.on_overflow": one_of("raise", "block"),
+        "logging.row_group_rows": integer(1),
+        "logging.log_text": boolean,
+        "logging.logit_lens.rate": number(0, 1),
+    },
+    "generation": {
+        "generation.max_new_tokens": optional(integer(1)),
+        "generation.do_sample": boolean,
+        "generation.temperature": number(0, low_open=True),
+        "generation.top_p": number(0, 1, low_open=True),
+        "generation.ignore_eos": boolean,
+    },
+    "cost": {
+        "cost.tokens_per_call": list_of(integer(1)),
+        "cost.dtypes": list_of(string),
+        "cost.repeats": integer(1),
+        "cost.warmup": integer(0),
+        "cost.threads": optional(integer(1)),
+        "cost.num_pool_experts": optional(integer(2)),
+        "cost.pool_bytes": optional(integer(1)),
+        "cost.fallback_llc_bytes": integer(1),
+        "cost.max_pool_bytes": integer(1),
+        "cost.copy_sizes_bytes": list_of(integer(1)),
+    },
+}
+# The sweep group includes its capacity grid.
+RULES["sweep"].update(RULES["sweep.capacities"])
+CAPACITY = {"simulate": _capacity(required=True), "sweep": _capacity(required=False)}
+
+
+def _get(c: dict, dotted: str):
+    node = c
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+_ABSENT = object()
+
+
+def check_config(stage: str, c: dict) -> None:
+    """Check every value `stage` reads in the resolved config `c` (a plain dict); one line on failure."""
+    rules = dict(COMMON)
+    for group in STAGE_KEYS[stage]:
+        rules.update(RULES.get(group, {}))
+    if stage in CAPACITY:
+        rules["capacity"] = CAPACITY[stage]
+    for key, check in rules.items():
+        value = _get(c, key)
+        if value is not _ABSENT:
+            check(key, value)
