@@ -2,7 +2,7 @@
 and judged on data it was not chosen on.
 
 Candidates are parameter sets of the counting policies (cumulative LFU, LFU reset per request, windowed
-LFU, decayed LFU), replayed in instant mode at a few capacities (multiples of layers x top_k). For each
+LFU, decayed LFU; the sets are the sweep's, conf/analyze/default.yaml), each a PolicySpec, replayed in instant mode at a few capacities (multiples of layers x top_k). For each
 trace: the candidate with the highest mean hit rate over the prefix (the forward steps that start
 before `prefix_fraction` of the trace's tokens; ties: the earlier candidate) is selected; the table then
 gives every candidate's hit rate on the held-out rest of the same replay (the policy keeps its state across the split, as it would when
@@ -13,36 +13,28 @@ Legend: S layer steps, A accesses.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-
 import numpy as np
 import pyarrow as pa
 
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import forward_index
 from moecache.sim.policy import make_policy
+from moecache.sim.policy_spec import PolicySpec
 from moecache.sim.replay import replay_instant
 from moecache.sim.trace_arrays import TraceArrays
 
 
-@dataclass(frozen=True)
-class Candidate:
-    policy: str
-    params: dict
-
-    @property
-    def label(self) -> str:
-        return make_policy(self.policy, **self.params).label()
-
-
-def candidates_from(config: dict) -> list[Candidate]:
-    """`analyze.history.candidates` (policy name -> list of parameter sets) as Candidates."""
-    out = [Candidate(name, dict(p or {})) for name, sets in config.items() for p in sets]
+def candidates_from(config: dict) -> list[PolicySpec]:
+    """`analyze.history.candidates` (policy name -> list of parameter sets) as PolicySpecs, in order; an
+    unknown policy or parameter is an error naming it, and a set listed twice is kept once."""
+    out: list[PolicySpec] = []
+    for name, sets in config.items():
+        for i, p in enumerate(sets or []):
+            spec = PolicySpec.of(name, p or {}, f"analyze.history.candidates.{name}[{i}]")
+            if spec not in out:
+                out.append(spec)
     if not out:
         raise MoecacheError("analyze.history.candidates is empty: nothing to compare")
-    for c in out:
-        c.label  # noqa: B018 -- an unknown policy or parameter is an error here, naming it
     return out
 
 
@@ -71,7 +63,7 @@ def _rate(hit_A: np.ndarray) -> float | None:
 
 
 def history_table(
-    traces: list[TraceArrays], candidates: list[Candidate], multiples: list[float], prefix_fraction: float
+    traces: list[TraceArrays], candidates: list[PolicySpec], multiples: list[float], prefix_fraction: float
 ) -> tuple[pa.Table, dict[str, dict]]:
     """(rows: trace, label, policy, params, capacity, split, hit_rate, selected; per-trace summary)."""
     # hit rates of every candidate on every trace: prefix, held-out and whole trace
@@ -81,7 +73,7 @@ def history_table(
         cut = split_access(trace, prefix_fraction)
         for ci, cand in enumerate(candidates):
             for capacity in caps[ti]:
-                hit_A = replay_instant(trace, make_policy(cand.policy, **cand.params), capacity).hit_A
+                hit_A = replay_instant(trace, make_policy(cand.name, **cand.params), capacity).hit_A
                 rates[ti, ci, capacity] = {
                     "prefix": _rate(hit_A[:cut]),
                     "held_out": _rate(hit_A[cut:]),
@@ -103,9 +95,9 @@ def history_table(
         for ci, cand in enumerate(candidates):
             base = {
                 "trace": trace.name,
-                "label": cand.label,
-                "policy": cand.policy,
-                "params": json.dumps(cand.params, sort_keys=True),
+                "label": cand.label(),
+                "policy": cand.name,
+                "params": cand.params_json,
                 "selected": ci == chosen,
             }
             for capacity in caps[ti]:
@@ -132,10 +124,10 @@ def history_table(
         held = [mean_over_caps(ci, "held_out", ti) for ci in range(len(candidates))]
         best_held = int(np.argmax(held))
         figures = {
-            "history_selected": candidates[chosen].label,
+            "history_selected": candidates[chosen].label(),
             "history_selected_prefix_hit_rate": scores[chosen],
             "history_selected_held_out_hit_rate": held[chosen],
-            "history_best_held_out": candidates[best_held].label,
+            "history_best_held_out": candidates[best_held].label(),
             "history_held_out_regret": held[best_held] - held[chosen],
         }
         others = [oi for oi in range(len(traces)) if oi != ti]

@@ -3,10 +3,11 @@ selected policy.
 
 Legend: N per_block rows, P labels of one cell (the baseline first), U bootstrap units of one cell.
 
-Steps (docs: the "Decision" section of the issue-4 spec):
+Steps (docs/decision.md, "First part"):
 1. Keep the sweep rows and blocks of `rule.mode` at the base cost scales (every scale == 1.0).
-2. Find the labels of the baseline and of the candidates: the label of the sweep rows with that policy and
-   those parameters (compared as parsed JSON, i.e. by value).
+2. Find the labels of the baseline and of the candidates: the label of the sweep rows whose policy
+   (name, params) equals theirs (moecache/sim/policy_spec.py: parameters compared with the defaults
+   filled in, so `lfu {}` is `lfu {reset_per_request: false}`).
 3. For each cell (trace, capacity) where the baseline was swept: the units are the trace's requests (the
    blocks of a request summed) when it has at least `bootstrap.min_requests` of them, else its blocks; one
    paired bootstrap (bootstrap.py) over every label of the cell gives r = metric / baseline metric - 1 and
@@ -26,7 +27,6 @@ Steps (docs: the "Decision" section of the issue-4 spec):
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 
 import numpy as np
@@ -34,8 +34,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moecache.decision.bootstrap import paired_ratio_bootstrap
-from moecache.decision.rule import COMPETITIVE, METRICS, MIN_UNITS, PolicyRef, Rule, classify
+from moecache.decision.rule import COMPETITIVE, METRICS, MIN_UNITS, Rule, classify
 from moecache.errors import MoecacheError
+from moecache.sim.policy_spec import PolicySpec
 from moecache.sim.sweep import SCALES, base_rows
 
 SWEEP_COLUMNS = ("trace", "workload", "policy", "params", "label", "mode", "capacity", *SCALES, "hit_rate")
@@ -85,24 +86,32 @@ def _require_columns(table: pa.Table, columns, name: str) -> None:
         raise MoecacheError(f"{name}: missing column(s) {missing}")
 
 
-def _params(row: dict) -> dict:
-    try:
-        return json.loads(row["params"])
-    except (TypeError, ValueError) as e:
-        raise MoecacheError(
-            f"sweep.parquet: params={row['params']!r} of label {row['label']!r} is not JSON ({e})"
-        ) from e
+def policy_labels(rows: list[dict]) -> dict[str, PolicySpec]:
+    """The policy (name, params) of every label of the sweep rows. A label is only a join key (into
+    per_block.parquet); one label with two policies, or one policy under two labels, is an error."""
+    spec_of: dict[str, PolicySpec] = {}
+    label_of: dict[PolicySpec, str] = {}
+    for r in rows:
+        spec = PolicySpec.from_row(r, f"sweep.parquet (label {r['label']!r})")
+        if spec_of.setdefault(r["label"], spec) != spec:
+            raise MoecacheError(
+                f"sweep.parquet: label {r['label']!r} names two policies:"
+                f" {spec_of[r['label']].describe()} and {spec.describe()}"
+            )
+        if label_of.setdefault(spec, r["label"]) != r["label"]:
+            raise MoecacheError(
+                f"sweep.parquet: policy {spec.describe()} has two labels {label_of[spec]!r} and {r['label']!r}"
+            )
+    return spec_of
 
 
-def _label_of(rows: list[dict], ref: PolicyRef, key: str, mode: str) -> str:
-    labels = sorted({r["label"] for r in rows if r["policy"] == ref.policy and _params(r) == ref.params})
+def _label_of(spec_of: dict[str, PolicySpec], ref: PolicySpec, key: str, mode: str) -> str:
+    labels = [label for label, spec in spec_of.items() if spec == ref]
     if not labels:
-        swept = sorted({f"{r['policy']} {r['params']}" for r in rows})
+        swept = sorted(spec.describe() for spec in spec_of.values())
         raise MoecacheError(
             f"decide.{key}: {ref.describe()} is not in the sweep (mode {mode}, base scales); swept: {swept}"
         )
-    if len(labels) > 1:
-        raise MoecacheError(f"decide.{key}: {ref.describe()} matches several sweep labels {labels}")
     return labels[0]
 
 
@@ -304,14 +313,9 @@ def decide(sweep: pa.Table, blocks: pa.Table, rule: Rule, copy_us: dict[str, flo
     rows = base_rows(sweep, rule.mode).to_pylist()
     if not rows:
         raise MoecacheError(f"sweep.parquet: no row in mode {rule.mode!r} at base cost scales (all 1.0)")
-    base = _label_of(rows, rule.baseline, "baseline", rule.mode)
-    cands = [_label_of(rows, c, f"candidates[{i}]", rule.mode) for i, c in enumerate(rule.candidates)]
-    for i, c in enumerate(cands):
-        if c == base or c in cands[:i]:
-            raise MoecacheError(
-                f"decide.candidates[{i}]: {rule.candidates[i].describe()} has label {c!r},"
-                f" {'the baseline' if c == base else 'that of an earlier candidate'}"
-            )
+    spec_of = policy_labels(rows)
+    base = _label_of(spec_of, rule.baseline, "baseline", rule.mode)
+    cands = [_label_of(spec_of, c, f"candidates[{i}]", rule.mode) for i, c in enumerate(rule.candidates)]
     roles = {c: "candidate" for c in cands}
 
     workload_of: dict[str, str] = {}

@@ -1,4 +1,7 @@
-"""The pre-registered decision rule (conf/decide/*.yaml) and the verdict of one cell.
+"""The pre-registered decision rule (conf/decide/*.yaml, docs/decision.md) and the verdict of one cell.
+
+The baseline and the candidates are PolicySpecs (name, params with the class's defaults filled in); the
+second part (`extensions`) names policies only, their parameter sets are the sweep's.
 
 `Rule.from_dict` validates every key of the rule and names it (`decide.<key>`) with the bad value; unknown
 keys are errors too, so a misspelt setting cannot silently fall back to its default. Keys left out take
@@ -18,12 +21,12 @@ its interval (the caller applies MIN_UNITS; `classify` sees only the interval).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from moecache.errors import MoecacheError
+from moecache.sim.policy_spec import PolicySpec
 
 VERDICTS = ("better", "equivalent", "non_inferior", "worse", "inconclusive")
 COMPETITIVE = frozenset({"better", "equivalent", "non_inferior"})
@@ -86,36 +89,6 @@ def _text(key: str, value) -> str:
 
 
 @dataclass(frozen=True)
-class PolicyRef:
-    """A policy of the sweep: its registered name and its parameters (matched by value)."""
-
-    policy: str
-    params: dict = field(default_factory=dict, hash=False)
-
-    @classmethod
-    def from_dict(cls, key: str, d) -> PolicyRef:
-        d = _mapping(key, d, ("policy", "params"))
-        if "policy" not in d:
-            raise MoecacheError(f"decide.{key}.policy: missing")
-        policy = _text(f"{key}.policy", d["policy"])
-        params = d.get("params") or {}
-        if not isinstance(params, Mapping):
-            raise _fail(f"{key}.params", params, "must be a mapping of parameters")
-        params = dict(params)
-        try:
-            json.dumps(params, sort_keys=True)
-        except (TypeError, ValueError) as e:
-            raise _fail(f"{key}.params", params, f"not JSON-serialisable ({e})") from e
-        return cls(policy, params)
-
-    def to_dict(self) -> dict:
-        return {"policy": self.policy, "params": dict(self.params)}
-
-    def describe(self) -> str:
-        return f"{self.policy} {json.dumps(self.params, sort_keys=True)}"
-
-
-@dataclass(frozen=True)
 class Bootstrap:
     resamples: int = 2000
     min_requests: int = 8  # units are requests when a trace has at least this many, else blocks
@@ -127,16 +100,29 @@ class Transfers:
     max_link_busy: float | None = 1.0  # None: no bound
 
 
+ALL = "all"
+
+
 @dataclass(frozen=True)
-class Predictive:
-    policies: tuple[str, ...] = ()  # predictive policies (every swept parameter set is a choice)
+class Extensions:
+    """The second part (decision/extensions.py): which policies are judged and how one is preferred."""
+
+    policies: tuple[str, ...] | str = ALL  # "all": every swept policy but the baseline's and `exclude`
+    exclude: tuple[str, ...] = ("belady",)  # never judged (the offline bound is not a runnable policy)
     prefix_fraction: float = 0.5  # parameters chosen on this share of each trace's tokens
+    preference: tuple[str, ...] = ()  # among consistent policies, these first in this order
+
+    def judged(self, swept: list[str], baseline: str) -> list[str]:
+        """The policy names judged, given the names swept (sorted) and the baseline's name."""
+        if self.policies == ALL:
+            return [n for n in sorted(set(swept)) if n != baseline and n not in self.exclude]
+        return list(self.policies)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Rule:
-    baseline: PolicyRef
-    candidates: tuple[PolicyRef, ...]  # in order of preference
+    baseline: PolicySpec
+    candidates: tuple[PolicySpec, ...]  # in order of preference
     mode: str = "timed"
     metric: str = "est_ms_per_token"
     margin: float = 0.02
@@ -146,7 +132,7 @@ class Rule:
     max_hit_rate_deficit: float = 0.05
     transfers: Transfers = Transfers()
     required_workloads: tuple[str, ...] | None = None  # None: the workloads present
-    predictive: Predictive = Predictive()
+    extensions: Extensions = Extensions()
     seed: int = 0
 
     @classmethod
@@ -163,7 +149,7 @@ class Rule:
             "hit_rate",
             "transfers",
             "workloads",
-            "predictive",
+            "extensions",
             "seed",
         )
         if not isinstance(d, Mapping):
@@ -176,12 +162,14 @@ class Rule:
         if "candidates" not in d:
             raise MoecacheError("decide.candidates: missing")
         kw: dict = {}
-        kw["baseline"] = PolicyRef.from_dict("baseline", d["baseline"])
+        kw["baseline"] = PolicySpec.from_dict(d["baseline"], "decide.baseline")
 
         cands = d["candidates"]
         if isinstance(cands, str | bytes) or not isinstance(cands, Sequence) or not cands:
             raise _fail("candidates", cands, "must be a non-empty list of {policy, params}")
-        kw["candidates"] = tuple(PolicyRef.from_dict(f"candidates[{i}]", c) for i, c in enumerate(cands))
+        kw["candidates"] = tuple(
+            PolicySpec.from_dict(c, f"decide.candidates[{i}]") for i, c in enumerate(cands)
+        )
         seen = [kw["baseline"]]
         for i, c in enumerate(kw["candidates"]):
             if c in seen:  # equal policy and params
@@ -243,17 +231,8 @@ class Rule:
                 kw["required_workloads"] = tuple(
                     _text(f"workloads.required[{i}]", x) for i, x in enumerate(req)
                 )
-        if "predictive" in d:
-            pr = _mapping("predictive", d["predictive"], ("policies", "prefix_fraction"))
-            names = pr.get("policies") or []
-            if isinstance(names, str | bytes) or not isinstance(names, Sequence):
-                raise _fail("predictive.policies", names, "must be a list of policy names")
-            kw["predictive"] = Predictive(
-                policies=tuple(_text(f"predictive.policies[{i}]", x) for i, x in enumerate(names)),
-                prefix_fraction=_open_interval(
-                    "predictive.prefix_fraction", pr.get("prefix_fraction", 0.5), 0.0, 1.0
-                ),
-            )
+        if "extensions" in d:
+            kw["extensions"] = _extensions(d["extensions"])
         if "seed" in d:
             kw["seed"] = _integer("seed", d["seed"], 0)
         return cls(**kw)
@@ -277,9 +256,11 @@ class Rule:
             "workloads": {
                 "required": list(self.required_workloads) if self.required_workloads is not None else None
             },
-            "predictive": {
-                "policies": list(self.predictive.policies),
-                "prefix_fraction": self.predictive.prefix_fraction,
+            "extensions": {
+                "policies": ALL if self.extensions.policies == ALL else list(self.extensions.policies),
+                "exclude": list(self.extensions.exclude),
+                "prefix_fraction": self.extensions.prefix_fraction,
+                "preference": list(self.extensions.preference),
             },
             "seed": self.seed,
         }
@@ -305,3 +286,35 @@ def _bound(key: str, value) -> float | None:
     if x <= 0:
         raise _fail(key, value, "must be a positive number or null")
     return x
+
+
+def _names(key: str, value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise _fail(key, value, "must be a list of policy names")
+    names = tuple(_text(f"{key}[{i}]", x) for i, x in enumerate(value))
+    for i, n in enumerate(names):
+        PolicySpec.of(n, {}, f"decide.{key}[{i}]")  # an unknown policy name is an error naming it
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise _fail(key, list(value), f"lists {twice} twice")
+    return names
+
+
+def _extensions(value) -> Extensions:
+    e = _mapping("extensions", value, ("policies", "exclude", "prefix_fraction", "preference"))
+    default = Extensions()
+    policies = e.get("policies", default.policies)
+    if policies != ALL:
+        policies = _names("extensions.policies", policies)
+        if not policies:
+            raise _fail("extensions.policies", value.get("policies"), f"must be {ALL!r} or a non-empty list")
+    return Extensions(
+        policies=policies,
+        exclude=_names("extensions.exclude", e.get("exclude", list(default.exclude))),
+        prefix_fraction=_open_interval(
+            "extensions.prefix_fraction", e.get("prefix_fraction", default.prefix_fraction), 0.0, 1.0
+        ),
+        preference=_names("extensions.preference", e.get("preference", [])),
+    )

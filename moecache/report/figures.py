@@ -26,6 +26,15 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moecache.analysis.frequency import cover  # noqa: E402  (the analysis's own definition)
+from moecache.report.roles import (  # noqa: E402
+    HIDDEN,
+    OTHER_COLOR,
+    ROLE_COLORS,
+    ROLE_NAMES,
+    ROLE_STYLES,
+    ROLES,
+    bound_labels,
+)
 from moecache.report.tables import curve_rows, floats, ints, labels_in_order, select  # noqa: E402
 
 DPI = 110
@@ -40,7 +49,6 @@ STYLE = {
 }
 VERDICTS = ("better", "equivalent", "non_inferior", "inconclusive", "worse")
 VERDICT_COLORS = ("#1a9850", "#91cf60", "#d9ef8b", "#bdbdbd", "#d73027")
-LINESTYLES = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
 
 
@@ -87,17 +95,6 @@ def _note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="0.35")
 
 
-def _label_styles(labels: list[str]) -> dict[str, dict]:
-    """A colour, line style and marker per label (fixed by the label's position in the sorted list)."""
-    n = len(labels)
-    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20" if n <= 20 else "turbo")
-    out = {}
-    for i, label in enumerate(labels):
-        color = cmap(i) if n <= 20 else cmap(i / max(n - 1, 1))
-        out[label] = {"color": color, "linestyle": LINESTYLES[(i // 10) % 4], "marker": MARKERS[i % 8]}
-    return out
-
-
 def _curve(rows: pa.Table, label: str, column: str) -> tuple[np.ndarray, np.ndarray]:
     """Capacity and value of one label's rows, sorted by capacity, without null values (C,)."""
     sub = select(rows, label=label)
@@ -108,108 +105,197 @@ def _curve(rows: pa.Table, label: str, column: str) -> tuple[np.ndarray, np.ndar
     return cap_C[keep][order], val_C[keep][order]
 
 
-def is_belady(label: str) -> bool:
-    return label == "belady" or label.startswith("belady(")
-
-
-def belady_bound(rows: pa.Table) -> tuple[np.ndarray, np.ndarray, str] | None:
-    """The offline-optimum hit rate per capacity: the warm Belady label(s) if present, else the maximum over
-    every Belady label; None when the rows have no Belady label."""
-    labels = [x for x in labels_in_order(rows) if is_belady(x)]
-    warm = [x for x in labels if "warm=true" in x.lower().replace(" ", "")]
-    chosen = warm or labels
+def belady_bound(rows: pa.Table, specs: dict, column: str = "hit_rate"):
+    """(capacity_C, value_C, the labels) of the offline bound: per capacity the best (highest hit rate,
+    lowest time) over the bound's Belady labels (roles.bound_labels); None when none was swept."""
+    chosen = [x for x in bound_labels(specs) if x in set(rows["label"].to_pylist())]
     if not chosen:
         return None
+    better = max if column == "hit_rate" else min
     best: dict[float, float] = {}
     for label in chosen:
-        for c, h in zip(*_curve(rows, label, "hit_rate"), strict=True):
-            best[c] = max(best.get(c, -np.inf), h)
+        for c, v in zip(*_curve(rows, label, column), strict=True):
+            best[c] = better(best[c], v) if c in best else v
     if not best:
         return None
     cap_C = np.array(sorted(best))
     return cap_C, np.array([best[c] for c in cap_C]), ", ".join(chosen)
 
 
-def _legend_outside(ax, handles=None) -> None:
-    h, labels = (
-        ax.get_legend_handles_labels() if handles is None else (handles, [x.get_label() for x in handles])
-    )
-    if h:
-        ax.legend(h, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)
+class CapacityScale:
+    """x = capacity as a percentage of all (layer, expert) keys of the trace, from the sweep's
+    capacity_fraction; slots on a secondary axis. Without that column: slots on the main axis."""
+
+    def __init__(self, rows: pa.Table):
+        self.keys = None
+        if "capacity_fraction" in rows.column_names:
+            cap_R, frac_R = floats(rows, "capacity"), floats(rows, "capacity_fraction")
+            ok = (frac_R > 0) & ~np.isnan(frac_R)
+            if ok.any():
+                self.keys = float(np.round(np.median(cap_R[ok] / frac_R[ok])))
+
+    def x(self, cap_C: np.ndarray) -> np.ndarray:
+        return cap_C if self.keys is None else 100.0 * cap_C / self.keys
+
+    def decorate(self, ax, rows: pa.Table, label_x: bool = True) -> None:
+        caps = np.unique(floats(rows, "capacity"))
+        if self.keys is None:
+            if label_x:
+                ax.set_xlabel("cache capacity (expert slots)")
+            _capacity_axis(ax, rows)
+            return
+        if label_x:
+            ax.set_xlabel(f"cache capacity (% of all {int(self.keys)} experts)")
+        if len(caps) == 1:
+            x = self.x(caps)[0]
+            ax.set_xlim(x - 1.0, x + 1.0)
+        keys = self.keys
+        top = ax.secondary_xaxis("top", functions=(lambda p: p * keys / 100.0, lambda s: 100.0 * s / keys))
+        top.set_xlabel("expert slots", fontsize=7)
+        top.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _curves(sweep: pa.Table | None, trace: str, column: str, title: str, ylabel: str):
-    """(figure, axes, rows, the labels drawn) of one sweep column vs capacity, a curve per label (base
-    scales, timed mode when present); rows None when the trace has no sweep rows (a note is drawn)."""
-    fig = _figure(9.0, 5.0)
-    ax = fig.add_subplot()
-    rows, mode = curve_rows(sweep, trace)
-    ax.set_title(f"{title} — {trace} ({mode} replay, base cost scales)")
-    ax.set_xlabel("cache capacity (expert slots)")
-    ax.set_ylabel(ylabel)
-    if rows is None or rows.num_rows == 0:
-        _note(ax, "no sweep rows for this trace")
-        return fig, ax, None, []
-    labels = labels_in_order(rows)
-    styles = _label_styles(labels)
-    drawn = []
-    for label in labels:
+def _draw_curves(ax, rows: pa.Table, column: str, roles: dict[str, str], scale: CapacityScale) -> list:
+    """One line per label: the decision's roles in colour (thick, labelled), every other label thin
+    light grey under them (one legend entry). Returns the legend handles, in ROLES order."""
+    others = [x for x in labels_in_order(rows) if x not in roles]
+    grey = None
+    for label in others:
         cap_C, y_C = _curve(rows, label, column)
         if len(cap_C):
-            ax.plot(cap_C, y_C, label=label, lw=1.2, ms=3.5, **styles[label])
-            drawn.append(label)
-    return fig, ax, rows, drawn
+            (grey,) = ax.plot(scale.x(cap_C), y_C, color=OTHER_COLOR, lw=0.8, zorder=1)
+    handles = []
+    ranked = sorted((x for x in roles if roles[x] not in HIDDEN), key=lambda x: (ROLES.index(roles[x]), x))
+    for i, label in enumerate(ranked):
+        cap_C, y_C = _curve(rows, label, column)
+        if len(cap_C):
+            role = roles[label]
+            (line,) = ax.plot(
+                scale.x(cap_C), y_C, color=ROLE_COLORS[role], ls=ROLE_STYLES.get(role, "-"), lw=1.8,
+                marker=MARKERS[i % 8], ms=3.5, zorder=3 + len(ranked) - i, label=f"{ROLE_NAMES[role]}: {label}",
+            )  # fmt: skip
+            handles.append(line)
+    if grey is not None:
+        grey.set_label(f"other swept policies ({len(others)})")
+        handles.append(grey)
+    return handles
+
+
+def _curves(sweep: pa.Table | None, trace: str, column: str, title: str, ylabel: str, roles: dict[str, str]):
+    """(figure, axes, rows, scale, legend handles) of one sweep column vs capacity (base scales, timed
+    mode when present); rows None when the trace has no sweep rows (a note is drawn)."""
+    fig = _figure(9.0, 5.6)
+    ax = fig.add_subplot()
+    rows, mode = curve_rows(sweep, trace)
+    ax.set_title(f"{title} — {trace} ({mode} replay)")
+    ax.set_ylabel(ylabel)
+    if rows is None or rows.num_rows == 0:
+        ax.set_xlabel("cache capacity")
+        _note(ax, "no sweep rows for this trace")
+        return fig, ax, None, None, []
+    scale = CapacityScale(rows)
+    handles = _draw_curves(ax, rows, column, roles, scale)
+    return fig, ax, rows, scale, handles
+
+
+def _legend_below(fig, handles, ncol: int = 2) -> None:
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncol=ncol, frameon=False)
 
 
 @_styled
-def hit_rate_vs_capacity(sweep: pa.Table | None, trace: str, path: Path) -> Path:
-    """Hit rate vs capacity for every label (base scales, timed mode when present), with the region above the
-    Belady bound shaded."""
-    fig, ax, rows, _ = _curves(
-        sweep, trace, "hit_rate", "Hit rate vs capacity", "hit rate (fraction of expert accesses)"
+def hit_rate_vs_capacity(
+    sweep: pa.Table | None, trace: str, path: Path, roles: dict[str, str], specs: dict
+) -> Path:
+    """Hit rate vs capacity: the decision's policies in colour, the rest grey, the Belady bound dashed with
+    the region above it (unreachable by demand caching) shaded."""
+    fig, ax, rows, scale, handles = _curves(
+        sweep, trace, "hit_rate", "Hit rate vs capacity", "hit rate (fraction of expert accesses)", roles
     )
     if rows is None:
         return _save(fig, path)
-    bound = belady_bound(rows)
+    bound = belady_bound(rows, specs)
     if bound is not None:
         cap_C, hit_C, source = bound
-        if len(cap_C) == 1:  # a single capacity: shade a narrow band around it
-            cap_C, hit_C = np.array([cap_C[0] - 0.5, cap_C[0] + 0.5]), np.repeat(hit_C, 2)
-        ax.fill_between(
-            cap_C,
-            hit_C,
-            1.02,
-            color="0.6",
-            alpha=0.25,
-            hatch="//",
-            lw=0,
-            label=f"above the demand-caching optimum ({source}); only prefetching can reach it",
-        )
+        x_C = scale.x(cap_C)
+        if len(x_C) == 1:  # a single capacity: a narrow band around it
+            x_C, hit_C = np.array([x_C[0] - 0.5, x_C[0] + 0.5]), np.repeat(hit_C, 2)
+        ax.fill_between(x_C, hit_C, 1.02, color="0.6", alpha=0.2, hatch="//", lw=0, zorder=0)
+        (line,) = ax.plot(x_C, hit_C, color=ROLE_COLORS["bound"], ls="--", lw=1.2, zorder=2,
+                          label=f"Belady bound ({source}); shaded: only prefetching reaches it")  # fmt: skip
+        handles.append(line)
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    _capacity_axis(ax, rows)
-    _legend_outside(ax)
+    scale.decorate(ax, rows)
+    _legend_below(fig, handles)
     return _save(fig, path)
 
 
 @_styled
-def ms_per_token_vs_capacity(sweep: pa.Table | None, trace: str, path: Path) -> Path:
-    """Estimated milliseconds per token vs capacity for every label (the rows of hit_rate_vs_capacity)."""
-    fig, ax, rows, drawn = _curves(
-        sweep,
-        trace,
-        "est_ms_per_token",
-        "Estimated time per token vs capacity",
-        "estimated time per token (ms)",
-    )
+def ms_per_token_vs_capacity(
+    sweep: pa.Table | None, trace: str, path: Path, roles: dict[str, str], specs: dict
+) -> Path:
+    """Estimated milliseconds per token vs capacity (the lines of hit_rate_vs_capacity; the Belady
+    bound's time dashed)."""
+    fig, ax, rows, scale, handles = _curves(
+        sweep, trace, "est_ms_per_token", "Estimated time per token vs capacity",
+        "estimated time per token (ms)", roles,
+    )  # fmt: skip
     if rows is None:
         return _save(fig, path)
-    if not drawn:
+    if not handles:
         _note(ax, "no time estimate (est_ms_per_token is null in every row)")
-    else:
+        return _save(fig, path)
+    bound = belady_bound(rows, specs, "est_ms_per_token")
+    if bound is not None:
+        cap_C, ms_C, source = bound
+        (line,) = ax.plot(scale.x(cap_C), ms_C, color=ROLE_COLORS["bound"], ls="--", lw=1.2, zorder=2,
+                          label=f"Belady ({source})")  # fmt: skip
+        handles.append(line)
+    ax.grid(alpha=0.3)
+    scale.decorate(ax, rows)
+    _legend_below(fig, handles)
+    return _save(fig, path)
+
+
+@_styled
+def overview(
+    sweep: pa.Table | None, traces: list[str], path: Path, roles: dict[str, str], specs: dict, useful
+) -> Path:
+    """Small multiples, one panel per trace: estimated time per token vs capacity, the decision's
+    policies in colour, the rest grey, the useful range (`useful`: trace -> capacities judged) shaded."""
+    n = max(len(traces), 1)
+    ncol = min(n, 3)
+    nrow = int(np.ceil(n / ncol))
+    fig = _figure(max(4.2 * ncol + 0.6, 8.0), 3.3 * nrow + 1.6)
+    fig.suptitle("Estimated time per token vs capacity: the decision's policies in colour, the rest grey")
+    axes = fig.subplots(nrow, ncol, squeeze=False).ravel()
+    handles: dict[str, object] = {}
+    for ax, trace in zip(axes, traces, strict=False):
+        rows, mode = curve_rows(sweep, trace)
+        ax.set_title(f"{trace} ({mode})")
+        if rows is None or rows.num_rows == 0:
+            _note(ax, "no sweep rows")
+            continue
+        scale = CapacityScale(rows)
+        for h in _draw_curves(ax, rows, "est_ms_per_token", roles, scale):
+            handles.setdefault(h.get_label(), h)
+        bound = belady_bound(rows, specs, "est_ms_per_token")
+        if bound is not None:
+            (line,) = ax.plot(scale.x(bound[0]), bound[1], color=ROLE_COLORS["bound"], ls="--", lw=1.2,
+                              zorder=2, label=f"Belady ({bound[2]})")  # fmt: skip
+            handles.setdefault(line.get_label(), line)
+        caps = sorted(useful.get(trace) or [])
+        if caps:
+            lo, hi = scale.x(np.array([caps[0], caps[-1]], dtype=float))
+            ax.axvspan(lo, hi, color="#fff2cc", alpha=0.6, zorder=0, lw=0)
         ax.grid(alpha=0.3)
-        _capacity_axis(ax, rows)
-        _legend_outside(ax)
+        scale.decorate(ax, rows)
+        ax.set_ylabel("est. ms per token")
+    for ax in axes[len(traces) :]:
+        ax.set_axis_off()
+    span = Patch(color="#fff2cc", label="useful range (capacities judged)")
+    _legend_below(fig, [*handles.values(), span], ncol=2 if ncol == 1 else 3)
     return _save(fig, path)
 
 
@@ -521,17 +607,19 @@ def drift_and_convergence(
 
 
 def decision_label(verdicts: pa.Table | None, decision: dict | None) -> str | None:
-    """The first part's selected label if the decision has one, else the first candidate label in the
-    verdicts (a predictive selection is drawn by predictive_comparison)."""
-    selected = (decision or {}).get("first_part") or (decision or {}).get("selected") or {}
-    if selected.get("label"):
-        return str(selected["label"])
+    """The candidate the first-part figure draws: the first-part selection when it is a candidate (it has
+    verdict rows), else the first candidate of the verdicts (the most preferred)."""
     if verdicts is None:
         return None
-    for role, label in zip(verdicts["role"].to_pylist(), verdicts["label"].to_pylist(), strict=True):
-        if role == "candidate" and label is not None:
-            return str(label)
-    return None
+    candidates = [
+        str(label)
+        for role, label in zip(verdicts["role"].to_pylist(), verdicts["label"].to_pylist(), strict=True)
+        if role == "candidate" and label is not None
+    ]
+    first = ((decision or {}).get("first_part") or (decision or {}).get("selected") or {}).get("label")
+    if first in candidates:
+        return first
+    return candidates[0] if candidates else None
 
 
 @_styled
@@ -543,8 +631,11 @@ def decision_verdicts(verdicts: pa.Table | None, decision: dict | None, path: Pa
     margin = rule.get("margin")
     rows = select(verdicts, label=label) if label is not None else None
     n_cells = rows.num_rows if rows is not None else 0
-    fig = _figure(13.0, max(4.0, 0.22 * n_cells + 1.8))
-    fig.suptitle(f"Decision: {label or 'no candidate'} vs baseline, metric {rule.get('metric', 'n/a')}")
+    fig = _figure(11.0, max(3.6, 0.16 * n_cells + 1.8))
+    baseline = ((decision or {}).get("baseline") or {}).get("label", "the baseline")
+    fig.suptitle(
+        f"First part: {label or 'no candidate'} vs the baseline {baseline}, metric {rule.get('metric', 'n/a')}"
+    )
     ax_g, ax_f = fig.subplots(1, 2, width_ratios=[1.0, 1.2])
     if rows is None or n_cells == 0:
         _note(ax_g, "no verdict rows")
@@ -605,45 +696,68 @@ def decision_verdicts(verdicts: pa.Table | None, decision: dict | None, path: Pa
     return _save(fig, path)
 
 
+def _grid_panel(ax, rows: list[dict], policies: list[str], split: str, selected: str | None) -> None:
+    """One panel of extensions_grid: policies x cells of one split, colour = verdict, text = r (%)."""
+    mine = [r for r in rows if r["split"] == split]
+    if not mine:
+        _note(ax, f"no {split.replace('_', ' ')} cells")
+        ax.set_axis_off()
+        return
+
+    def column(r):
+        return (r["trace"], r["capacity"], r["chosen_on"] if split == "other_workload" else "")
+
+    cols = sorted({column(r) for r in mine})
+    code_PC = np.full((len(policies), len(cols)), np.nan)
+    for r in mine:
+        i, j = policies.index(r["policy"]), cols.index(column(r))
+        v = r["verdict"] if r["passes_limits"] else "worse"
+        code_PC[i, j] = VERDICTS.index(v) if v in VERDICTS else VERDICTS.index("inconclusive")
+        text = "n/a" if r["rel_diff"] is None else f"{100 * r['rel_diff']:+.0f}"
+        ax.text(j, i, text + ("" if r["passes_limits"] else "†"), ha="center", va="center", fontsize=6.5)
+    ax.imshow(np.ma.masked_invalid(code_PC), cmap=ListedColormap(VERDICT_COLORS), vmin=-0.5,
+              vmax=len(VERDICTS) - 0.5, aspect="auto")  # fmt: skip
+    fraction = {(r["trace"], r["capacity"]): r.get("capacity_fraction") for r in mine}
+
+    def name(c):
+        f = fraction.get((c[0], c[1]))
+        pct = "" if f is None else f" ({100 * f:.0f}%)"
+        return f"{c[0]} C={c[1]}{pct}" + (f" ← {c[2]}" if c[2] else "")
+
+    ax.set_xticks(range(len(cols)), [name(c) for c in cols], rotation=90, fontsize=6)
+    ax.set_yticks(range(len(policies)), [("★ " if p == selected else "") + p for p in policies])
+    ax.set_title(split.replace("_", " ") + (" (← the trace the parameters were chosen on)"
+                                             if split == "other_workload" else ""))  # fmt: skip
+
+
 @_styled
-def predictive_comparison(table: pa.Table | None, decision: dict | None, path: Path) -> Path:
-    """The second part: per predictive policy, the relative difference against the first-part selection
-    with its confidence interval, on held-out tokens and on other workloads, coloured by verdict."""
-    reference = ((decision or {}).get("predictive") or {}).get("reference", "the first-part selection")
-    n = table.num_rows if table is not None else 0
-    fig = _figure(10.0, max(3.5, 0.2 * n + 1.8))
-    ax = fig.add_subplot()
-    ax.set_title(f"Predictive policies vs {reference} (lower is better)")
-    if n == 0:
-        _note(ax, "no predictive policy was judged")
-        return _save(fig, path)
-    rows = table.sort_by([(c, "ascending") for c in ("policy", "split", "trace", "capacity")]).to_pylist()
-    y_R = np.arange(n)[::-1]
-    margin = ((decision or {}).get("rule") or {}).get("margin")
-    if margin is not None:
-        ax.axvspan(-100 * margin, 100 * margin, color="0.5", alpha=0.15, label=f"±margin ({100 * margin:g}%)")
-    ax.axvline(0.0, color="k", lw=0.8)
-    for y, r in zip(y_R, rows, strict=True):
-        color = (
-            VERDICT_COLORS[VERDICTS.index(r["verdict"])] if r["verdict"] in VERDICTS else VERDICT_COLORS[3]
-        )
-        if r["ci_lo"] is not None and r["ci_hi"] is not None:
-            ax.plot([100 * r["ci_lo"], 100 * r["ci_hi"]], [y, y], color=color, lw=2.0)
-        if r["rel_diff"] is not None:
-            ax.plot(100 * r["rel_diff"], y, "o", color="k", ms=3)
-    labels = [
-        f"{r['label']} | {r['split'].replace('_', ' ')} | {r['trace']} C={r['capacity']}"
-        + (f" (chosen on {r['chosen_on']})" if r["split"] == "other_workload" else "")
-        for r in rows
-    ]
-    ax.set_yticks(y_R, labels, fontsize=6)
-    ax.set_xlabel("relative difference of estimated time per token (%)")
-    ax.legend(
-        handles=[Patch(color=c, label=v) for v, c in zip(VERDICTS, VERDICT_COLORS, strict=True)],
-        loc="lower right",
-        fontsize=6,
+def extensions_grid(table: pa.Table | None, decision: dict | None, path: Path) -> Path:
+    """The second part at a glance: every judged policy (rows) against the first-part selection at every
+    judged cell (columns: trace, capacity), held-out tokens and other workloads side by side; colour =
+    verdict, text = relative difference of the estimated time per token in %, † = fails a limit."""
+    ext = (decision or {}).get("extensions") or {}
+    reference = ext.get("reference", "the first-part selection")
+    rows = table.to_pylist() if table is not None else []
+    policies = sorted({r["policy"] for r in rows})
+    selected = ((decision or {}).get("selected") or {}).get("policy")
+    n_cols = len({(r["trace"], r["capacity"], r["split"], r["chosen_on"]) for r in rows})
+    fig = _figure(min(max(4.0 + 0.3 * n_cols, 7.0), 18.0), 2.8 + 0.3 * max(len(policies), 1))
+    fig.suptitle(
+        f"Every judged policy vs the reference {reference}\n(text: r in %, lower is better; ★ selected)"
     )
-    ax.grid(axis="x", alpha=0.3)
+    if not rows:
+        _note(fig.add_subplot(), "no policy was judged")
+        return _save(fig, path)
+    splits = [s for s in ("held_out", "other_workload") if any(r["split"] == s for r in rows)]
+    widths = [max(1, len({(r["trace"], r["capacity"], r["chosen_on"]) for r in rows if r["split"] == s}))
+              for s in splits]  # fmt: skip
+    axes = fig.subplots(1, len(splits), width_ratios=widths, squeeze=False)[0]
+    for ax, split in zip(axes, splits, strict=True):
+        _grid_panel(ax, rows, policies, split, selected)
+    fig.legend(
+        handles=[Patch(color=c, label=v) for v, c in zip(VERDICTS, VERDICT_COLORS, strict=True)],
+        loc="outside lower center", ncol=5, frameon=False,
+    )  # fmt: skip
     return _save(fig, path)
 
 

@@ -8,13 +8,15 @@ made file-name safe plus a fixed suffix; the same inputs give the same report.md
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 
+from moecache.report import decision_text, sections
 from moecache.report import figures as fig
-from moecache.report import sections
+from moecache.report.roles import label_roles, label_specs
 from moecache.report.tables import read_json, read_parquet, select, trace_names, unique_slugs
 
 ANALYSIS_FILES = (
@@ -27,8 +29,6 @@ ANALYSIS_FILES = (
     "convergence.parquet",
     "prefetch_lead.parquet",
 )
-DEFAULT_LABEL = "lfu"
-DEFAULT_BASELINE = "static_hindsight"
 
 
 def _has_rows(table: pa.Table | None, trace: str) -> bool:
@@ -45,15 +45,15 @@ def _workload(sweep: pa.Table | None, trace: str) -> str | None:
 
 
 def _figure_plan(
-    data: dict[str, pa.Table | None], labels: list[str], copy_us: dict[str, float]
+    data: dict[str, pa.Table | None], labels: list[str], copy_us: dict[str, float], roles: dict, specs: dict
 ) -> list[tuple[str, str, str, list[str], Callable]]:
     """(suffix, title, artifact, files, draw(trace, path)) per per-trace figure."""
     d = data
     return [
         ("hit_rate", "Hit rate vs capacity", "sweep", ["sweep.parquet"],
-         lambda t, p: fig.hit_rate_vs_capacity(d["sweep.parquet"], t, p)),
+         lambda t, p: fig.hit_rate_vs_capacity(d["sweep.parquet"], t, p, roles, specs)),
         ("ms_per_token", "Estimated time per token vs capacity", "sweep", ["sweep.parquet"],
-         lambda t, p: fig.ms_per_token_vs_capacity(d["sweep.parquet"], t, p)),
+         lambda t, p: fig.ms_per_token_vs_capacity(d["sweep.parquet"], t, p, roles, specs)),
         ("per_layer", "Per-layer hit rate", "sweep", ["per_layer.parquet"],
          lambda t, p: fig.per_layer_heatmap(d["per_layer.parquet"], t, labels, p)),
         ("frequency_cdf", "Expert-frequency concentration", "analysis", ["frequency.parquet"],
@@ -71,6 +71,22 @@ def _figure_plan(
     ]  # fmt: skip
 
 
+def _layer_labels(roles: dict[str, str], specs: dict) -> list[str]:
+    """The per-layer heatmap's panels: the selected, first-part and baseline labels (LRU without a
+    decision; else the first label)."""
+    wanted = [x for x, r in roles.items() if r in ("selected", "first_part", "baseline")]
+    wanted = wanted or [x for x, r in roles.items() if r == "lru"] or sorted(specs)[:1]
+    return wanted[:3]
+
+
+def _link(target: Path | None, name: str, out_dir: Path) -> str:
+    """A Markdown link to an input artifact's file, relative to the report (artifacts are siblings)."""
+    if target is None or not (Path(target) / name).is_file():
+        return f"`{name}` (absent)"
+    rel = os.path.relpath(Path(target) / name, out_dir)
+    return f"[`{Path(target).name}/{name}`]({rel})"
+
+
 def render_report(
     analysis_dir: Path | None, sweep_dir: Path, decision_dir: Path | None, out_dir: Path
 ) -> dict:
@@ -84,27 +100,36 @@ def render_report(
     summary = read_json(analysis_dir, "summary.json")
     decision = read_json(decision_dir, "decision.json")
     verdicts = read_parquet(decision_dir, "verdicts.parquet")
-    comparison = read_parquet(decision_dir, "predictive.parquet")
-
-    selected = ((decision or {}).get("selected") or {}).get("label") or DEFAULT_LABEL
-    baseline = ((decision or {}).get("baseline") or {}).get("label") or DEFAULT_BASELINE
-    layer_labels = [selected] + ([baseline] if baseline != selected else [])
+    cells = read_parquet(decision_dir, "extensions.parquet")
+    specs = label_specs(data["sweep.parquet"])
+    roles = label_roles(decision, specs)
     written: list[Path] = []
-
-    decision_link = None
-    if verdicts is not None:
-        written.append(fig.decision_verdicts(verdicts, decision, figure_dir / "decision_verdicts.png"))
-        decision_link = "figures/decision_verdicts.png"
-    predictive_link = None
-    if comparison is not None and comparison.num_rows:
-        written.append(fig.predictive_comparison(comparison, decision, figure_dir / "predictive.png"))
-        predictive_link = "figures/predictive.png"
 
     dirs = {"analysis": analysis_dir, "sweep": sweep_dir}
     traces = trace_names(*data.values(), summary=summary)
     slugs = unique_slugs(traces)
+
+    opening: list[str] = []
+    if data["sweep.parquet"] is not None and traces:
+        useful: dict[str, list[int]] = {}
+        for v in verdicts.to_pylist() if verdicts is not None else []:
+            if v["in_useful_range"]:
+                useful.setdefault(v["trace"], []).append(v["capacity"])
+        written.append(
+            fig.overview(data["sweep.parquet"], traces, figure_dir / "overview.png", roles, specs, useful)
+        )
+        opening.append("![Estimated time per token vs capacity, every trace](figures/overview.png)")
+    if verdicts is not None:
+        written.append(fig.decision_verdicts(verdicts, decision, figure_dir / "decision_verdicts.png"))
+        opening.append("![First part: the candidate vs the baseline per cell](figures/decision_verdicts.png)")
+    extensions_link = None
+    if cells is not None and cells.num_rows:
+        written.append(fig.extensions_grid(cells, decision, figure_dir / "extensions.png"))
+        extensions_link = "figures/extensions.png"
+        opening.append(f"![Second part: every judged policy vs the reference]({extensions_link})")
+
     copy_us = {t: f.get("copy_us") for t, f in (summary or {}).items() if isinstance(f, dict)}
-    plan = _figure_plan(data, layer_labels, copy_us)
+    plan = _figure_plan(data, _layer_labels(roles, specs), copy_us, roles, specs)
     trace_texts = []
     for trace in traces:
         entries: list[tuple[str, str | None, str]] = []
@@ -137,11 +162,15 @@ def render_report(
     def source(path: Path | None) -> str:
         return "absent" if path is None else f"`{Path(path).name}`"
 
-    head = [
-        "# moecache expert-offloading report",
-        "",
-        f"Artifacts: analysis {source(analysis_dir)}, sweep {source(sweep_dir)}, "
-        f"decision {source(decision_dir)}.",
+    head = ["# moecache expert-offloading report", ""]
+    if decision is None and verdicts is None:
+        head += ["The decision artifact is absent; no decision is shown.", ""]
+    else:
+        head += [decision_text.headline(decision), "", decision_text.five_rows(decision), ""]
+    head += [*(x for o in opening for x in (o, "")), ""]
+    head += [
+        f"Artifacts: analysis {source(analysis_dir)}, sweep {source(sweep_dir)}, decision {source(decision_dir)}."
+        " The long tables are in the [appendix](#appendix).",
         "",
     ]
     if data["sweep.parquet"] is None:
@@ -150,9 +179,35 @@ def render_report(
         head += ["summary.json is absent from the analysis artifact.", ""]
     if not traces:
         trace_texts = ["No trace appears in any artifact.", ""]
-    text = "\n".join(head) + "\n" + sections.decision_section(decision, verdicts, decision_link) + "\n"
-    text += sections.predictive_section(decision, comparison, predictive_link, data["sweep.parquet"]) + "\n"
-    text += "\n".join(trace_texts)
+    body = [decision_text.decision_details(decision), decision_text.extensions_section(decision, None)]
+    text = "\n".join(head) + "\n" + "\n".join(body) + "\n" + "\n".join(trace_texts)
+    text += "\n" + _appendix(
+        decision, verdicts, cells, data["sweep.parquet"], decision_dir, sweep_dir, out_dir
+    )
     report = out_dir / "report.md"
     report.write_text(text.rstrip("\n") + "\n")
     return {"figures": written, "report": report}
+
+
+def _appendix(decision, verdicts, cells, sweep, decision_dir, sweep_dir, out_dir) -> str:
+    """The long tables, each with a link to the Parquet file it is printed from."""
+    out = ["## Appendix", "", "### A. First part: every verdict in the useful range", ""]
+    out += [f"From {_link(decision_dir, 'verdicts.parquet', out_dir)}.", ""]
+    if verdicts is None:
+        out += ["verdicts.parquet is absent; no verdict table.", ""]
+    else:
+        confidence = ((decision or {}).get("rule") or {}).get("confidence")
+        out += [decision_text.verdict_table(verdicts, confidence), ""]
+    out += ["### B. Second part: every judged cell", ""]
+    out += [f"From {_link(decision_dir, 'extensions.parquet', out_dir)}.", ""]
+    out += [
+        decision_text.cells_table(cells) if cells is not None and cells.num_rows else "No judged cell.",
+        "",
+    ]
+    out += [
+        "### C. Prefetch accounting of the judged prefetching policies (timed replay of the whole trace)",
+        "",
+    ]
+    out += [f"From {_link(sweep_dir, 'sweep.parquet', out_dir)}.", ""]
+    out += [sections.prefetch_table(sweep, cells) if cells is not None else "No judged cell.", ""]
+    return "\n".join(out)

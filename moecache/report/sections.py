@@ -1,4 +1,5 @@
-"""The Markdown text of the report's sections: the decision, and one section per trace.
+"""The Markdown text of the report's per-trace sections (headline numbers, figures, capacity to target) and
+of the prefetch accounting table; the decision's text is in decision_text.py.
 
 Each function takes artifact contents (tables, JSON dicts, figure links) and returns Markdown; an absent
 artifact gives a sentence saying so. Numbers are printed from the artifacts, never computed anew.
@@ -50,113 +51,6 @@ def headline_table(summary: dict) -> str:
     order = [t for t, _ in TOPICS] + ["other"]
     rows = sorted(flatten(summary), key=lambda kv: (order.index(topic(kv[0])), kv[0]))
     return md.table(["topic", "figure", "value"], [[topic(k), md.code(k), md.num(v)] for k, v in rows])
-
-
-def _selected_text(decision: dict) -> str:
-    selected = decision.get("selected")
-    baseline = decision.get("baseline") or {}
-    base = md.code(baseline.get("label") or baseline.get("policy") or "n/a")
-    if not selected:
-        return (
-            f"**No candidate was selected**: none was competitive against the baseline {base} under the rule."
-        )
-    params = json.dumps(selected.get("params") or {}, sort_keys=True)
-    return (
-        f"**Selected policy: {md.code(selected.get('label') or selected.get('policy'))}** "
-        f"(policy {md.code(selected.get('policy'))}, params {md.code(params)}), against the baseline {base}."
-    )
-
-
-def _rule_text(decision: dict) -> str:
-    rule = decision.get("rule") or {}
-    parts = [
-        f"metric {md.code(rule.get('metric', 'n/a'))} in {md.code(rule.get('mode', 'n/a'))} mode "
-        "(lower is better)",
-        f"equivalence margin ±{md.pct(rule.get('margin'), sign=False)}",
-        f"{md.pct(rule.get('confidence'), digits=0, sign=False)} confidence",
-    ]
-    useful = (rule.get("useful_range") or {}).get("baseline_hit_rate")
-    if useful:
-        parts.append(f"useful range: baseline hit rate in {json.dumps(useful)}")
-    deficit = (rule.get("hit_rate") or {}).get("max_deficit")
-    if deficit is not None:
-        parts.append(f"hit-rate deficit at most {md.num(deficit)}")
-    return "Rule: " + "; ".join(parts) + "."
-
-
-def verdict_rows(verdicts: pa.Table) -> list[dict]:
-    """Candidate rows in the useful range, sorted by trace, capacity and label."""
-    rows = [r for r in verdicts.to_pylist() if r["role"] == "candidate" and r["in_useful_range"]]
-    return sorted(rows, key=lambda r: (str(r["trace"]), r["capacity"], str(r["label"])))
-
-
-def verdict_table(verdicts: pa.Table, confidence) -> str:
-    rows = verdict_rows(verdicts)
-    if not rows:
-        return "No candidate row lies in the useful range."
-    ci = f"CI ({md.pct(confidence, digits=0, sign=False)})" if confidence is not None else "CI"
-    headers = ["trace", "workload", "capacity", "label", "verdict", "rel_diff", ci, "hit rate vs baseline"]
-    headers += ["bytes/token", "notes"]
-    body = [
-        [
-            r["trace"],
-            r["workload"],
-            r["capacity"],
-            md.code(r["label"]),
-            r["verdict"],
-            md.pct(r["rel_diff"]),
-            md.interval(r["ci_lo"], r["ci_hi"]),
-            f"{md.num(r['hit_rate'])} vs {md.num(r['baseline_hit_rate'])}",
-            md.num(r["bytes_per_token"]),
-            r["reasons"] or "",
-        ]
-        for r in rows
-    ]
-    return md.table(headers, body)
-
-
-def decision_section(decision: dict | None, verdicts: pa.Table | None, figure: str | None) -> str:
-    """The decision: selected policy, reasons, rule, figure and the verdict table."""
-    out = ["## Decision", ""]
-    if decision is None and verdicts is None:
-        return "\n".join(out + ["The decision artifact is absent; this section is skipped.", ""])
-    if decision is None:
-        out += ["decision.json is absent; only the verdicts are shown.", ""]
-    else:
-        out += [_selected_text(decision), "", "Reasons:", ""]
-        reasons = decision.get("reasons") or []
-        out += [f"- {r}" for r in reasons] if reasons else ["- none recorded"]
-        out += ["", _rule_text(decision), ""]
-        competitive = decision.get("competitive") or {}
-        if competitive:
-            listed = ", ".join(
-                f"{md.code(k)}: {'yes' if v else 'no'}" for k, v in sorted(competitive.items())
-            )
-            out += [f"Competitive labels: {listed}.", ""]
-        workloads = decision.get("workloads") or {}
-        if workloads:
-            present = ", ".join(map(str, workloads.get("present") or [])) or "none"
-            required = ", ".join(map(str, workloads.get("required") or [])) or "none"
-            out += [f"Workloads present: {present}; required: {required}.", ""]
-        if "cells" in decision or "seed" in decision:
-            out += [
-                f"Cells judged: {md.num(decision.get('cells'))}; "
-                f"bootstrap seed: {md.num(decision.get('seed'))}.",
-                "",
-            ]
-    if figure is not None:
-        out += [f"![Verdict per trace and capacity]({figure})", ""]
-    if verdicts is None:
-        out += ["verdicts.parquet is absent; no verdict table.", ""]
-    else:
-        confidence = ((decision or {}).get("rule") or {}).get("confidence")
-        out += [
-            "### Verdicts of the candidates in the useful range",
-            "",
-            verdict_table(verdicts, confidence),
-            "",
-        ]
-    return "\n".join(out)
 
 
 def targets_table(targets: pa.Table | None, trace: str) -> str:
@@ -218,7 +112,8 @@ PREFETCH_COLUMNS = ("prefetches", "prefetch_accuracy", "prefetch_timely", "prefe
 
 
 def prefetch_table(sweep: pa.Table | None, table: pa.Table) -> str:
-    """Prefetch accounting (sweep rows, timed, base scales) of the judged (label, trace, capacity) cells."""
+    """Prefetch accounting (sweep rows, timed, base scales) of the judged (label, trace, capacity) cells
+    whose policy prefetched."""
     if sweep is None or any(c not in sweep.column_names for c in PREFETCH_COLUMNS):
         return "The sweep has no prefetch columns."
     cells = {(r["label"], r["trace"], r["capacity"]) for r in table.to_pylist() if r["split"] == "held_out"}
@@ -227,6 +122,7 @@ def prefetch_table(sweep: pa.Table | None, table: pa.Table) -> str:
         for r in sweep.to_pylist()
         if (r["label"], r["trace"], r["capacity"]) in cells
         and r["mode"] == "timed"
+        and r["prefetches"]
         and all(r.get(k, 1.0) == 1.0 for k in ("bandwidth_scale", "cpu_scale", "gpu_scale"))
     ]
     rows.sort(key=lambda r: (r["label"], r["trace"], r["capacity"]))
@@ -239,69 +135,3 @@ def prefetch_table(sweep: pa.Table | None, table: pa.Table) -> str:
     ]  # fmt: skip
     headers = ["label", "trace", "capacity", "prefetches/token", "accuracy", "timely", "wasted bytes/token"]
     return md.table(headers + ["median lead (us)", "hit rate"], body) if body else "No judged cell."
-
-
-def predictive_section(
-    decision: dict | None, table: pa.Table | None, figure: str | None, sweep: pa.Table | None = None
-) -> str:
-    """The second part: each predictive policy's choice on the prefixes, whether it is consistently
-    better than the first-part selection, and every judged cell."""
-    out = ["## Predictive strategies (second part)", ""]
-    summary = (decision or {}).get("predictive")
-    if not summary:
-        return "\n".join(out + ["The decision judged no predictive policy.", ""])
-    first = ((decision or {}).get("first_part") or {}).get("label")
-    out += [f"Reference: the first-part selection {md.code(summary.get('reference') or first)}.", ""]
-    selected = summary.get("selected")
-    present = (summary.get("workloads") or {}).get("present") or []
-    where = (
-        "on held-out tokens and other workloads"
-        if len(present) >= 2
-        else f"on held-out tokens of one workload class only ({', '.join(present)}): a workload-specific result"
-    )
-    out += [
-        f"**Selected: {md.code(selected['label'])}**, consistently better {where}."
-        if selected
-        else "No predictive policy is consistently better: the first-part selection stands.",
-        "",
-    ]
-    body = []
-    for name, p in sorted((summary.get("policies") or {}).items()):
-        chosen = ", ".join(f"{t}: {md.code(x)}" for t, x in sorted((p.get("chosen") or {}).items()))
-        wins = ", ".join(p.get("better_on_workloads") or []) or "none"
-        reasons = "; ".join(((p.get("reasons") or []) + (p.get("notes") or []))[:4])
-        body.append(
-            [
-                name,
-                chosen or "n/a",
-                "yes" if p.get("consistent") else "no",
-                md.pct(p.get("mean_held_out_rel_diff")),
-                wins,
-                reasons,
-            ]
-        )
-    out += [
-        md.table(
-            ["policy", "chosen on each prefix", "consistent", "mean held-out r", "better on", "reasons"], body
-        ),
-        "",
-    ]
-    if figure is not None:
-        out += [f"![Predictive policies vs the first-part selection]({figure})", ""]
-    if table is not None and table.num_rows:
-        out += ["### Prefetch accounting of the chosen parameter sets (timed replay of the whole trace)", ""]
-        out += [prefetch_table(sweep, table), "", "### Every judged cell", ""]
-        rows = sorted(table.to_pylist(), key=lambda r: (r["policy"], r["split"], r["trace"], r["capacity"]))
-        out += [
-            md.table(
-                ["policy", "label", "split", "trace", "capacity", "unit (n)", "r", "CI", "verdict"],
-                [
-                    [r["policy"], md.code(r["label"]), r["split"], r["trace"], r["capacity"],
-                     f"{r['unit']} ({r['units']})", md.pct(r["rel_diff"]), md.interval(r["ci_lo"], r["ci_hi"]),
-                     r["verdict"]]
-                    for r in rows
-                ],
-            ),
-            "",
-        ]  # fmt: skip
-    return "\n".join(out)

@@ -21,7 +21,16 @@ from moecache.sim.sweep import base_rows
 
 # The columns the report reads from each file (other columns are ignored).
 REQUIRED: dict[str, tuple[str, ...]] = {
-    "sweep.parquet": ("trace", "label", "mode", "capacity", "hit_rate", "est_ms_per_token"),
+    "sweep.parquet": (
+        "trace",
+        "policy",
+        "params",
+        "label",
+        "mode",
+        "capacity",
+        "hit_rate",
+        "est_ms_per_token",
+    ),
     "targets.parquet": ("trace", "label", "mode", "target_hit_rate", "capacity"),
     "per_layer.parquet": ("trace", "label", "mode", "capacity", "layer", "hit_rate"),
     "frequency.parquet": ("trace", "layer", "expert", "count"),
@@ -32,9 +41,10 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "window_drift.parquet": ("trace", "token_start", "js_vs_first", "js_vs_first_shuffled"),
     "convergence.parquet": ("trace", "tokens_seen", "spearman"),
     "prefetch_lead.parquet": ("trace", "lead_layers", "recall", "lead_us"),
-    "predictive.parquet": (
+    "extensions.parquet": (
         "policy",
         "label",
+        "chosen_on",
         "split",
         "trace",
         "capacity",
@@ -42,6 +52,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "ci_lo",
         "ci_hi",
         "verdict",
+        "passes_limits",
     ),
     "verdicts.parquet": (
         "trace",

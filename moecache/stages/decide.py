@@ -4,8 +4,8 @@ Inputs by lineage: `decide.sweep` (null: the newest sweep artifact) and `decide.
 newest analysis artifact over the same traces, when there is one; the report shows it beside the
 decision). Writes `decision.json` (the selected policy and parameters, the reasons, the rule; what the
 runtime reads to configure itself), `verdicts.parquet` (one row per trace, capacity and policy) and
-`predictive.parquet` (the second part: predictive policies against the first-part selection on
-held-out tokens and other workloads, decision/predictive.py).
+`extensions.parquet` (the second part: every other swept policy against the first-part selection on
+held-out tokens and other workloads, decision/extensions.py). The rule: docs/decision.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from moecache.artifacts import Artifact, ArtifactStore, artifact_id
 from moecache.config import to_container
-from moecache.decision import predictive
+from moecache.decision import extensions
 from moecache.decision.decide import decide
 from moecache.decision.rule import Rule
 from moecache.errors import MoecacheError
@@ -25,7 +25,7 @@ from moecache.sim.inputs import TRACE_STAGES
 from moecache.stages.base import StageResult, reusable, store_for
 
 STAGE = "decide"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: extensions.parquet (was predictive.parquet), best_generic, wins
 LINEAGE_KEYS = ("sweep", "analysis")
 
 
@@ -86,13 +86,13 @@ def run(cfg: DictConfig) -> StageResult:
     sweep_table = pq.read_table(sweep.path / "sweep.parquet")
     blocks = pq.read_table(sweep.path / "per_block.parquet")
     verdicts, decision = decide(sweep_table, blocks, rule, copy_us)
-    comparison = predictive.apply(decision, sweep_table, blocks, rule, verdicts)
+    comparison = extensions.apply(decision, sweep_table, blocks, rule, verdicts)
     decision["inputs"] = {"sweep": sweep.id, "analysis": analysis.id if analysis else None}
     with store.create(
         STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=rule.seed
     ) as tmp:
         pq.write_table(verdicts, tmp / "verdicts.parquet")
-        pq.write_table(comparison, tmp / "predictive.parquet")
+        pq.write_table(comparison, tmp / "extensions.parquet")
         (tmp / "decision.json").write_text(json.dumps(decision, indent=2) + "\n")
     return StageResult(
         store.get(artifact_id(STAGE, SCHEMA_VERSION, config, inputs)).path, summary=_summary(decision)
@@ -101,8 +101,12 @@ def run(cfg: DictConfig) -> StageResult:
 
 def _summary(decision: dict) -> dict:
     out = {"selected": decision["selected"]["label"], "cells judged": decision.get("cells")}
+    best = decision.get("best_generic")
+    if best:
+        out["best generic"] = best["label"]
     for label, ok in decision.get("competitive", {}).items():
         out[f"{label} competitive"] = ok
+    out["specific wins"] = sum(1 for w in decision.get("wins", []) if not w["consistent"])
     for i, reason in enumerate(decision.get("reasons", [])[:8]):
         out[f"reason {i + 1}"] = reason
     return out

@@ -2,9 +2,10 @@
 
 import pytest
 
-from moecache.analysis.history import Candidate, candidates_from, capacities_for, history_table, split_access
+from moecache.analysis.history import candidates_from, capacities_for, history_table, split_access
 from moecache.analysis.hit_rates import hit_rate_table
 from moecache.errors import MoecacheError
+from moecache.sim.policy_spec import PolicySpec
 
 
 def _decode(experts, request=0):
@@ -30,7 +31,7 @@ def test_selection_on_prefix_and_held_out_rates(make_trace):
     # Prefix (steps 0-5): 0 0 0 1 0 1; held out (steps 6-11): 1 1 0 1 1 1.
     seq = [0, 0, 0, 1, 0, 1, 1, 1, 0, 1, 1, 1]
     trace = make_trace(_decode(seq), 1, 3)
-    cands = [Candidate("lfu", {"reset_per_request": False}), Candidate("lru", {})]
+    cands = [PolicySpec.of("lfu", {"reset_per_request": False}), PolicySpec.of("lru", {})]
     table, summary = history_table([trace], cands, [1.0], 0.5)
     rows = {(r["policy"], r["split"]): r for r in table.to_pylist()}
     # cumulative LFU, one slot: admits 0 at step 0; 1 replaces it only with a strictly greater count.
@@ -42,7 +43,7 @@ def test_selection_on_prefix_and_held_out_rates(make_trace):
     assert rows["lru", "prefix"]["hit_rate"] == pytest.approx(2 / 6)
     assert rows["lru", "held_out"]["hit_rate"] == pytest.approx(4 / 6)
     # LFU is chosen on the prefix (0.5 > 0.333) although LRU does better held out
-    assert summary["trace"]["history_selected"] == cands[0].label
+    assert summary["trace"]["history_selected"] == cands[0].label()
     assert summary["trace"]["history_best_held_out"] == "lru"
     assert summary["trace"]["history_held_out_regret"] == pytest.approx(4 / 6 - 2 / 6)
     assert rows["lfu", "prefix"]["selected"] and not rows["lru", "prefix"]["selected"]
@@ -51,7 +52,7 @@ def test_selection_on_prefix_and_held_out_rates(make_trace):
 def test_other_traces_get_every_candidate(make_trace):
     a = make_trace(_decode([0, 0, 1, 1]), 1, 2, name="a")
     b = make_trace(_decode([1, 0, 1, 0]), 1, 2, name="b")
-    table, summary = history_table([a, b], [Candidate("lru", {}), Candidate("lfu", {})], [1.0], 0.5)
+    table, summary = history_table([a, b], [PolicySpec.of("lru", {}), PolicySpec.of("lfu", {})], [1.0], 0.5)
     other = [r for r in table.to_pylist() if r["trace"] == "a" and r["split"] == "other:b"]
     assert {r["policy"] for r in other} == {"lru", "lfu"}
     # LRU with one slot on b (1 0 1 0) never hits
@@ -60,7 +61,7 @@ def test_other_traces_get_every_candidate(make_trace):
 
 
 def test_candidates_and_capacities(make_trace):
-    assert [c.label for c in candidates_from({"lfu_window": [{"window_tokens": 8}]})] == [
+    assert [c.label() for c in candidates_from({"lfu_window": [{"window_tokens": 8}]})] == [
         "lfu_window(window_tokens=8)"
     ]
     with pytest.raises(MoecacheError, match="nope"):

@@ -30,6 +30,7 @@ DECAY = ("lfu_decay", {"half_life_tokens": 64})
 CAPS = (8, 16, 32)
 BASE_HIT = {8: 0.10, 16: 0.50, 32: 0.90}
 COPY_US = {"mr": 10.0, "ls": 10.0}
+LFU_PARAMS = {"init_counts": None, "reset_per_request": False}  # lfu {} with the class's defaults
 
 
 def label_of(policy, params) -> str:
@@ -237,7 +238,7 @@ def test_equivalent_within_noise_selects_the_candidate():
     useful = rows(verdicts, label="lfu", in_useful_range=True)
     assert {v["verdict"] for v in useful} == {"equivalent"}
     assert all(abs(v["ci_lo"]) < 0.02 and abs(v["ci_hi"]) < 0.02 for v in useful)
-    assert decision["selected"] == {"policy": "lfu", "params": {}, "label": "lfu"}
+    assert decision["selected"] == {"policy": "lfu", "params": LFU_PARAMS, "label": "lfu"}
     assert decision["competitive"] == {"lfu": True}
     assert any(
         r.startswith("lfu: competitive in all 4 useful cells (equivalent 4)") for r in decision["reasons"]
@@ -433,11 +434,24 @@ def test_decision_dict_keys_and_json():
 def test_errors_name_the_fault():
     sweep, blocks = scenario(factor=1.0)
     with pytest.raises(
-        MoecacheError, match=r"decide.candidates\[0\]: lfu_window \{\"window\": 8\} is not in the sweep"
+        MoecacheError,
+        match=r"decide.candidates\[0\]: lfu_window \{\"window_tokens\": 8\} is not in the sweep",
     ):
-        decide(sweep, blocks, rule(candidates=[{"policy": "lfu_window", "params": {"window": 8}}]), COPY_US)
-    with pytest.raises(MoecacheError, match=r"decide.candidates\[0\]: lfu \{\"x\": 1\}"):
+        decide(
+            sweep,
+            blocks,
+            rule(candidates=[{"policy": "lfu_window", "params": {"window_tokens": 8}}]),
+            COPY_US,
+        )
+    with pytest.raises(MoecacheError, match=r"decide.candidates\[0\]: lfu \{\"x\": 1\}: unknown parameter"):
         decide(sweep, blocks, rule(candidates=[{"policy": "lfu", "params": {"x": 1}}]), COPY_US)
+    # a label is only a join key: one label for two policies is refused, never guessed
+    relabelled = sweep.set_column(
+        sweep.schema.get_field_index("label"), "label",
+        pa.array(["lfu" if x == "lru" else x for x in sweep["label"].to_pylist()]),
+    )  # fmt: skip
+    with pytest.raises(MoecacheError, match="label 'lfu' names two policies"):
+        decide(relabelled, blocks, rule(), COPY_US)
     with pytest.raises(MoecacheError, match="copy_us: no copy time for trace 'ls'"):
         decide(sweep, blocks, rule(), {"mr": 1.0})
     null_blocks = blocks.set_column(

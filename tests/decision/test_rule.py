@@ -8,8 +8,9 @@ import math
 import pytest
 
 from moecache.config import compose, to_container
-from moecache.decision.rule import COMPETITIVE, VERDICTS, PolicyRef, Rule, classify
+from moecache.decision.rule import COMPETITIVE, VERDICTS, Rule, classify
 from moecache.errors import MoecacheError
+from moecache.sim.policy_spec import PolicySpec
 from moecache.stages.decide import rule_config
 
 # the pre-registered rule as shipped (conf/decide/default.yaml)
@@ -47,21 +48,27 @@ def test_competitive_labels():
 
 def test_round_trip_of_the_default_rule():
     rule = Rule.from_dict(DEFAULT)
-    assert rule.baseline == PolicyRef("static_hindsight", {})
-    assert rule.candidates == (PolicyRef("lfu", {"reset_per_request": False}),)
+    assert rule.baseline == PolicySpec.of("static_hindsight")
+    # the candidate's parameters with the policy's defaults filled in: lfu {} is the same policy
+    assert rule.candidates == (PolicySpec.of("lfu", {}),)
+    assert rule.candidates[0].params == {"reset_per_request": False, "init_counts": None}
+    assert rule.extensions.policies == "all" and rule.extensions.exclude == ("belady",)
     assert rule.bootstrap.resamples == 2000 and rule.bootstrap.min_requests == 8
     assert rule.useful_range == (0.2, 0.95) and rule.max_hit_rate_deficit == 0.05
     assert rule.transfers.max_bytes_per_token is None and rule.transfers.max_link_busy == 1.0
     assert rule.required_workloads == ("multi_request", "long_single")
-    assert rule.to_dict() == DEFAULT
+    canonical = {**DEFAULT, "candidates": [PolicySpec.of("lfu").to_dict()]}
+    assert rule.to_dict() == canonical
+    assert Rule.from_dict(rule.to_dict()) == rule
 
 
 def test_left_out_keys_take_the_defaults_and_are_recorded():
     rule = Rule.from_dict({"baseline": DEFAULT["baseline"], "candidates": DEFAULT["candidates"]})
     expected = {
         **DEFAULT,
+        "candidates": [PolicySpec.of("lfu").to_dict()],
         "workloads": {"required": None},
-        "predictive": {"policies": [], "prefix_fraction": 0.5},
+        "extensions": {"policies": "all", "exclude": ["belady"], "prefix_fraction": 0.5, "preference": []},
     }
     assert rule.to_dict() == expected
 
@@ -122,6 +129,21 @@ def with_value(path: str, value):
         ("baseline", {"policy": ""}, "decide.baseline.policy=''"),
         ("bootstrap", {"resamples": 2000, "min_request": 8}, "decide.bootstrap.min_request: unknown key"),
         ("margn", 0.02, "decide.margn: unknown key"),
+        ("predictive", {"policies": []}, "decide.predictive: unknown key"),
+        ("candidates", [{"policy": "lruu"}], r"decide.candidates\[0\]: unknown policy 'lruu'"),
+        (
+            "candidates",
+            [{"policy": "lfu", "params": {"x": 1}}],
+            r"decide.candidates\[0\]: lfu .*unknown param",
+        ),
+        ("extensions.policies", "some", "decide.extensions.policies='some'"),
+        ("extensions.policies", [], r"decide.extensions.policies=\[\]"),
+        ("extensions.exclude", ["lru", "lru"], r"decide.extensions.exclude=.*twice"),
+        ("extensions.preference", "lru", "decide.extensions.preference='lru'"),
+        ("extensions.policies", ["lru", "lruu"], r"decide.extensions.policies\[1\]: unknown policy 'lruu'"),
+        ("extensions.exclude", ["Belady"], r"decide.extensions.exclude\[0\]: unknown policy 'Belady'"),
+        ("extensions.prefix_fraction", 1.0, "decide.extensions.prefix_fraction=1.0"),
+        ("extensions", {"polices": "all"}, "decide.extensions.polices: unknown key"),
     ],
 )
 def test_bad_values_name_their_key(path, value, message):
@@ -148,4 +170,5 @@ def test_distinct_params_are_distinct_candidates():
             ],
         )
     )
-    assert [c.params for c in rule.candidates] == [{"half_life_tokens": 64}, {}]
+    # {} is the policy's default half-life (128), not 64
+    assert [c.params for c in rule.candidates] == [{"half_life_tokens": 64}, {"half_life_tokens": 128}]

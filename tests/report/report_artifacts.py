@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moecache.config import compose, to_container
-from moecache.decision.predictive import SCHEMA as PREDICTIVE_SCHEMA
+from moecache.decision.extensions import SCHEMA as EXTENSIONS_SCHEMA
 from moecache.stages.decide import rule_config
 
 TRACES = {"tiny/multi_request/seed0": "multi_request", "tiny/long_single/seed0": "long_single"}
@@ -27,6 +27,7 @@ LABELS = {  # label -> (policy, params JSON, hit rate per slot of capacity)
     "belady(bypass=True,warm=True)": ("belady", '{"bypass": true, "warm": true}', 0.125),
 }
 CAPACITIES = (0, 2, 4, 8)
+TP = "transition_prefetch(budget=2,min_probability=0.1,top=8)"
 LAYERS, EXPERTS = 2, 4
 
 
@@ -264,8 +265,42 @@ def write_decision(folder: Path) -> Path:
         "cells": 8,
         "seed": 0,
         "first_part": {"policy": "lfu", "params": {}, "label": "lfu"},
-        "predictive": {
+        "best_generic": {
+            "policy": "lfu",
+            "params": {},
+            "label": "lfu",
+            "mean_rel_diff": 0.0,
+            "is_reference": True,
+        },
+        "wins": [
+            {
+                "policy": "transition_prefetch",
+                "params": {"budget": 2},
+                "label": TP,
+                "trace": t,
+                "workload": TRACES[t],
+                "split": "held_out",
+                "chosen_on": t,
+                "reference": "lfu",
+                "capacities": [2, 4],
+                "of_capacities": 2,
+                "consistent": False,
+                "cells": [
+                    {
+                        "capacity": c,
+                        "capacity_fraction": c / (LAYERS * EXPERTS),
+                        "rel_diff": -0.1,
+                        "ci_lo": -0.12,
+                        "ci_hi": -0.08,
+                    }
+                    for c in (2, 4)
+                ],
+            }
+            for t in list(TRACES)[:1]
+        ],
+        "extensions": {
             "reference": "lfu",
+            "judged": ["lru", "transition_prefetch"],
             "workloads": {
                 "present": ["long_single", "multi_request"],
                 "required": ["multi_request", "long_single"],
@@ -273,29 +308,36 @@ def write_decision(folder: Path) -> Path:
             "policies": {
                 "transition_prefetch": {
                     "consistent": False,
-                    "chosen": {t: "transition_prefetch(budget=2)" for t in TRACES},
+                    "competitive_everywhere": False,
+                    "chosen": {t: TP for t in TRACES},
+                    "label": TP,
+                    "params": {"budget": 2},
                     "better_on_workloads": ["multi_request"],
-                    "mean_held_out_rel_diff": -0.031,
+                    "verdicts": {"better": 2, "inconclusive": 2},
+                    "mean_held_out_rel_diff": -0.04,
+                    "mean_rel_diff": -0.04,
                     "prefix_ms_per_token": {},
                     "reasons": [
                         "transition_prefetch: workload-specific win: better everywhere on ['multi_request'] only"
                     ],
-                }
+                    "notes": [],
+                },
             },
             "selected": None,
         },
     }
     (folder / "decision.json").write_text(json.dumps(decision, indent=2))
-    pred = [
-        {"policy": "transition_prefetch", "label": "transition_prefetch(budget=2)", "chosen_on": t, "trace": t,
-         "workload": "w", "split": "held_out", "capacity": c, "reference": "lfu", "unit": "block", "units": 12,
-         "metric": 0.9, "reference_metric": 1.0, "rel_diff": -0.1 if i == 0 else 0.02,
-         "ci_lo": -0.12 if i == 0 else -0.01, "ci_hi": -0.08 if i == 0 else 0.05,
-         "verdict": "better" if i == 0 else "inconclusive"}
+    cells = [
+        {"policy": "transition_prefetch", "label": TP, "chosen_on": t, "trace": t, "workload": TRACES[t],
+         "split": "held_out", "capacity": c, "capacity_fraction": c / (LAYERS * EXPERTS), "reference": "lfu",
+         "unit": "block", "units": 12, "metric": 0.9, "reference_metric": 1.0,
+         "rel_diff": -0.1 if i == 0 else 0.02, "ci_lo": -0.12 if i == 0 else -0.01,
+         "ci_hi": -0.08 if i == 0 else 0.05, "verdict": "better" if i == 0 else "inconclusive",
+         "passes_limits": True, "limits": ""}
         for i, t in enumerate(TRACES)
         for c in CAPACITIES[1:3]
     ]  # fmt: skip
-    pq.write_table(pa.Table.from_pylist(pred, schema=PREDICTIVE_SCHEMA), folder / "predictive.parquet")
+    pq.write_table(pa.Table.from_pylist(cells, schema=EXTENSIONS_SCHEMA), folder / "extensions.parquet")
     return folder
 
 

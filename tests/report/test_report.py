@@ -14,8 +14,10 @@ import pytest
 from report_artifacts import CAPACITIES, TRACES, sweep_rows, write_all, write_sweep
 
 from moecache.errors import MoecacheError
-from moecache.report import figures, render_report, sections
+from moecache.report import decision_text, figures, render_report, sections
+from moecache.report.roles import label_roles, label_specs
 from moecache.report.tables import unique_slugs
+from moecache.sim.policy_spec import PolicySpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUFFIXES = ("hit_rate", "ms_per_token", "per_layer", "frequency_cdf", "reuse_runs", "layer_transitions")
@@ -52,7 +54,8 @@ def test_full_report_has_every_figure_and_section(rendered):
     result = rendered[0]
     report = result["report"]
     out = report.parent
-    expected = {f"{s}-{x}.png" for s in SLUGS for x in SUFFIXES} | {"decision_verdicts.png", "predictive.png"}
+    expected = {f"{s}-{x}.png" for s in SLUGS for x in SUFFIXES}
+    expected |= {"overview.png", "decision_verdicts.png", "extensions.png"}
     assert {p.name for p in result["figures"]} == expected
     for path in result["figures"]:
         assert path.parent == out / "figures"
@@ -61,26 +64,49 @@ def test_full_report_has_every_figure_and_section(rendered):
     assert sorted(linked) == sorted(f"figures/{name}" for name in expected)  # each figure linked once
     assert all((out / link).is_file() for link in linked)
     text = report.read_text()
-    assert text.index("## Decision") < text.index("## Trace")  # the decision comes first
-    assert "**Selected policy: `lfu`**" in text
+    # one screen first: the decision in a sentence, five rows, the three figures; then details, traces,
+    # and the long tables in the appendix
+    opening = text.split("## The decision in detail")[0]
+    assert opening.startswith("# moecache expert-offloading report\n\n**Use `lfu`** (`lfu`, params `{}`)")
+    assert "1 capacity- or workload-specific win(s) by other policies; the largest:" in opening
+    assert sum(line.startswith("|") for line in opening.splitlines()) == 2 + 5  # header, separator, 5 rows
+    assert "| largest specific win | `transition_prefetch(budget=2,min_probability=0.1,top=8)` |" in opening
+    assert "C=2 (25.0%): -10.00% [-12.00%, -8.00%]" in opening  # 2 slots of 2 x 4 experts
+    assert re.findall(r"!\[[^\]]*\]\(([^)]+)\)", opening) == [
+        "figures/overview.png", "figures/decision_verdicts.png", "figures/extensions.png"
+    ]  # fmt: skip
+    assert text.index("## The decision in detail") < text.index("## Trace") < text.index("## Appendix")
     assert "- lfu is competitive in every cell of the useful range" in text
     assert "equivalence margin ±2.00%" in text and "90% confidence" in text
+    appendix = text.split("## Appendix")[1]
+    parquet = re.findall(r"From \[`([^`]+)`\]\(([^)]+)\)\.", appendix)  # relative links that resolve
+    assert [name for name, _ in parquet] == [
+        "decide-abc/verdicts.parquet", "decide-abc/extensions.parquet", "sweep-abc/sweep.parquet"
+    ]  # fmt: skip
+    assert all((out / rel).is_file() for _, rel in parquet)
     # The candidate rows in the useful range: static_hindsight hit rate 0.11 x C in [0.2, 0.95] for
     # C = 2, 4, 8 (0.22, 0.44, 0.88), not C = 0; lfu's hit rate is 0.10 x C. rel_diff -0.0123 -> -1.23%,
     # CI [-0.031, 0.0045] -> [-3.10%, +0.45%]; bytes/token 1024.0 prints with 4 significant digits -> 1024.
-    rows = [line for line in text.splitlines() if line.startswith("| tiny/")]
-    assert len(rows) == 2 * 3
+    rows = [line for line in appendix.splitlines() if line.startswith("| tiny/")]
+    assert len(rows) == 2 * 3 * 2  # lfu (candidate) and lru (other) at C = 2, 4, 8
     for trace, workload in TRACES.items():
         head = f"| {trace} | {workload} "
         assert (
-            head + "| 2 | `lfu` | non_inferior | -1.23% | [-3.10%, +0.45%] | 0.2 vs 0.22 | 1024 |  |" in rows
+            head
+            + "| 2 | `lfu` | candidate | non_inferior | -1.23% | [-3.10%, +0.45%] | 0.2 vs 0.22 | 1024 |  |"
+            in rows
         )
         assert (
-            head + "| 4 | `lfu` | equivalent | +0.40% | [-1.20%, +1.50%] | 0.4 vs 0.44 | 1024 "
+            head + "| 4 | `lfu` | candidate | equivalent | +0.40% | [-1.20%, +1.50%] | 0.4 vs 0.44 | 1024 "
             "| hit rate deficit 0.04 |" in rows
         )
-        assert head + "| 8 | `lfu` | better | -5.00% | [-8.00%, -2.00%] | 0.8 vs 0.88 | 1024 |  |" in rows
-    assert "| `lru` " not in text.split("## Trace")[0]  # role "other" rows stay out of the verdict table
+        assert (
+            head + "| 8 | `lfu` | candidate | better | -5.00% | [-8.00%, -2.00%] | 0.8 vs 0.88 | 1024 |  |"
+            in rows
+        )
+    assert (
+        head + "| 8 | `lru` | other | worse | +10.00% | [+5.00%, +15.00%] | 0.64 vs 0.88 | 1024 |  |" in rows
+    )
     for trace in TRACES:
         assert f"## Trace `{trace}`" in text
     # headline numbers: 0.123456 -> 4 significant digits; 30 / 48 = 0.625; a null prints n/a
@@ -107,6 +133,7 @@ def test_render_is_deterministic(rendered):
 def test_without_analysis_and_decision(artifacts, tmp_path):
     result = render_report(None, artifacts["sweep"], None, tmp_path / "out")
     expected = {f"{s}-{x}.png" for s in SLUGS for x in ("hit_rate", "ms_per_token", "per_layer")}
+    expected.add("overview.png")
     assert {p.name for p in result["figures"]} == expected
     for path in result["figures"]:
         assert_png(path)
@@ -114,7 +141,7 @@ def test_without_analysis_and_decision(artifacts, tmp_path):
     assert "The decision artifact is absent; this section is skipped." in text
     assert "The analysis artifact is absent; no headline numbers." in text
     assert text.count("The analysis artifact is absent; figure skipped.") == 2 * 5  # 5 analysis figures
-    assert "Selected policy" not in text
+    assert "**Use" not in text and "The decision artifact is absent; no decision is shown." in text
     assert sorted(links(result["report"])) == sorted(f"figures/{name}" for name in expected)
     assert "| `lfu` | 8 | not reached |" in text  # the sweep's targets are still shown
 
@@ -135,7 +162,7 @@ def test_degenerate_sweep_single_capacity_without_time_estimate(tmp_path):
         r["est_ms_per_token"] = None
     sweep = write_sweep(tmp_path / "sweep", rows)
     result = render_report(None, sweep, None, tmp_path / "out")
-    assert len(result["figures"]) == 2 * 3
+    assert len(result["figures"]) == 2 * 3 + 1  # and the overview
     for path in result["figures"]:
         assert_png(path)
 
@@ -150,20 +177,33 @@ def test_missing_column_names_the_file(tmp_path):
 
 
 def test_belady_bound_prefers_warm_label():
+    def row(params: str, capacity: int, hit: float, policy: str = "belady") -> dict:
+        return {"policy": policy, "params": params, "capacity": capacity, "hit_rate": hit,
+                "label": PolicySpec.from_row({"policy": policy, "params": params}).label()}  # fmt: skip
+
+    warm, cold = '{"warm": true}', '{"warm": false}'
     rows = pa.Table.from_pylist(
-        [
-            {"label": "belady(bypass=True,warm=True)", "capacity": 2, "hit_rate": 0.3},
-            {"label": "belady(bypass=True,warm=True)", "capacity": 4, "hit_rate": 0.6},
-            {"label": "belady(bypass=True,warm=False)", "capacity": 2, "hit_rate": 0.5},
-            {"label": "lfu", "capacity": 2, "hit_rate": 0.9},
-        ]
+        [row(warm, 2, 0.3), row(warm, 4, 0.6), row(cold, 2, 0.5), row("{}", 2, 0.9, "lfu")]
     )
-    cap, hit, source = figures.belady_bound(rows)
+    specs = label_specs(rows)
+    cap, hit, source = figures.belady_bound(rows, specs)
     assert cap.tolist() == [2, 4] and hit.tolist() == [0.3, 0.6]  # the warm label alone
-    cold = rows.filter(pc.invert(pc.starts_with(rows["label"], "belady(bypass=True,warm=T")))
-    cap, hit, _ = figures.belady_bound(cold)
+    assert source == "belady(bypass=True,warm=True)"
+    no_warm = rows.filter(pc.invert(pc.equal(rows["params"], warm)))
+    cap, hit, _ = figures.belady_bound(no_warm, label_specs(no_warm))
     assert cap.tolist() == [2] and hit.tolist() == [0.5]  # no warm label: max over Belady labels, lfu ignored
-    assert figures.belady_bound(rows.filter(pc.equal(rows["label"], "lfu"))) is None
+    lfu = rows.filter(pc.equal(rows["policy"], "lfu"))
+    assert figures.belady_bound(lfu, label_specs(lfu)) is None
+
+
+def test_roles_follow_the_decision_by_policy_and_params():
+    specs = label_specs(pa.Table.from_pylist(sweep_rows()))
+    decision = {"selected": {"policy": "lfu", "params": {"reset_per_request": False}},
+                "baseline": {"policy": "static_hindsight", "params": {}}}  # fmt: skip
+    # lfu {reset_per_request: false} is the sweep's `lfu` label (params "{}"): matched by value, not by label
+    assert label_roles(decision, specs) == {
+        "lfu": "selected", "static_hindsight": "baseline", "lru": "lru", "belady(bypass=True,warm=True)": "bound"
+    }  # fmt: skip
 
 
 def test_helpers_match_hand_arithmetic():
@@ -186,28 +226,44 @@ def test_helpers_match_hand_arithmetic():
     assert len(CAPACITIES) == 4
 
 
-def test_decision_without_selection_says_so():
+def test_decision_without_second_part_says_so():
     decision = {
-        "selected": None,
+        "selected": {"policy": "static_hindsight", "params": {}, "label": "static_hindsight"},
         "baseline": {"policy": "static_hindsight", "params": {}, "label": "static_hindsight"},
         "reasons": [],
         "rule": {"margin": 0.05, "confidence": 0.95},
     }
-    text = sections.decision_section(decision, None, None)
-    assert "**No candidate was selected**" in text and "`static_hindsight`" in text
+    assert decision_text.headline(decision).startswith(
+        "**Use `static_hindsight`** (`static_hindsight`, params `{}`)"
+    )
+    text = decision_text.decision_details(decision)
     assert "- none recorded" in text
     # margin 0.05 -> 5.00%, confidence 0.95 -> 95%
     assert "equivalence margin ±5.00%; 95% confidence" in text
-    assert "verdicts.parquet is absent; no verdict table." in text
+    assert decision_text.extensions_section(decision, None).endswith(
+        "The decision judged no second-part policy.\n"
+    )
+    assert "| largest specific win | none |" in decision_text.five_rows(decision)
 
 
-def test_predictive_section(rendered):
+def test_extensions_section(rendered):
     text = rendered[0]["report"].read_text()
-    section = text.split("## Predictive strategies (second part)")[1].split("\n## ")[0]
-    assert "No predictive policy is consistently better" in section
-    assert "workload-specific win" in section and "figures/predictive.png" in section
-    # one table row per judged cell: 2 traces x 2 capacities
-    assert section.count("| transition_prefetch | `transition_prefetch(budget=2)` | held_out |") == 4
+    section = text.split("## Every other policy (second part)")[1].split("\n## ")[0]
+    assert (
+        "| transition_prefetch | " in section
+        and "| no | no | -4.00% | -4.00% | better 2, inconclusive 2 |" in section
+    )
+    # the win: one trace, held out, both capacities, r and interval each
+    assert ("| `transition_prefetch(budget=2,min_probability=0.1,top=8)` | tiny/multi_request/seed0 | multi_request"
+            " | held out | 2 of 2 | C=2 (25.0%): -10.00% [-12.00%, -8.00%]; C=4 (50.0%)") in section  # fmt: skip
+    # every judged cell in the appendix: 2 traces x 2 capacities
+    appendix = text.split("## Appendix")[1]
+    assert (
+        appendix.count(
+            "| transition_prefetch | `transition_prefetch(budget=2,min_probability=0.1,top=8)` | held_out |"
+        )
+        == 4
+    )
 
 
 def test_prefetch_table_of_the_judged_cells():

@@ -14,8 +14,10 @@ from moecache.errors import MoecacheError
 from moecache.stages import analyze, decide, import_trace, report, sweep
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
-SMALL = [
-    "sweep.policies={static_hindsight:[{}],lfu:[{reset_per_request:false}],lru:[{}],belady:[{warm:true,bypass:true}]}",
+SMALL = [  # `~key` then `+key=`: a dict override replaces the default policies (a plain `key=` merges)
+    "~sweep.policies",
+    "+sweep.policies={static_hindsight:[{}],lfu:[{reset_per_request:false},{reset_per_request:true}],lru:[{}],"
+    "belady:[{warm:true,bypass:true}]}",
     "sweep.sensitivity.policies=[]",
     "analyze.history.candidates={lfu:[{reset_per_request:false}],lfu_window:[{window_tokens:16}]}",
     "decide.bootstrap.resamples=200",
@@ -92,7 +94,17 @@ def test_decision_lineage_and_runtime_readable(pipeline):
     _, _, a, s, d, _ = pipeline
     decision = json.loads((d.artifact / "decision.json").read_text())
     assert decision["inputs"] == {"sweep": s.artifact.name, "analysis": a.artifact.name}
-    assert decision["selected"]["policy"] in {"lfu", "static_hindsight"}
+    assert decision["selected"]["policy"] in {"lfu", "static_hindsight", "lru"}
+    # the second part judged every swept policy but the baseline's and belady, by (name, params)
+    assert decision["extensions"]["judged"] == ["lfu", "lru"]
+    assert decision["first_part"]["label"] in {
+        "static_hindsight",
+        "lfu(init_counts=None,reset_per_request=False)",
+    }
+    assert set(decision["best_generic"]) >= {"policy", "params", "label"}
+    assert all({"policy", "params", "trace", "capacities", "cells"} <= set(w) for w in decision["wins"])
+    cells = pq.read_table(d.artifact / "extensions.parquet")
+    assert set(cells["policy"].to_pylist()) <= {"lfu", "lru"} and cells.num_rows > 0
     assert set(decision["workloads"]["required"]) == {"multi_request", "long_single"}
     verdicts = pq.read_table(d.artifact / "verdicts.parquet").to_pylist()
     units = {v["trace"]: v["unit"] for v in verdicts}
@@ -116,7 +128,8 @@ def test_report_renders_and_stages_are_reused(pipeline):
 
 def test_cli_decide_and_bad_lineage(pipeline, tmp_path):
     root, base, a, *_ = pipeline
-    result = CliRunner().invoke(app, ["decide", *base])
+    # the CLI takes only the keys decide reads (another stage's keys are refused)
+    result = CliRunner().invoke(app, ["decide", f"output_root={root}", "decide.bootstrap.resamples=200"])
     assert result.exit_code == 0, result.output
     assert (
         result.output.strip()
