@@ -37,12 +37,11 @@ from moecache.analysis import (
 )
 from moecache.analysis.tokens import TokenTrace, load_token_trace
 from moecache.artifacts import artifact_id
-from moecache.config import to_container
 from moecache.errors import MoecacheError
 from moecache.sim.inputs import load_profile, resolve_traces
 from moecache.sim.sweep import capacity_grid, cost_model
 from moecache.sim.trace_arrays import TraceArrays, load_trace
-from moecache.stages.base import StageResult, reusable, store_for
+from moecache.stages.base import StageResult, prepare, profile_digest, reusable, store_for
 from moecache.stages.simulate import cost_settings
 
 STAGE = "analyze"
@@ -104,14 +103,20 @@ def _token_statistics(tt: TokenTrace, a: dict, seed: int, lead_us: float) -> tup
 
 
 def run(cfg: DictConfig) -> StageResult:
-    c = to_container(cfg)
+    c = prepare(cfg, STAGE)
     a = c["analyze"]
     seed = int(c["seed"])
     store = store_for(cfg)
     refs = resolve_traces(store, c["traces"])
     profile_ref, profile = load_profile(store, c["sim"]["cost_profile"])
     inputs = [r.ref for r in refs] + ([profile_ref] if profile_ref.startswith("calibrate-") else [])
-    config = {"analyze": a, "traces": inputs, "seed": seed, "sim": c["sim"]}
+    config = {
+        "analyze": a,
+        "traces": inputs,
+        "seed": seed,
+        "sim": c["sim"],
+        "cost_profile_sha256": profile_digest(profile_ref),
+    }
     existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, inputs)
     if existing is not None:
         return StageResult(

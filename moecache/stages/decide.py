@@ -16,13 +16,12 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
 from moecache.artifacts import Artifact, ArtifactStore, artifact_id
-from moecache.config import to_container
 from moecache.decision import extensions
 from moecache.decision.decide import decide
 from moecache.decision.rule import Rule
 from moecache.errors import MoecacheError
-from moecache.sim.inputs import TRACE_STAGES
-from moecache.stages.base import StageResult, reusable, store_for
+from moecache.sim.inputs import TRACE_STAGES, is_trace_ref
+from moecache.stages.base import StageResult, prepare, reusable, store_for
 
 STAGE = "decide"
 SCHEMA_VERSION = 2  # 2: extensions.parquet (was predictive.parquet), best_generic, wins
@@ -43,9 +42,7 @@ def _artifact(store: ArtifactStore, ref: str | None, stage: str, what: str) -> A
 
 def trace_inputs(art: Artifact) -> list[str]:
     """The trace artifacts (or Parquet files) among an artifact's inputs."""
-    return [
-        i for i in art.manifest.get("inputs", []) if i.split("-")[0] in TRACE_STAGES or i.endswith(".parquet")
-    ]
+    return [i for i in art.manifest.get("inputs", []) if i.split("-")[0] in TRACE_STAGES or is_trace_ref(i)]
 
 
 def _analysis_for(store: ArtifactStore, ref: str | None, sweep: Artifact) -> Artifact | None:
@@ -61,7 +58,7 @@ def rule_config(c: dict) -> dict:
 
 
 def run(cfg: DictConfig) -> StageResult:
-    c = to_container(cfg)
+    c = prepare(cfg, STAGE)
     d = c["decide"]
     store = store_for(cfg)
     sweep = _artifact(store, d["sweep"], "sweep", "decide.sweep")

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from moecache.artifacts import Artifact, artifact_id, write_json_atomic
 from moecache.config import to_container
 from moecache.errors import MoecacheError
-from moecache.stages.base import StageResult, reusable, store_for
+from moecache.stages.base import StageResult, prepare, reusable, store_for
 from moecache.trace.esft_import import esft_to_table, load_esft_npz
 from moecache.trace.schema import SCHEMA, TraceMeta, read_trace, schema_with_meta, validate_table
 from moecache.trace.validity import canonical_order, check_row_order
@@ -56,6 +56,7 @@ def run(cfg: DictConfig) -> StageResult:
         raise MoecacheError(
             f"trace_import.{missing[0]} is mandatory: give it as trace_import.{missing[0]}=..."
         )
+    prepare(cfg, STAGE)
     group = to_container(cfg.trace_import)
     fmt = group.get("format")
     if fmt not in FORMATS:

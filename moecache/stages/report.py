@@ -9,9 +9,8 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from moecache.artifacts import artifact_id
-from moecache.config import to_container
 from moecache.report.render import render_report
-from moecache.stages.base import StageResult, reusable, store_for
+from moecache.stages.base import StageResult, prepare, reusable, store_for
 from moecache.stages.decide import _artifact
 
 STAGE = "report"
@@ -19,7 +18,7 @@ SCHEMA_VERSION = 1
 
 
 def run(cfg: DictConfig) -> StageResult:
-    c = to_container(cfg)
+    c = prepare(cfg, STAGE)
     store = store_for(cfg)
     decision = _artifact(store, c["report"]["decision"], "decide", "report.decision")
     lineage = decision.manifest["config"]
