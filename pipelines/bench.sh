@@ -4,10 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python benchmarks/bench_logging.py --model tiny --device cpu --threads 1
+python benchmarks/bench_step.py
 if ls outputs/import_trace/*/trace.parquet >/dev/null 2>&1; then
   python benchmarks/bench_sim.py
+  python benchmarks/bench_cli_sim.py
 else
-  echo "bench_sim: skipped: no imported trace under outputs/ (run make reproduce first)"
+  echo "bench_sim, bench_cli_sim: skipped: no imported trace under outputs/ (run make reproduce first)"
 fi
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   python benchmarks/bench_logging.py --model large --device cuda

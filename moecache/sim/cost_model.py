@@ -39,6 +39,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
+import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
@@ -238,24 +239,54 @@ class CostModel:
 
 def forward_index(trace) -> tuple[np.ndarray, np.ndarray]:
     """(fwd_S, first_F): the forward step of every layer step, and the first layer step of every
-    forward step (a forward step is one (request, step_index): all its layers)."""
-    s = trace.num_steps
-    new = np.ones(s, bool)
-    if s:
-        new[1:] = (trace.request_S[1:] != trace.request_S[:-1]) | (trace.step_S[1:] != trace.step_S[:-1])
-    first_F = np.flatnonzero(new)
-    fwd_S = np.cumsum(new) - 1
-    return fwd_S, first_F
+    forward step (a forward step is one (request, step_index): all its layers). int64, one pass."""
+    fwd_S = np.empty(trace.num_steps, np.int64)
+    first_F = np.empty(trace.num_steps, np.int64)
+    n = _forward_index(trace.request_S, trace.step_S, fwd_S, first_F)
+    return fwd_S, first_F[:n].copy()
+
+
+@nb.njit(cache=True, nogil=True)
+def _forward_index(request_S, step_S, fwd_S, first_F):
+    """Fills fwd_S and first_F[:n]; returns n, the number of forward steps."""
+    n = 0
+    for s in range(request_S.shape[0]):
+        if s == 0 or request_S[s] != request_S[s - 1] or step_S[s] != step_S[s - 1]:
+            first_F[n] = s
+            n += 1
+        fwd_S[s] = n - 1
+    return n
 
 
 def instant_step_us(trace, hit_A: np.ndarray, cost: CostModel) -> np.ndarray:
     """Layer-step times of a replay whose copies are free (instant mode): non-expert +
     max(sum over hits of gpu(uses), sum over misses of cpu(uses)) -- the timed formula with
-    infinite bandwidth. Vectorised; float64 [S]."""
+    infinite bandwidth. float64 [S]: one compiled pass over the steps and their accesses."""
     cost.check_trace(trace)
-    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S))
-    gpu_A = np.where(hit_A, cost.gpu_table()[trace.uses_A], 0.0)
-    cpu_A = np.where(hit_A, 0.0, cost.cpu_table()[trace.uses_A])
-    gpu_S = np.bincount(step_A, gpu_A, minlength=trace.num_steps)
-    cpu_S = np.bincount(step_A, cpu_A, minlength=trace.num_steps)
-    return cost.non_expert_S(trace) + np.maximum(gpu_S, cpu_S)
+    step_us_S = np.empty(trace.num_steps, np.float64)
+    prefill = cost.non_expert_us_per_prefill_token
+    _instant_step_us(
+        trace.start_S, trace.uses_A, hit_A, trace.phase_S, trace.tokens_S, cost.gpu_table(), cost.cpu_table(),
+        float(cost.non_expert_us_per_layer), float(cost.non_expert_us_per_layer if prefill is None else prefill),
+        step_us_S,
+    )  # fmt: skip
+    return step_us_S
+
+
+@nb.njit(cache=True, nogil=True)
+def _instant_step_us(
+    start_S, uses_A, hit_A, phase_S, tokens_S, gpu_us_M, cpu_us_M, decode_us, prefill_us_per_token, step_us_S
+):
+    """step_us_S[s] = non-expert time (CostModel.non_expert_S) + max(GPU time of step s's hits, CPU
+    time of its misses), each summed in access order from 0.0: the sums np.bincount gives, so the
+    result is bit-identical to the vectorised formula."""
+    for s in range(step_us_S.shape[0]):
+        gpu = 0.0
+        cpu = 0.0
+        for a in range(start_S[s], start_S[s + 1]):  # adding 0.0 leaves a sum unchanged: no branch
+            m = uses_A[a]
+            h = hit_A[a]
+            gpu += gpu_us_M[m] if h else 0.0
+            cpu += 0.0 if h else cpu_us_M[m]
+        non_expert = decode_us if phase_S[s] == DECODE else prefill_us_per_token * np.float64(tokens_S[s])
+        step_us_S[s] = non_expert + max(gpu, cpu)

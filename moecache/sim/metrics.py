@@ -47,14 +47,20 @@ def _per_token(us: float, tokens: int) -> tuple[float | None, float | None]:
 def _forward_us(
     trace: TraceArrays, result: ReplayResult, cost: CostModel | None
 ) -> tuple[np.ndarray | None, np.ndarray]:
-    """(time of every forward step or None, first layer step of every forward step)."""
+    """(time of every forward step or None, first layer step of every forward step). An instant
+    result keeps the last answer (summarize, per_request and per_block all ask for it)."""
     if isinstance(result, TimedResult):
         return result.forward_us_F, result.first_F
+    cached = result.__dict__.get("_forward_us")
+    if cached is not None and cached[0] is trace and cached[1] is cost:
+        return cached[2], cached[3]
     fwd_S, first_F = forward_index(trace)
-    if cost is None:
-        return None, first_F
-    step_us_S = instant_step_us(trace, result.hit_A, cost)
-    return np.bincount(fwd_S, step_us_S, minlength=len(first_F)), first_F
+    us_F = None
+    if cost is not None:
+        step_us_S = instant_step_us(trace, result.hit_A, cost)
+        us_F = np.bincount(fwd_S, step_us_S, minlength=len(first_F))
+    result.__dict__["_forward_us"] = (trace, cost, us_F, first_F)  # references keep the `is` test valid
+    return us_F, first_F
 
 
 def _cost_of(result: ReplayResult, cost: CostModel | None) -> CostModel | None:

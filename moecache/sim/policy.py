@@ -1,10 +1,12 @@
 """The one small interface every placement policy implements, and the registry of policies.
 
 A policy is one file in `moecache/sim/policies/`: a `Policy` subclass registered by name, whose
-state is a tuple of numpy arrays and whose `step` is a numba `@njit` function. The same `step` runs
-inside the compiled replay loops of the simulator and, one layer step at a time, in the runtime.
+state is a named tuple of numpy arrays (`State`, made from `state_fields`) and whose `step` is a numba
+`@njit` function. The same `step` runs inside the compiled replay loops of the simulator and, one
+layer visit at a time, in the runtime: all of them go through `moecache.sim.visit` (`apply_step`;
+`visit_entry` for one visit called from Python), compiled once per policy and cached on disk (jit.py).
 
-What the replay driver does at every layer step (docs/simulator.md):
+What the replay driver does at every layer step (docs/simulator.md; moecache/sim/visit.py):
 1. hit_U = which of the step's distinct experts hold a slot in the snapshot taken before the step
    (in timed mode a hit also needs the slot's copy to be complete);
 2. calls `step(...)`: the policy first updates its state with the whole step (recency, counts, next
@@ -25,6 +27,7 @@ How to add a policy: see docs/simulator.md, "Adding a policy".
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Any, ClassVar
 
 import numpy as np
@@ -47,9 +50,16 @@ class Policy:
     # True: the policy may admit keys the step did not access (prefetch), so it can beat demand
     # caching's compulsory misses; the demand-only properties of the tests skip it.
     prefetches: ClassVar[bool] = False
+    # True: `init_state` reads the whole trace to be replayed (its future: Belady, hindsight static), so
+    # the policy exists only in the simulator; an online policy needs only the trace's shape there.
+    offline: ClassVar[bool] = False
     # The replay's CostModel (set by `bind_cost`; the simulator binds it before every replay). A policy
     # that weighs CPU, GPU or copy time reads it in `init_state` through `require_cost`.
     cost: Any = None
+    # Names of the state's members, in the order `init_state` returns them (a registered policy must
+    # give them). The replay drivers receive the state as an instance of `State`, a named tuple class
+    # of this policy alone: its type tells the compiled drivers which `step` to call (visit.py).
+    state_fields: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, **params: Any):
         unknown = sorted(set(params) - set(self.defaults))
@@ -82,6 +92,39 @@ class Policy:
         """Keys resident before the first step (int32); empty for cold-start policies."""
         return np.zeros(0, np.int32)
 
+    @classmethod
+    def state_class(cls, num_fields: int | None = None) -> type:
+        """The named tuple class of this policy's state (`cls.State`), made on first use and bound to
+        `cls.step`. Without `state_fields` (an unregistered test policy) its members are s0, s1, ...
+        for a state of `num_fields` members."""
+        state_class = cls.__dict__.get("State")
+        if state_class is None:
+            fields = cls.state_fields
+            if fields is None:
+                if num_fields is None:
+                    raise ValueError(f"policy class {cls.__qualname__} declares no state_fields")
+                fields = tuple(f"s{i}" for i in range(num_fields))
+            state_class = namedtuple("State", fields)
+            state_class.__qualname__ = f"{cls.__qualname__}.State"  # found again by pickle, by name
+            state_class.__module__ = cls.__module__
+            from moecache.sim.visit import bind_step
+
+            bind_step(state_class, cls.step)
+            cls.State = state_class
+        return state_class
+
+    def named_state(self, state: tuple) -> tuple:
+        """`state` (as returned by init_state) as an instance of this policy's State class."""
+        state_class = type(self).state_class(len(state))
+        if isinstance(state, state_class):
+            return state
+        if len(state) != len(state_class._fields):
+            raise ValueError(
+                f"policy {self.name}: init_state returned {len(state)} members, State has "
+                f"{len(state_class._fields)} {state_class._fields}"
+            )
+        return state_class(*state)
+
     def label(self) -> str:
         inner = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
         return f"{self.name}({inner})" if inner else self.name
@@ -90,7 +133,10 @@ class Policy:
 def register(cls: type[Policy]) -> type[Policy]:
     if cls.name in POLICIES:
         raise ValueError(f"policy {cls.name!r} registered twice")
+    if not cls.__dict__.get("state_fields"):
+        raise ValueError(f"policy {cls.name!r} must declare its state_fields")
     POLICIES[cls.name] = cls
+    cls.state_class()
     return cls
 
 

@@ -1,5 +1,5 @@
 """Instant-mode replay: infinite bandwidth, zero latency; an admitted expert is resident from the
-next step. The compiled loop is generic over policies (each policy's `step` is passed in).
+next step. The compiled loop is written once and compiled once per policy (jit.py, visit.py).
 
 Legend: S layer steps, A accesses, K expert keys.
 """
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
+from moecache.sim.jit import bound
 from moecache.sim.policy import Policy
 from moecache.sim.trace_arrays import TraceArrays
+from moecache.sim.visit import apply_step
 
 
 @dataclass
@@ -34,17 +35,15 @@ class ReplayResult:
     prefetch_S: np.ndarray | None = field(default=None, kw_only=True)  # int32: prefetches of each step
 
 
-# Not cached on disk: numba keys the cache of a function that takes a dispatcher argument by the
-# dispatcher's per-process id (numba issue #2956), so each process compiles it once per policy (~1 s).
-# `_nrt=False`: no reference counting of the per-step array slices (the buffers come from the caller).
-@nb.njit(nogil=True, _nrt=False)
 def _replay_instant(
-    step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity, hit_A, admits_S, evicts_S,
+    state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity, hit_A, admits_S, evicts_S,
     prefetch_S, admit_buf, evict_buf, seen_K, pending_K,
 ):  # fmt: skip
-    """Returns (prefetches, prefetches used). Scratch per key: admit_buf, evict_buf (int32), seen_K
-    (int64, -1: last step that accessed the key), pending_K (int64, -1: index of the key's pending
-    prefetch, i.e. admitted without being accessed and not yet accessed or evicted)."""
+    """Returns (prefetches, prefetches used). Compiled once per policy (`bound`, jit.py): the policy
+    is the type of `state`. Every layer visit goes through visit.apply_step. Scratch per key:
+    admit_buf, evict_buf (int32), seen_K (int64, -1: last step that accessed the key), pending_K
+    (int64, -1: index of the key's pending prefetch, i.e. admitted without being accessed and not
+    yet accessed or evicted)."""
     num_keys = resident_K.shape[0]
     held = 0
     for k in range(num_keys):
@@ -66,41 +65,24 @@ def _replay_instant(
                     pending_K[k] = -1
                     n_pending -= 1
                     n_used += 1
-        n_admit, n_evict = step(
-            state,
-            key_A[a0:a1],
-            uses_A[a0:a1],
-            hit_A[a0:a1],
-            a0,
-            clock_S[s],
-            request_S[s],
-            resident_K,
-            admit_buf,
-            evict_buf,
-        )
-        for j in range(n_evict):
-            k = evict_buf[j]
-            if not resident_K[k]:
-                raise ValueError("policy evicted a key that holds no slot")
-            resident_K[k] = False
-            if n_pending > 0 and pending_K[k] >= 0:  # a pending prefetch evicted unused
-                pending_K[k] = -1
-                n_pending -= 1
-        held -= n_evict
+        n_admit, n_evict, held = apply_step(
+            state, key_A[a0:a1], uses_A[a0:a1], hit_A[a0:a1], a0, clock_S[s], request_S[s], resident_K,
+            held, capacity, admit_buf, evict_buf,
+        )  # fmt: skip
+        if n_pending > 0:
+            for j in range(n_evict):
+                k = evict_buf[j]
+                if pending_K[k] >= 0:  # a pending prefetch evicted unused
+                    pending_K[k] = -1
+                    n_pending -= 1
         n_pf = 0
         for j in range(n_admit):
             k = admit_buf[j]
-            if resident_K[k]:
-                raise ValueError("policy admitted a key that already holds a slot")
-            resident_K[k] = True
             if seen_K[k] != s:  # not accessed by this step: a prefetch
                 pending_K[k] = n_prefetch + n_pf
                 n_pf += 1
         n_prefetch += n_pf
         n_pending += n_pf
-        held += n_admit
-        if held > capacity:
-            raise ValueError("policy holds more keys than the capacity")
         admits_S[s] = n_admit
         evicts_S[s] = n_evict
         prefetch_S[s] = n_pf
@@ -136,8 +118,8 @@ def replay_instant(trace: TraceArrays, policy: Policy, capacity: int) -> ReplayR
     prefetch_S = np.zeros(trace.num_steps, np.int32)
     k = trace.num_keys
     try:
-        prefetches, used = _replay_instant(
-            type(policy).step, state, trace.key_A, trace.uses_A, trace.start_S, trace.clock_S, trace.request_S,
+        prefetches, used = bound(_replay_instant, type(policy))(
+            policy.named_state(state), trace.key_A, trace.uses_A, trace.start_S, trace.clock_S, trace.request_S,
             resident_K, int(capacity), hit_A, admits_S, evicts_S, prefetch_S,
             np.empty(k, np.int32), np.empty(k, np.int32), np.full(k, -1, np.int64), np.full(k, -1, np.int64),
         )  # fmt: skip

@@ -34,9 +34,11 @@ import numpy as np
 
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel, forward_index
+from moecache.sim.jit import bound
 from moecache.sim.policy import Policy
 from moecache.sim.replay import ReplayResult, check_capacity, initial_resident_mask
 from moecache.sim.trace_arrays import TraceArrays
+from moecache.sim.visit import apply_step
 
 
 @dataclass
@@ -94,13 +96,10 @@ class TimedResult(ReplayResult):
         return self.copy_use_us_C - self.route_us_S[self.copy_step_C]
 
 
-# Not cached: a function taking a dispatcher argument (`step`) never hits numba's on-disk cache (the
-# key holds the dispatcher's per-process UUID: numba issues #6264, #2956), its index grows by one entry
-# per process and policy, and re-saving it can fail with "ReferenceError: underlying object has vanished".
-# `_nrt=False`: no reference counting of the per-step array slices; every buffer comes from the caller.
-@nb.njit(nogil=True, _nrt=False)
+# Compiled once per policy by `bound` (jit.py): the policy is the type of `state`, and every layer
+# visit goes through visit.apply_step, as in instant mode.
 def _replay_timed(
-    step, state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity,
+    state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity,
     cpu_us_M, gpu_us_M, non_expert_S, copy_us,
     hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S, prefetch_S,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
@@ -155,16 +154,13 @@ def _replay_timed(
                 cpu_fallback_sel += m
         gpu_end = tr + gpu
         step_us = non_expert_S[s] + max(gpu, cpu)
-        n_admit, n_evict = step(
+        n_admit, n_evict, held = apply_step(
             state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_S[s], request_S[s], resident_K,
-            admit_buf, evict_buf,
+            held, capacity, admit_buf, evict_buf,
         )  # fmt: skip
         busy_slots = 0  # freed by this step but used by its GPU work: safe at gpu_end
         for j in range(n_evict):
             k = evict_buf[j]
-            if not resident_K[k]:
-                raise ValueError("policy evicted a key that holds no slot")
-            resident_K[k] = False
             if ready_K[k] > tr:  # still loading: the copy is wasted
                 copy_wasted_C[copy_of_K[k]] = True
             if n_pending > 0 and pending_K[k] >= 0:  # a pending prefetch evicted unused
@@ -174,16 +170,9 @@ def _replay_timed(
                 busy_slots += 1
             else:
                 safe_slots += 1
-        held -= n_evict
-        if held + n_admit > capacity:
-            raise ValueError("policy holds more keys than the capacity")
-        held += n_admit
         n_pf = 0
         for j in range(n_admit):
             k = admit_buf[j]
-            if resident_K[k]:
-                raise ValueError("policy admitted a key that already holds a slot")
-            resident_K[k] = True
             start = max(tr, engine_free)
             if safe_slots > 0:
                 safe_slots -= 1
@@ -267,8 +256,8 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
         start_C, ready_C, wasted_C = np.empty(cap_C), np.empty(cap_C), np.empty(cap_C, np.bool_)
         prefetch_C, used_C, use_C = np.empty(cap_C, np.bool_), np.empty(cap_C, np.bool_), np.empty(cap_C)
         try:
-            n_copies, fallback_sel, prefetches, used = _replay_timed(
-                type(policy).step, state, trace.key_A, trace.uses_A, trace.start_S, trace.clock_S,
+            n_copies, fallback_sel, prefetches, used = bound(_replay_timed, type(policy))(
+                policy.named_state(state), trace.key_A, trace.uses_A, trace.start_S, trace.clock_S,
                 trace.request_S, resident_K, int(capacity), cost.cpu_table(), cost.gpu_table(),
                 cost.non_expert_S(trace), float(cost.copy_us()),
                 hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S, prefetch_S,

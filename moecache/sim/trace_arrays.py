@@ -99,11 +99,21 @@ class TraceArrays:
         )
 
 
-@nb.njit(cache=True, nogil=True)
+# Large outputs are allocated by NumPy and filled by the compiled loops: NumPy asks the kernel for huge
+# pages (madvise) where it offers them, so filling 1 GB of arrays faults ~500 pages instead of ~250,000,
+# and on a virtual machine a page fault can cost 10 us.
+
+
 def _clock(tokens_S, request_S, step_S) -> np.ndarray:
     """Tokens processed before each step's forward step (all layers of one forward share it; a
     forward step is a run of steps with equal (request, step index), its tokens those of its first)."""
     clock_S = np.empty(tokens_S.shape[0], np.int64)
+    _fill_clock(tokens_S, request_S, step_S, clock_S)
+    return clock_S
+
+
+@nb.njit(cache=True, nogil=True)
+def _fill_clock(tokens_S, request_S, step_S, clock_S):
     clock = 0
     forward_tokens = 0
     for s in range(tokens_S.shape[0]):
@@ -111,17 +121,14 @@ def _clock(tokens_S, request_S, step_S) -> np.ndarray:
             clock += forward_tokens
             forward_tokens = tokens_S[s]
         clock_S[s] = clock
-    return clock_S
 
 
-@nb.njit(cache=True, nogil=True, inline="always")
-def _fit(buffer, n):
+def _fit(buffer: np.ndarray, n: int) -> np.ndarray:
     """buffer[:n], copied when that is less than half of it (prefill steps: many rows, few
     accesses), so that the buffer can be freed."""
     return buffer[:n].copy() if 2 * n < buffer.shape[0] else buffer[:n]
 
 
-@nb.njit(cache=True, nogil=True)
 def _flatten(
     request_R, step_R, layer_R, phase_R, offsets_R, expert_X, is_decode, num_requests, num_experts, num_keys
 ):
@@ -135,6 +142,24 @@ def _flatten(
     layer_S, request_S, step_S = np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32)
     tokens_S, phase_S, start_S = np.zeros(n, np.int32), np.empty(n, np.int8), np.empty(n + 1, np.int64)
     key_A, uses_A = np.empty(x, np.int32), np.empty(x, np.int32)
+    contiguous, s, a, code_of_request = _fill_flat(
+        request_R, step_R, layer_R, phase_R, offsets_R, expert_X, is_decode, num_requests, num_experts,
+        num_keys, layer_S, request_S, step_S, tokens_S, phase_S, start_S, key_A, uses_A,
+    )  # fmt: skip
+    return (
+        contiguous, _fit(layer_S, s), _fit(request_S, s), _fit(step_S, s), _fit(tokens_S, s),
+        _fit(phase_S, s), _fit(start_S, s + 1), _fit(key_A, a), _fit(uses_A, a), code_of_request,
+    )  # fmt: skip
+
+
+@nb.njit(cache=True, nogil=True)
+def _fill_flat(
+    request_R, step_R, layer_R, phase_R, offsets_R, expert_X, is_decode, num_requests, num_experts, num_keys,
+    layer_S, request_S, step_S, tokens_S, phase_S, start_S, key_A, uses_A,
+):  # fmt: skip
+    """_flatten's pass, into its arrays (tokens_S zeroed). Returns (contiguous, steps, accesses,
+    request code of each request number)."""
+    n = request_R.shape[0]
     code_of_request = np.empty(num_requests, np.int64)
     request_of_code = np.full(num_requests, -1, np.int64)
     step_K = np.full(num_keys, -1, np.int64)  # latest step of each key
@@ -174,10 +199,7 @@ def _flatten(
                 uses_A[access_K[k]] += 1
     s += 1
     start_S[s] = a
-    return (
-        contiguous, _fit(layer_S, s), _fit(request_S, s), _fit(step_S, s), _fit(tokens_S, s),
-        _fit(phase_S, s), _fit(start_S, s + 1), _fit(key_A, a), _fit(uses_A, a), code_of_request[:requests],
-    )  # fmt: skip
+    return contiguous, s, a, code_of_request[:requests]
 
 
 def _dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list]:
@@ -201,10 +223,10 @@ def from_table(
     contiguous, layer_S, request_S, step_S, tokens_S, phase_S, start_S, key_A, uses_A, request_codes = (
         _flatten(
             request_R,
-            table["step_index"].to_numpy().astype(np.int32, copy=False),
-            table["layer_id"].to_numpy().astype(np.int32, copy=False),
+            table["step_index"].to_numpy(),  # any integer type: _flatten is compiled per type, which
+            table["layer_id"].to_numpy(),  # spares a converted copy of every per-row column
             phase_R,
-            experts.offsets.to_numpy().astype(np.int64, copy=False),
+            experts.offsets.to_numpy(),
             experts.values.to_numpy(),  # the lists' values, indexed by the offsets
             np.array([v == "decode" for v in phase_values], np.int8),
             len(request_values),

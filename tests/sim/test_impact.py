@@ -289,3 +289,20 @@ def test_real_trace_smoke(esft_law_trace):
     policy = make_policy("impact").bind_cost(cost)
     result = replay_instant(trace, policy, 300)
     assert 0.3 < result.hit_A.mean() < 0.7
+
+
+def test_a_tie_of_scores_across_layers_breaks_as_in_the_reference(make_trace):
+    """Found by Hypothesis: at step 7 the miss (1, 1) and the victim (2, 1) both have impact 1.5 in
+    exact arithmetic, their layers visited 3 and 2 times. The weight 2^(V log2(1 / (1 - alpha))) is
+    computed by the compiled step with exp2 (LLVM's rewrite of 2.0 ** y), and CPython's 2.0 ** y
+    differs from it in the last bit at V = 3 (1000.0000000000011 against ...13): the reference must use
+    the same exp2 (math.exp2) or the tie breaks the other way."""
+    steps = [(0, 0, layer, [[0]]) for layer in range(3)]
+    steps += [(0, 1, 0, [[0]] * 3), (0, 1, 1, [[0]] * 3), (0, 1, 2, [[0], [0], [1]])]
+    steps += [(0, 2, 0, [[0]] * 3), (0, 2, 1, [[0], [0], [1]]), (0, 2, 2, [[0]] * 3)]
+    steps += [(0, 3, 0, [[0]]), (0, 3, 1, [[0]]), (0, 3, 2, [[1]])]
+    steps += [(0, step, layer, [[0]]) for step in range(4, 12) for layer in range(3)]
+    trace = make_trace(steps, 3, 5, 1)
+    assert_matches_reference(
+        trace, "impact", {"alpha": 0.9, "horizon": 1.5, "budget": 0}, COSTS["free copies"]
+    )

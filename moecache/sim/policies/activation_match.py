@@ -122,7 +122,7 @@ def _unhold(held_H, hpos_K, n, k):
     return n
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     cur_K, stored_KM, nrm_M, dot_M, last_K, stamp_K, held_H, hpos_K, miss, cand, meta = state
     num_keys = cur_K.shape[0]
@@ -254,6 +254,19 @@ def _is_int(x) -> bool:
 class ActivationMatch(Policy):
     name = "activation_match"
     step = activation_match_step
+    state_fields = (
+        "cur_K",
+        "stored_KM",
+        "nrm_M",
+        "dot_M",
+        "last_K",
+        "stamp_K",
+        "held_H",
+        "hpos_K",
+        "miss",
+        "cand",
+        "meta",
+    )
     defaults = {"history": 32, "top": 8, "budget": 2}
     prefetches = True
 

@@ -92,7 +92,7 @@ def _sift_down(heap, pos_K, mask, n, i, c):
     pos_K[c & mask] = i
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def belady_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     next_A, heap, pos_K, admitted_at_K, meta = state  # meta: [held, capacity, bypass, shift]
     n = meta[0]
@@ -144,6 +144,8 @@ def warm_residents(first_K: np.ndarray, capacity: int) -> np.ndarray:
 class Belady(Policy):
     name = "belady"
     step = belady_step
+    offline = True  # init_state reads the future of the replayed trace
+    state_fields = ("next_A", "heap", "pos_K", "admitted_at_K", "meta")
     defaults = {"warm": False, "bypass": True}
 
     def __init__(self, **params):

@@ -126,7 +126,7 @@ def evict_victim(res_heap, res_pos_K, res_n_L, non_heap, non_pos_J, non_n_L, p_K
         non_n_L[layer] = _heap.push(non_heap[lo:hi], non_pos_J, q_J, non_n_L[layer], p_K.shape[0] - 1 - v)
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     (x_K, p_K, q_J, mu_K, res_heap, res_pos_K, res_n_L, non_heap, non_pos_J, non_n_L,
      visits_L, scale_L, w_L, prev_K, prev_n_L, sav_M, miss, meta, fmeta) = state  # fmt: skip
@@ -304,6 +304,27 @@ def _real(value) -> bool:
 class Impact(Policy):
     name = "impact"
     step = impact_step
+    state_fields = (
+        "x_K",
+        "p_K",
+        "q_J",
+        "mu_K",
+        "res_heap",
+        "res_pos_K",
+        "res_n_L",
+        "non_heap",
+        "non_pos_J",
+        "non_n_L",
+        "visits_L",
+        "scale_L",
+        "w_L",
+        "prev_K",
+        "prev_n_L",
+        "sav_M",
+        "miss",
+        "meta",
+        "fmeta",
+    )
     defaults = {"alpha": 0.3, "horizon": 8, "budget": 1}
     prefetches = True
 

@@ -109,7 +109,7 @@ def settle(heap, pos, prio, n, cap, miss, nm, best, admit_out, evict_out):
     return n, na, ne
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting (see above)
+@nb.njit(_nrt=False)  # no reference counting (see above)
 def lfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     count_K, heap, pos_K, init_K, miss, meta = state  # meta: [held, capacity, last request, reset]
     n = meta[0]
@@ -174,6 +174,7 @@ def frequency_arrays(num_keys: int, capacity: int) -> tuple[np.ndarray, np.ndarr
 class LFU(Policy):
     name = "lfu"
     step = lfu_step
+    state_fields = ("count_K", "heap", "pos_K", "init_K", "miss", "meta")
     defaults = {"reset_per_request": False, "init_counts": None}
 
     def __init__(self, **params):

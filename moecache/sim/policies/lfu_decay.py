@@ -46,7 +46,7 @@ def decayed_weight(score_K, heap, pos_K, n, meta, x):
     return 2.0 ** (x - q) * 2.0**e
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     score_K, heap, pos_K, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
     n = meta[0]
@@ -66,6 +66,7 @@ def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, 
 class LFUDecay(Policy):
     name = "lfu_decay"
     step = lfu_decay_step
+    state_fields = ("score_K", "heap", "pos_K", "miss", "meta", "fmeta")
     defaults = {"half_life_tokens": 128}
 
     def __init__(self, **params):

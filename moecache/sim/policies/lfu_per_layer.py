@@ -19,7 +19,7 @@ from moecache.sim.policies.lru_per_layer import PerLayerPolicy
 from moecache.sim.policy import register
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def lfu_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     count_K, heap, pos_K, miss, off_L, held_L, layer_K = state
     na = 0
@@ -45,6 +45,7 @@ def lfu_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident
 class LFUPerLayer(PerLayerPolicy):
     name = "lfu_per_layer"
     step = lfu_per_layer_step
+    state_fields = ("count_K", "heap", "pos_K", "miss", "off_L", "held_L", "layer_K")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers

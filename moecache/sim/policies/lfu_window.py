@@ -23,7 +23,7 @@ from moecache.sim.policies.lfu import frequency_arrays, note_use, settle
 from moecache.sim.policy import Policy, register
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def lfu_window_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     count_K, heap, pos_K, miss, ring_key, ring_uses, ring_t, meta = state
     # meta: [held, capacity, window, ring head, ring length]
@@ -70,6 +70,7 @@ def lfu_window_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K,
 class LFUWindow(Policy):
     name = "lfu_window"
     step = lfu_window_step
+    state_fields = ("count_K", "heap", "pos_K", "miss", "ring_key", "ring_uses", "ring_t", "meta")
     defaults = {"window_tokens": 1024}
 
     def __init__(self, **params):

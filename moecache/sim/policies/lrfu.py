@@ -45,7 +45,7 @@ from moecache.sim.policies.lfu_decay import decayed_weight
 from moecache.sim.policy import Policy, register
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     # meta: [held, capacity, scale exponent m]; admitted_at_K: a0 of the step that last admitted k
     score_K, heap, pos_K, miss, admitted_at_K, meta, fmeta = state
@@ -79,6 +79,7 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit
 class LRFU(Policy):
     name = "lrfu"
     step = lrfu_step
+    state_fields = ("score_K", "heap", "pos_K", "miss", "admitted_at_K", "meta", "fmeta")
     defaults = {"lambda_": 0.01}
 
     def __init__(self, **params):

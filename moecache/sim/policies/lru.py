@@ -62,7 +62,7 @@ def lru_update(prev_K, next_K, admitted_at_K, head, held, cap, key_U, hit_U, a0,
     return held, n_admit, n_evict
 
 
-@nb.njit(cache=True, _nrt=False)
+@nb.njit(_nrt=False)
 def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     prev_K, next_K, admitted_at_K, meta = state  # meta: [head sentinel, keys holding a slot, capacity]
     held, n_admit, n_evict = lru_update(
@@ -76,6 +76,7 @@ def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_
 class LRU(Policy):
     name = "lru"
     step = lru_step
+    state_fields = ("prev_K", "next_K", "admitted_at_K", "meta")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys

@@ -104,7 +104,7 @@ def check_split(policy: str, split) -> str:
     return split
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def lru_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     prev_K, next_K, admitted_at_K, held_L, budget_L, meta = state  # meta: [num_experts, num_keys]
     n_admit = 0
@@ -136,6 +136,7 @@ class PerLayerPolicy(Policy):
 class LRUPerLayer(PerLayerPolicy):
     name = "lru_per_layer"
     step = lru_per_layer_step
+    state_fields = ("prev_K", "next_K", "admitted_at_K", "held_L", "budget_L", "meta")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers

@@ -15,6 +15,7 @@ class StaticCold(Policy):
     name = "static_cold"
     cold_start = False
     step = static_step
+    state_fields = ("keys",)
 
     def init_state(self, trace, capacity: int) -> tuple:
         return (np.arange(capacity, dtype=np.int64),)

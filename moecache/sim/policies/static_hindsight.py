@@ -15,7 +15,7 @@ from moecache.sim.policies.lfu import key_counts
 from moecache.sim.policy import Policy, register
 
 
-@nb.njit(cache=True, _nrt=False)
+@nb.njit(_nrt=False)
 def static_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
     return 0, 0
 
@@ -31,6 +31,8 @@ class StaticHindsight(Policy):
     name = "static_hindsight"
     cold_start = False
     step = static_step
+    offline = True  # init_state reads the future of the replayed trace
+    state_fields = ("keys",)
 
     def init_state(self, trace, capacity: int) -> tuple:
         return (top_keys(key_counts(trace), capacity).astype(np.int64),)

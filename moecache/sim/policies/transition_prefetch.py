@@ -65,7 +65,7 @@ def _contains(arr, n, k):
     return found
 
 
-@nb.njit(cache=True, _nrt=False)  # no reference counting: see lfu.py
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def transition_prefetch_step(
     state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out
 ):  # fmt: skip
@@ -173,6 +173,20 @@ def _is_int(x) -> bool:
 class TransitionPrefetch(Policy):
     name = "transition_prefetch"
     step = transition_prefetch_step
+    state_fields = (
+        "count_K",
+        "heap",
+        "pos_K",
+        "miss",
+        "trans",
+        "succ",
+        "prev_E",
+        "p_E",
+        "cand",
+        "pf",
+        "meta",
+        "fmeta",
+    )
     defaults = {"top": 8, "budget": 2, "min_probability": 0.1}
     prefetches = True
 

@@ -1,0 +1,197 @@
+"""The per-policy layer-visit entry point (moecache/sim/visit.py), the drivers' disk cache (jit.py) and
+the compiled step-time pass of instant mode (cost_model.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import namedtuple
+
+import numba as nb
+import numpy as np
+import pytest
+from strategies import hand_cost
+
+import moecache.sim.policies  # noqa: F401  (registers every policy)
+from moecache.sim.cost_model import forward_index, instant_step_us
+from moecache.sim.jit import cache_tag
+from moecache.sim.policies.lru import LRU
+from moecache.sim.policy import POLICIES, Policy, make_policy, register
+from moecache.sim.replay import initial_resident_mask, replay_instant
+from moecache.sim.trace_arrays import DECODE
+from moecache.sim.visit import bind_step, visit_entry
+
+ONLINE = sorted(name for name, cls in POLICIES.items() if not cls.offline)
+
+
+def random_trace(make_trace, seed=0, requests=3, tokens=10, layers=3, experts=6, top_k=2, prefill=3):
+    """Requests of one prefill step of `prefill` tokens, then decode steps; skewed routing."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, experts + 1)
+    p /= p.sum()
+    steps = []
+    for r in range(requests):
+        for step, n in enumerate([prefill] + [1] * (tokens - prefill)):
+            for layer in range(layers):
+                toks = [list(rng.choice(experts, top_k, replace=False, p=p)) for _ in range(n)]
+                steps.append((f"r{r}", step, layer, toks))
+    return make_trace(steps, layers, experts, top_k)
+
+
+def visit_by_visit(trace, policy, capacity):
+    """hit_A, admissions and evictions per layer visit, calling the compiled `visit` from Python."""
+    state = policy.named_state(policy.init_state(trace, capacity))
+    resident_G = initial_resident_mask(policy, state, trace, capacity)
+    held_capacity = np.array([int(resident_G.sum()), capacity], np.int64)
+    visit = visit_entry(type(policy))
+    admit_out, evict_out = np.empty(trace.num_keys, np.int32), np.empty(trace.num_keys, np.int32)
+    hit_A = np.zeros(trace.num_accesses, np.bool_)
+    admits, evicts = [], []
+    for v in range(trace.num_steps):
+        a0, a1 = int(trace.start_S[v]), int(trace.start_S[v + 1])
+        hit_U = np.zeros(a1 - a0, np.bool_)
+        n_admit, n_evict = visit(
+            state, trace.key_A[a0:a1], trace.uses_A[a0:a1], a0, int(trace.clock_S[v]), int(trace.request_S[v]),
+            resident_G, held_capacity, hit_U, admit_out, evict_out,
+        )  # fmt: skip
+        hit_A[a0:a1] = hit_U
+        admits.append(n_admit)
+        evicts.append(n_evict)
+        assert held_capacity[0] == resident_G.sum() <= capacity
+    return hit_A, admits, evicts
+
+
+@pytest.mark.parametrize("name", ONLINE)
+@pytest.mark.parametrize("capacity", [0, 1, 5, 18])
+def test_visit_from_python_equals_the_compiled_replay(make_trace, name, capacity):
+    """The runtime's entry point, one visit per call, gives the instant replay's hits and placements."""
+    trace = random_trace(make_trace)
+    cost = hand_cost()
+    hit_A, admits, evicts = visit_by_visit(trace, make_policy(name).bind_cost(cost), capacity)
+    replay = replay_instant(trace, make_policy(name).bind_cost(cost), capacity)
+    assert hit_A.tolist() == replay.hit_A.tolist()
+    assert admits == replay.admits_S.tolist()
+    assert evicts == replay.evicts_S.tolist()
+
+
+def test_every_registered_policy_has_its_own_named_state():
+    classes = [cls.state_class() for cls in POLICIES.values()]
+    assert len(set(classes)) == len(classes)
+    lru = LRU.state_class()
+    assert lru._fields == ("prev_K", "next_K", "admitted_at_K", "meta")
+    assert lru.__qualname__ == "LRU.State" and LRU.State is lru  # found again by name (pickle)
+
+
+def test_a_state_class_takes_one_step():
+    other = namedtuple("Other", "a")
+
+    @nb.njit
+    def step_a(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+        return 0, 0
+
+    @nb.njit
+    def step_b(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+        return 0, 0
+
+    bind_step(other, step_a)
+    bind_step(other, step_a)  # the same step again is fine
+    with pytest.raises(ValueError, match="already bound to another step"):
+        bind_step(other, step_b)
+
+
+def test_a_registered_policy_must_name_its_state():
+    class Nameless(Policy):
+        name = "nameless_test"
+        step = LRU.step
+
+    with pytest.raises(ValueError, match="must declare its state_fields"):
+        register(Nameless)
+    assert "nameless_test" not in POLICIES
+
+
+def test_named_state_refuses_a_state_of_another_length(make_trace):
+    trace = random_trace(make_trace)
+    with pytest.raises(ValueError, match="init_state returned 3 members, State has 4"):
+        make_policy("lru").named_state(LRU().init_state(trace, 2)[:3])
+
+
+def test_only_registered_policies_are_cached_on_disk():
+    assert cache_tag(LRU) == "moecache.sim.policies.lru.LRU"
+
+    class Unregistered(LRU):
+        pass
+
+    assert cache_tag(Unregistered) is None
+
+
+CACHE_PROBE = """
+import json, sys
+import numpy as np
+import moecache.sim.jit as jit
+if sys.argv[1] != "same":
+    jit.source_fingerprint.cache_clear()
+    jit.source_fingerprint = lambda: "an edited simulator"
+from moecache.sim.policy import make_policy
+from moecache.sim.replay import _replay_instant, replay_instant
+from moecache.sim.trace_arrays import TraceArrays
+trace = TraceArrays(
+    num_layers=1, num_experts=4, top_k=1, expert_bytes=1, request_ids=("r",),
+    layer_S=np.zeros(3, np.int32), request_S=np.zeros(3, np.int32), step_S=np.arange(3, dtype=np.int32),
+    tokens_S=np.ones(3, np.int32), phase_S=np.ones(3, np.int8), clock_S=np.arange(3, dtype=np.int64),
+    start_S=np.arange(4, dtype=np.int64), key_A=np.array([1, 1, 2], np.int32), uses_A=np.ones(3, np.int32),
+)
+policy = make_policy("lru")
+hits = replay_instant(trace, policy, 1).hit_A.tolist()
+stats = jit.bound(_replay_instant, type(policy)).stats
+print(json.dumps({"hits": hits, "cache_hits": sum(stats.cache_hits.values()),
+                  "cache_misses": sum(stats.cache_misses.values())}))
+"""
+
+
+def probe(cache_dir, fingerprint: str) -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run(
+        [sys.executable, "-c", CACHE_PROBE, fingerprint], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_second_process_loads_the_driver_instead_of_compiling_it(tmp_path):
+    """numba's disk cache serves the per-policy driver to a fresh process, and a changed source
+    fingerprint (an edit anywhere in moecache/sim) makes it compile again."""
+    first = probe(tmp_path, "same")
+    assert first == {"hits": [False, True, False], "cache_hits": 0, "cache_misses": 1}
+    assert probe(tmp_path, "same") == {"hits": [False, True, False], "cache_hits": 1, "cache_misses": 0}
+    assert probe(tmp_path, "edited") == {"hits": [False, True, False], "cache_hits": 0, "cache_misses": 1}
+
+
+def numpy_step_us(trace, hit_A, cost):
+    """The vectorised formula the compiled pass replaced (np.bincount sums), as the oracle."""
+    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S))
+    gpu_S = np.bincount(
+        step_A, np.where(hit_A, cost.gpu_table()[trace.uses_A], 0.0), minlength=trace.num_steps
+    )
+    cpu_S = np.bincount(
+        step_A, np.where(hit_A, 0.0, cost.cpu_table()[trace.uses_A]), minlength=trace.num_steps
+    )
+    return cost.non_expert_S(trace) + np.maximum(gpu_S, cpu_S)
+
+
+@pytest.mark.parametrize("non_expert", [(0.0, None), (7.5, None), (7.5, 0.3)])
+def test_instant_step_times_are_bit_identical_to_the_vectorised_formula(make_trace, non_expert):
+    trace = random_trace(make_trace, seed=3, prefill=4)
+    assert (trace.phase_S != DECODE).any() and (trace.uses_A > 1).any()
+    cost = hand_cost(non_expert_us_per_layer=non_expert[0], non_expert_us_per_prefill_token=non_expert[1])
+    hit_A = replay_instant(trace, make_policy("lru"), 5).hit_A
+    assert hit_A.any() and not hit_A.all()
+    assert instant_step_us(trace, hit_A, cost).tobytes() == numpy_step_us(trace, hit_A, cost).tobytes()
+
+
+def test_forward_index(make_trace):
+    trace = random_trace(make_trace, requests=2, tokens=3, layers=2, prefill=1)
+    fwd_S, first_F = forward_index(trace)
+    assert fwd_S.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert first_F.tolist() == [0, 2, 4, 6, 8, 10]
+    assert fwd_S.dtype == first_F.dtype == np.int64
