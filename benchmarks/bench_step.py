@@ -46,13 +46,13 @@ def synthetic_trace(layers: int, experts: int, top_k: int, tokens: int, seed: in
         top_k=top_k,
         expert_bytes=EXPERT_BYTES,
         request_ids=("synthetic",),
-        layer_S=layer_V,
-        request_S=np.zeros(visits, np.int32),
-        step_S=np.repeat(np.arange(tokens, dtype=np.int32), layers),
-        tokens_S=np.ones(visits, np.int32),
-        phase_S=np.full(visits, DECODE, np.int8),
-        clock_S=np.repeat(np.arange(tokens, dtype=np.int64), layers),
-        start_S=np.arange(0, visits * top_k + 1, top_k, dtype=np.int64),
+        layer_V=layer_V,
+        request_V=np.zeros(visits, np.int32),
+        step_V=np.repeat(np.arange(tokens, dtype=np.int32), layers),
+        tokens_V=np.ones(visits, np.int32),
+        phase_V=np.full(visits, DECODE, np.int8),
+        clock_V=np.repeat(np.arange(tokens, dtype=np.int64), layers),
+        start_V=np.arange(0, visits * top_k + 1, top_k, dtype=np.int64),
         key_A=key_A,
         uses_A=np.ones(visits * top_k, np.int32),
         name="synthetic",
@@ -74,7 +74,7 @@ def time_visits(name: str, trace: TraceArrays, capacity: int, warm_tokens: int, 
     ns, hits, accesses = [], 0, 0
     clock = time.perf_counter_ns
     for v in range(trace.num_steps):
-        a0, a1 = int(trace.start_S[v]), int(trace.start_S[v + 1])
+        a0, a1 = int(trace.start_V[v]), int(trace.start_V[v + 1])
         key_U, uses_U = trace.key_A[a0:a1], trace.uses_A[a0:a1]
         t0 = clock()
         visit(
@@ -82,7 +82,7 @@ def time_visits(name: str, trace: TraceArrays, capacity: int, warm_tokens: int, 
             key_U,
             uses_U,
             a0,
-            int(trace.clock_S[v]),
+            int(trace.clock_V[v]),
             0,
             resident_G,
             held_capacity,

@@ -8,7 +8,7 @@ before `prefix_fraction` of the trace's tokens; ties: the earlier candidate) is 
 gives every candidate's hit rate on the held-out rest of the same replay (the policy keeps its state across the split, as it would when
 running on) and on each other trace as a whole, so a reader sees whether the prefix's choice holds.
 
-Legend: S layer steps, A accesses.
+Legend: V layer visits, F forward steps, A accesses.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def split_access(trace: TraceArrays, prefix_fraction: float) -> int:
         raise MoecacheError(f"analyze.history.prefix_fraction={prefix_fraction}: must be in (0, 1)")
     _, first_F = forward_index(trace)
     forwards = len(first_F)
-    before_F = trace.clock_S[first_F]  # tokens of the trace before each forward step
+    before_F = trace.clock_V[first_F]  # tokens of the trace before each forward step
     cut = int(np.searchsorted(before_F, prefix_fraction * trace.num_tokens, side="left"))
     cut = min(max(1, cut), max(1, forwards - 1))
-    return int(trace.start_S[first_F[cut]]) if cut < forwards else trace.num_accesses
+    return int(trace.start_V[first_F[cut]]) if cut < forwards else trace.num_accesses
 
 
 def _rate(hit_A: np.ndarray) -> float | None:

@@ -150,7 +150,7 @@ class CostModel:
     @classmethod
     def for_trace(cls, profile, trace, dtype: str | None = None, **overrides) -> CostModel:
         """`from_profile` with the trace's expert bytes and its largest step (tokens per call)."""
-        max_tokens = int(trace.tokens_S.max()) if trace.num_steps else 1
+        max_tokens = int(trace.tokens_V.max()) if trace.num_steps else 1
         return cls.from_profile(profile, trace.expert_bytes, max(max_tokens, 1), dtype=dtype, **overrides)
 
     def replace(self, **changes) -> CostModel:
@@ -189,7 +189,7 @@ class CostModel:
         """`notes`, plus the warning that non-expert time is not modelled when it is 0."""
         return self.notes + (() if self.non_expert_modelled else (NOT_MODELLED_NON_EXPERT,))
 
-    def non_expert_S(self, trace) -> np.ndarray:
+    def non_expert_V(self, trace) -> np.ndarray:
         """Non-expert microseconds of every layer step: decode steps the per-layer value, prefill steps
         the per-token value times the step's tokens."""
         per_token = (
@@ -198,9 +198,9 @@ class CostModel:
             else self.non_expert_us_per_prefill_token
         )
         return np.where(
-            trace.phase_S == DECODE,
+            trace.phase_V == DECODE,
             self.non_expert_us_per_layer,
-            per_token * trace.tokens_S.astype(np.float64),
+            per_token * trace.tokens_V.astype(np.float64),
         ).astype(np.float64)
 
     def check_trace(self, trace) -> None:
@@ -238,55 +238,64 @@ class CostModel:
 
 
 def forward_index(trace) -> tuple[np.ndarray, np.ndarray]:
-    """(fwd_S, first_F): the forward step of every layer step, and the first layer step of every
+    """(fwd_V, first_F): the forward step of every layer step, and the first layer step of every
     forward step (a forward step is one (request, step_index): all its layers). int64, one pass."""
-    fwd_S = np.empty(trace.num_steps, np.int64)
+    fwd_V = np.empty(trace.num_steps, np.int64)
     first_F = np.empty(trace.num_steps, np.int64)
-    n = _forward_index(trace.request_S, trace.step_S, fwd_S, first_F)
-    return fwd_S, first_F[:n].copy()
+    n = _forward_index(trace.request_V, trace.step_V, fwd_V, first_F)
+    return fwd_V, first_F[:n].copy()
+
+
+def forward_tokens(trace, first_F: np.ndarray) -> np.ndarray:
+    """Tokens of each forward step (first_F from forward_index): the most that any of its visits
+    routed. Every visit of a complete trace routes the same tokens; where an exported trace lacks some
+    layers of a token, the token still counts once (exact whenever one layer has all the step's tokens)."""
+    if len(first_F) == 0:
+        return np.zeros(0, np.int64)
+    return np.maximum.reduceat(trace.tokens_V, first_F).astype(np.int64)
 
 
 @nb.njit(cache=True, nogil=True)
-def _forward_index(request_S, step_S, fwd_S, first_F):
-    """Fills fwd_S and first_F[:n]; returns n, the number of forward steps."""
+def _forward_index(request_V, step_V, fwd_V, first_F):
+    """Fills fwd_V and first_F[:n]; returns n, the number of forward steps."""
     n = 0
-    for s in range(request_S.shape[0]):
-        if s == 0 or request_S[s] != request_S[s - 1] or step_S[s] != step_S[s - 1]:
+    for s in range(request_V.shape[0]):
+        if s == 0 or request_V[s] != request_V[s - 1] or step_V[s] != step_V[s - 1]:
             first_F[n] = s
             n += 1
-        fwd_S[s] = n - 1
+        fwd_V[s] = n - 1
     return n
 
 
 def instant_step_us(trace, hit_A: np.ndarray, cost: CostModel) -> np.ndarray:
     """Layer-step times of a replay whose copies are free (instant mode): non-expert +
     max(sum over hits of gpu(uses), sum over misses of cpu(uses)) -- the timed formula with
-    infinite bandwidth. float64 [S]: one compiled pass over the steps and their accesses."""
+    infinite bandwidth. float64 [V]: one compiled pass over the steps and their accesses."""
     cost.check_trace(trace)
-    step_us_S = np.empty(trace.num_steps, np.float64)
+    step_us_V = np.empty(trace.num_steps, np.float64)
     prefill = cost.non_expert_us_per_prefill_token
     _instant_step_us(
-        trace.start_S, trace.uses_A, hit_A, trace.phase_S, trace.tokens_S, cost.gpu_table(), cost.cpu_table(),
+        trace.start_V, trace.uses_A, hit_A, trace.phase_V, trace.tokens_V, cost.gpu_table(), cost.cpu_table(),
         float(cost.non_expert_us_per_layer), float(cost.non_expert_us_per_layer if prefill is None else prefill),
-        step_us_S,
+        step_us_V,
     )  # fmt: skip
-    return step_us_S
+    return step_us_V
 
 
 @nb.njit(cache=True, nogil=True)
 def _instant_step_us(
-    start_S, uses_A, hit_A, phase_S, tokens_S, gpu_us_M, cpu_us_M, decode_us, prefill_us_per_token, step_us_S
+    start_V, uses_A, hit_A, phase_V, tokens_V, gpu_us_M, cpu_us_M, decode_us, prefill_us_per_token, step_us_V
 ):
-    """step_us_S[s] = non-expert time (CostModel.non_expert_S) + max(GPU time of step s's hits, CPU
+    """step_us_V[s] = non-expert time (CostModel.non_expert_V) + max(GPU time of step s's hits, CPU
     time of its misses), each summed in access order from 0.0: the sums np.bincount gives, so the
     result is bit-identical to the vectorised formula."""
-    for s in range(step_us_S.shape[0]):
+    for s in range(step_us_V.shape[0]):
         gpu = 0.0
         cpu = 0.0
-        for a in range(start_S[s], start_S[s + 1]):  # adding 0.0 leaves a sum unchanged: no branch
+        for a in range(start_V[s], start_V[s + 1]):  # adding 0.0 leaves a sum unchanged: no branch
             m = uses_A[a]
             h = hit_A[a]
             gpu += gpu_us_M[m] if h else 0.0
             cpu += 0.0 if h else cpu_us_M[m]
-        non_expert = decode_us if phase_S[s] == DECODE else prefill_us_per_token * np.float64(tokens_S[s])
-        step_us_S[s] = non_expert + max(gpu, cpu)
+        non_expert = decode_us if phase_V[s] == DECODE else prefill_us_per_token * np.float64(tokens_V[s])
+        step_us_V[s] = non_expert + max(gpu, cpu)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from moecache.sim.aggregate import group_sums
-from moecache.sim.cost_model import CostModel, forward_index, instant_step_us
+from moecache.sim.cost_model import CostModel, forward_index, forward_tokens, instant_step_us
 from moecache.sim.replay import ReplayResult
 from moecache.sim.timed import TimedResult
 from moecache.sim.trace_arrays import DECODE, PREFILL, TraceArrays
@@ -54,11 +54,11 @@ def _forward_us(
     cached = result.__dict__.get("_forward_us")
     if cached is not None and cached[0] is trace and cached[1] is cost:
         return cached[2], cached[3]
-    fwd_S, first_F = forward_index(trace)
+    fwd_V, first_F = forward_index(trace)
     us_F = None
     if cost is not None:
-        step_us_S = instant_step_us(trace, result.hit_A, cost)
-        us_F = np.bincount(fwd_S, step_us_S, minlength=len(first_F))
+        step_us_V = instant_step_us(trace, result.hit_A, cost)
+        us_F = np.bincount(fwd_V, step_us_V, minlength=len(first_F))
     result.__dict__["_forward_us"] = (trace, cost, us_F, first_F)  # references keep the `is` test valid
     return us_F, first_F
 
@@ -86,9 +86,9 @@ def _time_table(
     n = len(trace.request_ids) if by_request else 1
     if us_F is None:
         return [dict.fromkeys(TIME_COLUMNS) for _ in range(n)]
-    tokens_F = trace.tokens_S[first_F].astype(np.float64)
-    phase_F = trace.phase_S[first_F]
-    group_F = trace.request_S[first_F] if by_request else np.zeros(len(first_F), np.int64)
+    tokens_F = forward_tokens(trace, first_F).astype(np.float64)
+    phase_F = trace.phase_V[first_F]
+    group_F = trace.request_V[first_F] if by_request else np.zeros(len(first_F), np.int64)
     sums = {}
     for part, sel in (("all", None), ("decode", phase_F == DECODE), ("prefill", phase_F == PREFILL)):
         w_us = us_F if sel is None else us_F * sel
@@ -137,7 +137,7 @@ def summarize(trace: TraceArrays, result: ReplayResult, cost: CostModel | None =
     selections = int(uses_A.sum(dtype=np.int64))
     # every use is 1 when selections == accesses (decode-only traces): then hit selections = hits
     hit_selections = hits if selections == accesses else int(uses_A[hit_A].sum(dtype=np.int64))
-    admissions = int(result.admits_S.sum(dtype=np.int64))
+    admissions = int(result.admits_V.sum(dtype=np.int64))
     timed = isinstance(result, TimedResult)
     cost = _cost_of(result, cost)
     row = {
@@ -149,7 +149,7 @@ def summarize(trace: TraceArrays, result: ReplayResult, cost: CostModel | None =
         "h2d_bytes": admissions * trace.expert_bytes,
         "transfers": admissions,
         "admissions": admissions,
-        "evictions": int(result.evicts_S.sum(dtype=np.int64)),
+        "evictions": int(result.evicts_V.sum(dtype=np.int64)),
         "cpu_fallbacks": accesses - hits,
         "cpu_fallback_selections": selections - hit_selections,
         "slot_hit_rate": _ratio(np.count_nonzero(result.slot_A), accesses) if timed else None,
@@ -169,7 +169,7 @@ def per_layer(trace: TraceArrays, result: ReplayResult) -> dict[str, np.ndarray]
     evictions; timed results add slot_rate, ready_fraction (copies by their key's layer) and est_ms."""
     n = trace.num_layers
     timed = isinstance(result, TimedResult)
-    sums = group_sums(trace, result, trace.layer_S, n, result.step_us_S if timed else None)
+    sums = group_sums(trace, result, trace.layer_V, n, result.step_us_V if timed else None)
     with np.errstate(invalid="ignore", divide="ignore"):
         out = {
             "layer": np.arange(n),
@@ -195,20 +195,22 @@ def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None
     h2d_bytes, cpu_fallbacks, prefetches (admissions of keys the step did not access), ready_fraction
     (timed) and the est_* time columns."""
     r = len(trace.request_ids)
-    sums = group_sums(trace, result, trace.request_S, r)
+    sums = group_sums(trace, result, trace.request_V, r)
     accesses, hits, admits = sums.accesses, sums.hits, sums.admissions
     us_F, first_F = _forward_us(trace, result, _cost_of(result, cost))
-    tokens = np.bincount(trace.request_S[first_F], trace.tokens_S[first_F], minlength=r).astype(np.int64)
+    tokens = np.bincount(trace.request_V[first_F], forward_tokens(trace, first_F), minlength=r).astype(
+        np.int64
+    )
     timed = isinstance(result, TimedResult)
     if timed:
-        req_C = trace.request_S[result.copy_step_C]
+        req_C = trace.request_V[result.copy_step_C]
         ready_C = np.bincount(req_C, result.copy_ready_next_C, minlength=r)
         has_next_C = np.bincount(req_C, result.copy_has_next_C, minlength=r)
     times = _time_table(trace, us_F, first_F, by_request=True)
-    prefetch_S = result.prefetch_S
+    prefetch_V = result.prefetch_V
     prefetches = (
-        np.bincount(trace.request_S, prefetch_S, minlength=r).astype(np.int64)
-        if prefetch_S is not None
+        np.bincount(trace.request_V, prefetch_V, minlength=r).astype(np.int64)
+        if prefetch_V is not None
         else np.zeros(r, np.int64)
     )
     rows = []
@@ -233,13 +235,13 @@ def per_request(trace: TraceArrays, result: ReplayResult, cost: CostModel | None
 
 
 def block_index(trace: TraceArrays, block_forward_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(block_S, request_B, block_B): every layer step's block, and each block's request and index
+    """(block_V, request_B, block_B): every layer step's block, and each block's request and index
     within its request. A block is `block_forward_steps` consecutive forward steps of one request
     (the last block of a request may be shorter); blocks are numbered in trace order."""
     if block_forward_steps < 1:
         raise ValueError(f"block_forward_steps={block_forward_steps}: must be at least 1")
-    fwd_S, first_F = forward_index(trace)
-    request_F = trace.request_S[first_F]
+    fwd_V, first_F = forward_index(trace)
+    request_F = trace.request_V[first_F]
     new_request_F = np.ones(len(first_F), bool)
     new_request_F[1:] = request_F[1:] != request_F[:-1]
     start_F = np.maximum.accumulate(np.where(new_request_F, np.arange(len(first_F)), 0))
@@ -247,7 +249,7 @@ def block_index(trace: TraceArrays, block_forward_steps: int) -> tuple[np.ndarra
     new_block_F = new_request_F.copy()
     new_block_F[1:] |= within_F[1:] != within_F[:-1]
     block_F = np.cumsum(new_block_F) - 1
-    return block_F[fwd_S], request_F[new_block_F], within_F[new_block_F]
+    return block_F[fwd_V], request_F[new_block_F], within_F[new_block_F]
 
 
 def per_block(
@@ -256,15 +258,15 @@ def per_block(
     """Arrays indexed by block (see block_index): request, block, tokens, accesses, hits, transfers,
     h2d_bytes and est_us (the forward steps' time; NaN without a time estimate). Summed over the
     blocks they give the trace's totals, which is what a bootstrap over requests or blocks resamples."""
-    block_S, request_B, within_B = block_index(trace, block_forward_steps)
+    block_V, request_B, within_B = block_index(trace, block_forward_steps)
     n = len(request_B)
-    sums = group_sums(trace, result, block_S, n)
+    sums = group_sums(trace, result, block_V, n)
     us_F, first_F = _forward_us(trace, result, _cost_of(result, cost))
-    block_F = block_S[first_F]
+    block_F = block_V[first_F]
     return {
         "request": request_B.astype(np.int64),
         "block": within_B.astype(np.int64),
-        "tokens": np.bincount(block_F, trace.tokens_S[first_F], minlength=n).astype(np.int64),
+        "tokens": np.bincount(block_F, forward_tokens(trace, first_F), minlength=n).astype(np.int64),
         "accesses": sums.accesses,
         "hits": sums.hits,
         "transfers": sums.admissions,

@@ -14,12 +14,12 @@ What the replay driver does at every layer step (docs/simulator.md; moecache/sim
    completes, never usable by this step) and evictions for the step's misses;
 3. applies evictions, then admissions, and checks that at most `capacity` keys hold slots.
 
-`step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out)
+`step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out)
    -> (n_admit, n_evict)`
   key_U int32: the step's distinct keys in access order; uses_U int32: tokens selecting each;
   hit_U bool; a0: index of the step's first access in the whole trace (a monotone access clock);
   clock: tokens of the trace processed before this forward step; request: request index;
-  resident_K bool: keys holding a slot before the step (read only); the policy writes keys into
+  resident_G bool: keys holding a slot before the step (read only); the policy writes keys into
   admit_out[:n_admit] and evict_out[:n_evict]. Evicted keys must hold a slot; admitted keys must not.
 
 How to add a policy: see docs/simulator.md, "Adding a policy".

@@ -216,7 +216,7 @@ class RefBelady:
         return INFINITY
 
     def step(self, s, keys, uses, hits, clock, request, resident):
-        after = int(self.trace.start_S[s + 1])
+        after = int(self.trace.start_V[s + 1])
         nxt = {k: self.next_use_from(k, after) for k in self.held | set(keys)}
         admitted, evicted = [], []
         if self.capacity == 0:
@@ -372,13 +372,13 @@ def reference_run(trace: TraceArrays, name: str, capacity: int, **params) -> Ref
     hit_A = np.zeros(trace.num_accesses, bool)
     admissions = evictions = 0
     for s in range(trace.num_steps):
-        a0, a1 = int(trace.start_S[s]), int(trace.start_S[s + 1])
+        a0, a1 = int(trace.start_V[s]), int(trace.start_V[s + 1])
         keys = trace.key_A[a0:a1].tolist()
         uses = trace.uses_A[a0:a1].tolist()
         hits = [k in resident for k in keys]
         hit_A[a0:a1] = hits
         admitted, evicted = policy.step(
-            s, keys, uses, hits, int(trace.clock_S[s]), int(trace.request_S[s]), frozenset(resident)
+            s, keys, uses, hits, int(trace.clock_V[s]), int(trace.request_V[s]), frozenset(resident)
         )
         for k in evicted:
             assert k in resident, f"step {s}: evicts {k}, which holds no slot"
@@ -492,7 +492,7 @@ class RefActivationMatch:
                 self.stored = (self.stored + [self.cur])[-self.history :]
             self.cur = {}
             self.request = request
-        a0 = int(self.trace.start_S[s])
+        a0 = int(self.trace.start_V[s])
         for i, (k, u) in enumerate(zip(keys, uses, strict=True)):
             self.cur[k] = self.cur.get(k, 0) + u
             self.last[k] = a0 + i

@@ -1,11 +1,11 @@
 """Timed replay: the plan's timeline with one copy engine, measured costs and CPU fallback.
 
-Legend: S layer steps, A accesses, K expert keys, C copies (one per admission), F forward steps.
+Legend: V layer visits, A accesses, G global expert keys, C copies (one per admission), F forward steps.
 
 The time model (docs/simulator.md, "Timed mode"). Forward steps run back to back, their MoE layers
 in order; a layer step starts at t and routes at tr = t + non_expert (attention, router and the rest
 precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
-1. a key holding a slot is a hit only if its copy is complete (ready_K <= tr); a key whose copy is
+1. a key holding a slot is a hit only if its copy is complete (ready_G <= tr); a key whose copy is
    still in flight is a miss served by the CPU (no waiting). Hits run on the GPU, misses on the CPU,
    in parallel; each expert call costs its own table entry at M = uses (decode: M = 1; prefill steps
    are one batched call per expert): the step takes non_expert + max(sum gpu(M) of hits,
@@ -47,8 +47,8 @@ class TimedResult(ReplayResult):
     key held a slot (equal to instant mode's hit_A)."""
 
     slot_A: np.ndarray  # bool
-    step_us_S: np.ndarray  # float64: duration of each layer step
-    route_us_S: np.ndarray  # float64: routing time of each layer step (hits checked, copies enqueued)
+    step_us_V: np.ndarray  # float64: duration of each layer step
+    route_us_V: np.ndarray  # float64: routing time of each layer step (hits checked, copies enqueued)
     forward_us_F: np.ndarray  # float64: duration of each forward step (sum of its layer steps)
     first_F: np.ndarray  # int64: first layer step of each forward step
     copy_key_C: np.ndarray  # int32: admitted key of each copy, in enqueue order
@@ -83,7 +83,7 @@ class TimedResult(ReplayResult):
 
     @property
     def total_us(self) -> float:
-        return float(self.step_us_S.sum())
+        return float(self.step_us_V.sum())
 
     @property
     def copy_timely_C(self) -> np.ndarray:
@@ -93,31 +93,31 @@ class TimedResult(ReplayResult):
     @property
     def copy_lead_us_C(self) -> np.ndarray:
         """float64: first use - enqueue routing time of each copy (NaN: not a used prefetch)."""
-        return self.copy_use_us_C - self.route_us_S[self.copy_step_C]
+        return self.copy_use_us_C - self.route_us_V[self.copy_step_C]
 
 
 # Compiled once per policy by `bound` (jit.py): the policy is the type of `state`, and every layer
 # visit goes through visit.apply_step, as in instant mode.
 def _replay_timed(
-    state, key_A, uses_A, start_S, clock_S, request_S, resident_K, capacity,
-    cpu_us_M, gpu_us_M, non_expert_S, copy_us,
-    hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S, prefetch_S,
+    state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
+    cpu_us_M, gpu_us_M, non_expert_V, copy_us,
+    hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
-    copy_use_C, admit_buf, evict_buf, ready_K, copy_of_K, gpu_step_K, seen_K, pending_K,
+    copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G,
 ):  # fmt: skip
     """Returns (copies, CPU fallback selections, prefetches, prefetches used); copies = -1 when the
     copy arrays are too short (the caller retries with longer ones: arrays reassigned inside the loop
     would cost reference counting on every iteration). Scratch per key: admit_buf, evict_buf (int32),
-    ready_K (float64, zeros: copy completion of keys holding a slot), copy_of_K (int64, -1: the key's
-    latest copy), gpu_step_K (int64, -1: last step that ran the key on the GPU), seen_K (int64, -1:
-    last step that accessed the key), pending_K (int64, -1: the key's pending prefetch copy)."""
-    num_keys = resident_K.shape[0]
-    num_steps = start_S.shape[0] - 1
+    ready_G (float64, zeros: copy completion of keys holding a slot), copy_of_G (int64, -1: the key's
+    latest copy), gpu_step_G (int64, -1: last step that ran the key on the GPU), seen_G (int64, -1:
+    last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy)."""
+    num_keys = resident_G.shape[0]
+    num_steps = start_V.shape[0] - 1
     cap_C = copy_key_C.shape[0]
     n_copies = 0
     held = 0
     for k in range(num_keys):
-        held += resident_K[k]
+        held += resident_G[k]
     safe_slots = capacity - held  # free slots whose last GPU user has finished
     t = 0.0
     engine_free = 0.0
@@ -126,47 +126,47 @@ def _replay_timed(
     n_used = 0
     n_pending = 0  # prefetches neither used nor evicted yet: demand policies skip the bookkeeping
     for s in range(num_steps):
-        a0 = start_S[s]
-        a1 = start_S[s + 1]
-        tr = t + non_expert_S[s]
+        a0 = start_V[s]
+        a1 = start_V[s + 1]
+        tr = t + non_expert_V[s]
         gpu = 0.0
         cpu = 0.0
         for a in range(a0, a1):
             k = key_A[a]
             m = uses_A[a]
-            held_k = resident_K[k]
+            held_k = resident_G[k]
             slot_A[a] = held_k
-            seen_K[k] = s
-            if n_pending > 0 and pending_K[k] >= 0:  # a prefetched key accessed while it holds the slot
-                c = pending_K[k]
-                copy_used_C[c] = True  # used (timely if its copy is complete: ready_K[k] <= tr)
+            seen_G[k] = s
+            if n_pending > 0 and pending_G[k] >= 0:  # a prefetched key accessed while it holds the slot
+                c = pending_G[k]
+                copy_used_C[c] = True  # used (timely if its copy is complete: ready_G[k] <= tr)
                 copy_use_C[c] = tr
-                pending_K[k] = -1
+                pending_G[k] = -1
                 n_pending -= 1
                 n_used += 1
-            if held_k and ready_K[k] <= tr:
+            if held_k and ready_G[k] <= tr:
                 hit_A[a] = True
                 gpu += gpu_us_M[m]
-                gpu_step_K[k] = s
+                gpu_step_G[k] = s
             else:
                 hit_A[a] = False
                 cpu += cpu_us_M[m]
                 cpu_fallback_sel += m
         gpu_end = tr + gpu
-        step_us = non_expert_S[s] + max(gpu, cpu)
+        step_us = non_expert_V[s] + max(gpu, cpu)
         n_admit, n_evict, held = apply_step(
-            state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_S[s], request_S[s], resident_K,
+            state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_V[s], request_V[s], resident_G,
             held, capacity, admit_buf, evict_buf,
         )  # fmt: skip
         busy_slots = 0  # freed by this step but used by its GPU work: safe at gpu_end
         for j in range(n_evict):
             k = evict_buf[j]
-            if ready_K[k] > tr:  # still loading: the copy is wasted
-                copy_wasted_C[copy_of_K[k]] = True
-            if n_pending > 0 and pending_K[k] >= 0:  # a pending prefetch evicted unused
-                pending_K[k] = -1
+            if ready_G[k] > tr:  # still loading: the copy is wasted
+                copy_wasted_C[copy_of_G[k]] = True
+            if n_pending > 0 and pending_G[k] >= 0:  # a pending prefetch evicted unused
+                pending_G[k] = -1
                 n_pending -= 1
-            if gpu_step_K[k] == s and gpu_end > tr:
+            if gpu_step_G[k] == s and gpu_end > tr:
                 busy_slots += 1
             else:
                 safe_slots += 1
@@ -181,7 +181,7 @@ def _replay_timed(
                 start = max(start, gpu_end)
             ready = start + copy_us
             engine_free = ready
-            ready_K[k] = ready
+            ready_G[k] = ready
             if n_copies == cap_C:
                 return -1, 0, 0, 0
             copy_key_C[n_copies] = k
@@ -189,43 +189,43 @@ def _replay_timed(
             copy_start_C[n_copies] = start
             copy_ready_C[n_copies] = ready
             copy_wasted_C[n_copies] = False
-            prefetch = seen_K[k] != s  # not accessed by this step
+            prefetch = seen_G[k] != s  # not accessed by this step
             copy_prefetch_C[n_copies] = prefetch
             copy_used_C[n_copies] = False
             copy_use_C[n_copies] = np.nan
             if prefetch:
-                pending_K[k] = n_copies
+                pending_G[k] = n_copies
                 n_pf += 1
-            copy_of_K[k] = n_copies
+            copy_of_G[k] = n_copies
             n_copies += 1
         safe_slots += busy_slots  # safe by the next step: it starts after this step's GPU work
         n_prefetch += n_pf
         n_pending += n_pf
-        admits_S[s] = n_admit
-        evicts_S[s] = n_evict
-        prefetch_S[s] = n_pf
-        step_us_S[s] = step_us
-        route_us_S[s] = tr
+        admits_V[s] = n_admit
+        evicts_V[s] = n_evict
+        prefetch_V[s] = n_pf
+        step_us_V[s] = step_us
+        route_us_V[s] = tr
         t += step_us
     return n_copies, cpu_fallback_sel, n_prefetch, n_used
 
 
 @nb.njit(cache=True, nogil=True)
 def _next_visit(
-    layer_S, num_layers, num_experts, key_C, step_C, ready_C, route_us_S, has_next_C, ready_next_C
+    layer_V, num_layers, num_experts, key_C, step_C, ready_C, route_us_V, has_next_C, ready_next_C
 ):
     """Per copy: is the key's layer visited after the copy's step, and was the copy complete by the
     routing time of that next visit. One backward pass over steps and copies (copies are in step order)."""
     next_L = np.full(num_layers, -1, np.int64)  # next step of each layer after the current position
     c = key_C.shape[0] - 1
-    for s in range(layer_S.shape[0] - 1, -1, -1):
+    for s in range(layer_V.shape[0] - 1, -1, -1):
         while c >= 0 and step_C[c] == s:
             nxt = next_L[key_C[c] // num_experts]
             if nxt >= 0:
                 has_next_C[c] = True
-                ready_next_C[c] = ready_C[c] <= route_us_S[nxt]
+                ready_next_C[c] = ready_C[c] <= route_us_V[nxt]
             c -= 1
-        next_L[layer_S[s]] = s
+        next_L[layer_V[s]] = s
 
 
 def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostModel) -> TimedResult:
@@ -235,32 +235,32 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
     if policy.cost is None:
         policy.bind_cost(cost)
     state = policy.init_state(trace, int(capacity))
-    resident_K = initial_resident_mask(policy, state, trace, capacity)
+    resident_G = initial_resident_mask(policy, state, trace, capacity)
     s, a = trace.num_steps, trace.num_accesses
     # Every entry is written by the (last, complete) run of the kernel: no need to zero them.
     hit_A = np.empty(a, np.bool_)
     slot_A = np.empty(a, np.bool_)
-    admits_S = np.empty(s, np.int32)
-    evicts_S = np.empty(s, np.int32)
-    step_us_S = np.empty(s, np.float64)
-    route_us_S = np.empty(s, np.float64)
-    prefetch_S = np.empty(s, np.int32)
+    admits_V = np.empty(s, np.int32)
+    evicts_V = np.empty(s, np.int32)
+    step_us_V = np.empty(s, np.float64)
+    route_us_V = np.empty(s, np.float64)
+    prefetch_V = np.empty(s, np.int32)
     cap_C = a + 16  # demand policies admit at most one copy per miss; others may retry longer
     while True:
         key_C, step_C = np.empty(cap_C, np.int32), np.empty(cap_C, np.int64)
         k = trace.num_keys
         scratch = (
             *(np.empty(k, np.int32), np.empty(k, np.int32), np.zeros(k)),
-            *(np.full(k, -1, np.int64) for _ in range(4)),  # copy_of_K, gpu_step_K, seen_K, pending_K
+            *(np.full(k, -1, np.int64) for _ in range(4)),  # copy_of_G, gpu_step_G, seen_G, pending_G
         )
         start_C, ready_C, wasted_C = np.empty(cap_C), np.empty(cap_C), np.empty(cap_C, np.bool_)
         prefetch_C, used_C, use_C = np.empty(cap_C, np.bool_), np.empty(cap_C, np.bool_), np.empty(cap_C)
         try:
             n_copies, fallback_sel, prefetches, used = bound(_replay_timed, type(policy))(
-                policy.named_state(state), trace.key_A, trace.uses_A, trace.start_S, trace.clock_S,
-                trace.request_S, resident_K, int(capacity), cost.cpu_table(), cost.gpu_table(),
-                cost.non_expert_S(trace), float(cost.copy_us()),
-                hit_A, slot_A, admits_S, evicts_S, step_us_S, route_us_S, prefetch_S,
+                policy.named_state(state), trace.key_A, trace.uses_A, trace.start_V, trace.clock_V,
+                trace.request_V, resident_G, int(capacity), cost.cpu_table(), cost.gpu_table(),
+                cost.non_expert_V(trace), float(cost.copy_us()),
+                hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
             )  # fmt: skip
         except ValueError as exc:
@@ -269,7 +269,7 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
             break
         cap_C *= 4
         state = policy.init_state(trace, int(capacity))
-        resident_K = initial_resident_mask(policy, state, trace, capacity)
+        resident_G = initial_resident_mask(policy, state, trace, capacity)
     # Trim; copy (to free the long buffers) only when most of them is unused.
     trim = (lambda x: x[:n_copies].copy()) if 2 * n_copies < cap_C else (lambda x: x[:n_copies])
     key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C = map(
@@ -277,27 +277,27 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
     )
     has_next, ready_next = np.zeros(n_copies, np.bool_), np.zeros(n_copies, np.bool_)
     _next_visit(
-        trace.layer_S,
+        trace.layer_V,
         trace.num_layers,
         trace.num_experts,
         key_C,
         step_C,
         ready_C,
-        route_us_S,
+        route_us_V,
         has_next,
         ready_next,
     )
-    fwd_S, first_F = forward_index(trace)
-    forward_us_F = np.bincount(fwd_S, step_us_S, minlength=len(first_F))
+    fwd_V, first_F = forward_index(trace)
+    forward_us_F = np.bincount(fwd_V, step_us_V, minlength=len(first_F))
     return TimedResult(
         policy=policy.label(),
         capacity=int(capacity),
         hit_A=hit_A,
-        admits_S=admits_S,
-        evicts_S=evicts_S,
+        admits_V=admits_V,
+        evicts_V=evicts_V,
         slot_A=slot_A,
-        step_us_S=step_us_S,
-        route_us_S=route_us_S,
+        step_us_V=step_us_V,
+        route_us_V=route_us_V,
         forward_us_F=forward_us_F,
         first_F=first_F,
         copy_key_C=key_C,
@@ -315,5 +315,5 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
         cost=cost,
         prefetches=int(prefetches),
         prefetches_used=int(used),
-        prefetch_S=prefetch_S,
+        prefetch_V=prefetch_V,
     )

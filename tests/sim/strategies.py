@@ -43,8 +43,8 @@ def assert_matches_reference(trace, name: str, params: dict, cost=None) -> None:
         got = replay_instant(trace, policy, capacity)
         ref = reference_run(trace, name, capacity, **extra, **params)
         assert np.array_equal(got.hit_A, ref.hit_A), f"{name} {params} capacity {capacity}"
-        assert int(got.admits_S.sum()) == ref.admissions, f"{name} {params} capacity {capacity}"
-        assert int(got.evicts_S.sum()) == ref.evictions, f"{name} {params} capacity {capacity}"
+        assert int(got.admits_V.sum()) == ref.admissions, f"{name} {params} capacity {capacity}"
+        assert int(got.evicts_V.sum()) == ref.evictions, f"{name} {params} capacity {capacity}"
 
 
 def hand_cost(

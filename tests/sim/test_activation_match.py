@@ -75,7 +75,7 @@ def test_prefetch_turns_a_miss_into_a_hit(make_trace):
     assert with_pf.hit_A.tolist() == [False, False, True, True, False, False, False, True]
     assert without.hit_A.tolist() == [False, False, True, True, False, False, False, False]
     # r2's layer-0 step: demand admits 0 (evicting 1), then the prefetch admits 3 (evicting 4)
-    assert with_pf.admits_S[6] == 2 and with_pf.evicts_S[6] == 2
+    assert with_pf.admits_V[6] == 2 and with_pf.evicts_V[6] == 2
     assert with_pf.prefetches == 1 and with_pf.prefetches_used == 1
     assert without.prefetches == 0
 
@@ -130,10 +130,10 @@ def test_capacity_bounds(make_trace, case):
     steps, num_layers, num_experts, top_k = case
     trace = make_trace(steps, num_layers, num_experts, top_k)
     assert hits(trace, 0) == 0
-    assert replay_instant(trace, make_policy(NAME), 0).admits_S.sum() == 0
+    assert replay_instant(trace, make_policy(NAME), 0).admits_V.sum() == 0
     for capacity in range(1, trace.num_keys + 1):
         got = replay_instant(trace, make_policy(NAME), capacity)
-        held = np.cumsum(got.admits_S.astype(np.int64) - got.evicts_S)
+        held = np.cumsum(got.admits_V.astype(np.int64) - got.evicts_V)
         assert held.max() <= capacity and held.min() >= 0
 
 
@@ -165,8 +165,8 @@ def test_timed_at_infinite_bandwidth_equals_instant(make_trace, capacity):
         timed = replay_timed(trace, make_policy(NAME, **params), capacity, cost)
         assert np.array_equal(timed.hit_A, inst.hit_A)
         assert np.array_equal(timed.slot_A, inst.hit_A)
-        assert np.array_equal(timed.admits_S, inst.admits_S)
-        assert np.array_equal(timed.evicts_S, inst.evicts_S)
+        assert np.array_equal(timed.admits_V, inst.admits_V)
+        assert np.array_equal(timed.evicts_V, inst.evicts_V)
         assert timed.wasted_copies == 0
     if capacity == 7:
         assert inst.prefetches > 0  # the random trace does exercise prefetching

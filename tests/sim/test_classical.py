@@ -19,7 +19,7 @@ def textbook_lru_hits_first(trace, capacity: int) -> np.ndarray:
     cache: OrderedDict = OrderedDict()
     hits = []
     for s in range(trace.num_steps):
-        keys = trace.key_A[trace.start_S[s] : trace.start_S[s + 1]].tolist()
+        keys = trace.key_A[trace.start_V[s] : trace.start_V[s + 1]].tolist()
         hit = [k in cache for k in keys]
         hits += hit
         for k in [k for k, h in zip(keys, hit, strict=True) if h] + [

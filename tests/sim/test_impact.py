@@ -71,12 +71,12 @@ def test_golden(make_trace, budget):
     assert got.hit_A.tolist() == want
     assert ref.hit_A.tolist() == want
     if budget:  # the prefetch of 3 (evicting 4) happens at forward 2's layer-0 step
-        assert got.admits_S.tolist() == [1, 1, 2, 0, 0, 0, 1, 0, 0]
-        assert got.evicts_S.tolist() == [0, 0, 0, 0, 0, 0, 1, 0, 0]
+        assert got.admits_V.tolist() == [1, 1, 2, 0, 0, 0, 1, 0, 0]
+        assert got.evicts_V.tolist() == [0, 0, 0, 0, 0, 0, 1, 0, 0]
     else:  # the demand copy of 3 (evicting 4) at forward 2's layer-1 step
-        assert got.admits_S.tolist() == [1, 1, 2, 0, 0, 0, 0, 1, 0]
-        assert got.evicts_S.tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 0]
-    assert (ref.admissions, ref.evictions) == (int(got.admits_S.sum()), int(got.evicts_S.sum()))
+        assert got.admits_V.tolist() == [1, 1, 2, 0, 0, 0, 0, 1, 0]
+        assert got.evicts_V.tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 0]
+    assert (ref.admissions, ref.evictions) == (int(got.admits_V.sum()), int(got.evicts_V.sum()))
 
 
 # ---- compiled == reference ---------------------------------------------------------------------------
@@ -105,10 +105,10 @@ def test_matches_reference(make_trace, case, params, cost):
     assert_matches_reference(trace, "impact", params, COSTS[cost])
     for capacity in range(trace.num_keys + 1):
         got = replay(trace, capacity, COSTS[cost], **params)
-        held = np.cumsum(got.admits_S.astype(np.int64) - got.evicts_S)
+        held = np.cumsum(got.admits_V.astype(np.int64) - got.evicts_V)
         assert held.max(initial=0) <= capacity  # never over capacity (the driver checks it too)
         if capacity == 0:
-            assert not got.hit_A.any() and got.admits_S.sum() == 0
+            assert not got.hit_A.any() and got.admits_V.sum() == 0
 
 
 def test_renormalises(make_trace):
@@ -126,7 +126,7 @@ def test_renormalises(make_trace):
             got = replay(trace, capacity, cost, **params)
             ref = reference_run(trace, "impact", capacity, cost=cost, **params)
             assert np.array_equal(got.hit_A, ref.hit_A), (capacity, params)
-            assert int(got.admits_S.sum()) == ref.admissions
+            assert int(got.admits_V.sum()) == ref.admissions
 
 
 # ---- the cost rules ----------------------------------------------------------------------------------
@@ -159,13 +159,13 @@ def test_copy_that_cannot_pay_is_never_made(make_trace):
     cost = hand_cost(bandwidth=1e-9)
     for capacity in (0, 5, trace.num_keys):
         got = replay(trace, capacity, cost, budget=2)
-        assert got.admits_S.sum() == 0 and not got.hit_A.any()
+        assert got.admits_V.sum() == 0 and not got.hit_A.any()
         timed = replay_timed(trace, make_policy("impact", budget=2).bind_cost(cost), capacity, cost)
         assert timed.copies_total == 0 and not timed.hit_A.any()
-        cpu_S = np.bincount(
-            np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S)), cost.cpu_table()[trace.uses_A]
+        cpu_V = np.bincount(
+            np.repeat(np.arange(trace.num_steps), np.diff(trace.start_V)), cost.cpu_table()[trace.uses_A]
         )
-        np.testing.assert_allclose(timed.step_us_S, cpu_S)
+        np.testing.assert_allclose(timed.step_us_V, cpu_V)
 
 
 @pytest.mark.parametrize("cpu_at_2", [1.0, 1.5])  # saving(2) = -0.5 and exactly 0
@@ -185,7 +185,7 @@ def test_expert_the_cpu_runs_no_slower_is_never_cached(make_trace, cpu_at_2, bud
         first = np.zeros(trace.num_accesses, bool)
         first[np.unique(trace.key_A, return_index=True)[1]] = True
         assert got.hit_A[~never & ~first].all()
-        assert int(got.admits_S.sum()) == 4
+        assert int(got.admits_V.sum()) == 4
         ref = reference_run(trace, "impact", trace.num_keys, cost=cost, alpha=alpha, budget=budget)
         assert np.array_equal(ref.hit_A, got.hit_A)
 
@@ -201,7 +201,7 @@ def test_compulsory_misses_only_with_free_copies(make_trace, case, budget):
     got = replay(trace, trace.num_keys, hand_cost().infinite_bandwidth(), alpha=1.0, budget=budget)
     compulsory = len(set(trace.key_A.tolist()))
     assert int(got.hit_A.sum()) == trace.num_accesses - compulsory
-    assert int(got.admits_S.sum()) == compulsory and got.evicts_S.sum() == 0
+    assert int(got.admits_V.sum()) == compulsory and got.evicts_V.sum() == 0
 
 
 # ---- timed mode ---------------------------------------------------------------------------------------
@@ -216,10 +216,10 @@ def test_timed_at_infinite_bandwidth_equals_instant(make_trace, capacity):
         timed = replay_timed(trace, make_policy("impact", **params), capacity, cost)  # binds `cost`
         assert np.array_equal(timed.hit_A, inst.hit_A)
         assert np.array_equal(timed.slot_A, inst.hit_A)
-        assert np.array_equal(timed.admits_S, inst.admits_S)
-        assert np.array_equal(timed.evicts_S, inst.evicts_S)
+        assert np.array_equal(timed.admits_V, inst.admits_V)
+        assert np.array_equal(timed.evicts_V, inst.evicts_V)
         assert timed.wasted_copies == 0
-        np.testing.assert_allclose(timed.step_us_S, instant_step_us(trace, inst.hit_A, cost))
+        np.testing.assert_allclose(timed.step_us_V, instant_step_us(trace, inst.hit_A, cost))
 
 
 @pytest.mark.parametrize("bandwidth", [1e-3, 10.0, 128.0])
@@ -230,7 +230,7 @@ def test_placements_do_not_depend_on_the_mode(make_trace, bandwidth):
     inst = replay(trace, 5, cost, budget=2)
     timed = replay_timed(trace, make_policy("impact", budget=2).bind_cost(cost), 5, cost)
     assert np.array_equal(timed.slot_A, inst.hit_A)
-    assert np.array_equal(timed.admits_S, inst.admits_S)
+    assert np.array_equal(timed.admits_V, inst.admits_V)
     assert not np.any(timed.hit_A & ~timed.slot_A)
 
 

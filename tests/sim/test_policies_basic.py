@@ -121,7 +121,7 @@ def test_static_placements(make_trace):
     for capacity, want in [(1, [3]), (3, [0, 1, 3]), (5, [0, 1, 2, 3, 5])]:
         assert hind.initial_residents(hind.init_state(trace, capacity), trace, capacity).tolist() == want
     result = replay_instant(trace, hind, 3)
-    assert result.admits_S.sum() == 0 and result.evicts_S.sum() == 0
+    assert result.admits_V.sum() == 0 and result.evicts_V.sum() == 0
 
 
 def decode(keys, request=0):
@@ -220,7 +220,7 @@ def test_real_trace_smoke(esft_law_trace):
         policy = make_policy(name, **params)
         result = replay_instant(trace, policy, 300)
         rates[policy.label()] = result.hit_A.mean()
-        assert result.admits_S.sum() - result.evicts_S.sum() <= 300
+        assert result.admits_V.sum() - result.evicts_V.sum() <= 300
     assert all(0.1 < r < 0.9 for r in rates.values()), rates
     # one token per step: uses = accesses, so hindsight is the best static placement
     assert rates["static_hindsight"] >= rates["static_cold"]

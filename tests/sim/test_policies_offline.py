@@ -79,7 +79,7 @@ def test_compiled_equals_reference(make_trace, case):
             want = reference_run(trace, name, capacity, **params)
             where = f"{policy.label()} at capacity {capacity}"
             np.testing.assert_array_equal(got.hit_A, want.hit_A, err_msg=where)
-            assert (int(got.admits_S.sum()), int(got.evicts_S.sum())) == (want.admissions, want.evictions), (
+            assert (int(got.admits_V.sum()), int(got.evicts_V.sum())) == (want.admissions, want.evictions), (
                 where
             )
 
@@ -189,7 +189,7 @@ def reachable(held: frozenset, misses: list[int], capacity: int) -> set[frozense
 def best_hits(trace, capacity: int, initial) -> int:
     """The most hits of any demand schedule from `initial` (hits from the snapshot before a step,
     admissions resident from the next step), by exhaustive search."""
-    steps = [trace.key_A[trace.start_S[s] : trace.start_S[s + 1]].tolist() for s in range(trace.num_steps)]
+    steps = [trace.key_A[trace.start_V[s] : trace.start_V[s + 1]].tolist() for s in range(trace.num_steps)]
 
     @cache
     def best(s, held):

@@ -26,8 +26,8 @@ from moecache.sim.timed import replay_timed
 
 
 @nb.njit(_nrt=False)
-def _next_expert0_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    fifo, admitted_at_K, meta = state  # meta: [head, count, capacity, experts, layers, demand]
+def _next_expert0_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    fifo, admitted_at_G, meta = state  # meta: [head, count, capacity, experts, layers, demand]
     head, count, cap, num_experts, num_layers, demand = meta[0], meta[1], meta[2], meta[3], meta[4], meta[5]
     if cap == 0:
         return 0, 0
@@ -41,18 +41,18 @@ def _next_expert0_step(state, key_U, uses_U, hit_U, a0, clock, request, resident
                 continue
         else:
             k = target
-            if k >= num_experts * num_layers or resident_K[k] or admitted_at_K[k] == a0:
+            if k >= num_experts * num_layers or resident_G[k] or admitted_at_G[k] == a0:
                 continue
         if count == cap:  # evict the oldest admission
             victim = fifo[head]
             head = (head + 1) % cap
             count -= 1
             n_admit, n_evict = cancel_or_evict(
-                admit_out, n_admit, evict_out, n_evict, admitted_at_K, a0, victim
+                admit_out, n_admit, evict_out, n_evict, admitted_at_G, a0, victim
             )
         fifo[(head + count) % cap] = k
         count += 1
-        admitted_at_K[k] = a0
+        admitted_at_G[k] = a0
         admit_out[n_admit] = k
         n_admit += 1
     meta[0] = head
@@ -109,7 +109,7 @@ def test_prefetch_used_unused_and_late_timed(make_trace):
     (20, 1, 20) = 20. No copy is wasted (every evicted copy had completed)."""
     trace = hand_trace(make_trace)
     r = replay_timed(trace, NextExpert0(), 1, hand_cost())
-    assert r.route_us_S.tolist() == [0, 20, 21, 41, 61, 81, 82, 102, 122]
+    assert r.route_us_V.tolist() == [0, 20, 21, 41, 61, 81, 82, 102, 122]
     assert r.hit_A.tolist() == [False, True, False, False, False, True, False, False, False]
     assert r.slot_A.tolist() == [False, True, True, False, False, True, False, False, False]
     assert r.copy_key_C.tolist() == [4, 8, 4, 8, 4, 8]
@@ -121,7 +121,7 @@ def test_prefetch_used_unused_and_late_timed(make_trace):
     assert r.copy_timely_C.tolist() == [True, False, False, True, False, False]
     np.testing.assert_array_equal(r.copy_lead_us_C, [20, 1, np.nan, 20, np.nan, np.nan])
     assert (r.prefetches, r.prefetches_used) == (6, 3)
-    assert r.prefetch_S.tolist() == [1, 1, 0, 1, 1, 0, 1, 1, 0]
+    assert r.prefetch_V.tolist() == [1, 1, 0, 1, 1, 0, 1, 1, 0]
     assert r.wasted_copies == 0
 
     row = summarize(trace, r)
@@ -164,8 +164,8 @@ def test_demand_admissions_are_not_prefetches(make_trace):
     Instant: key 4 hits at s1, key 8 at s2 and s5: both prefetches used, accuracy 1, nothing wasted."""
     trace = hand_trace(make_trace)
     r = replay_instant(trace, NextExpert0(demand=True), 12)
-    assert r.admits_S.tolist() == [2, 1, 0, 1, 1, 0, 1, 1, 1]
-    assert r.prefetch_S.tolist() == [1, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert r.admits_V.tolist() == [2, 1, 0, 1, 1, 0, 1, 1, 1]
+    assert r.prefetch_V.tolist() == [1, 1, 0, 0, 0, 0, 0, 0, 0]
     assert (r.prefetches, r.prefetches_used) == (2, 2)
     row = summarize(trace, r)
     assert row["admissions"] == 8 and row["prefetches"] == 2
@@ -205,14 +205,14 @@ def reference_prefetches(trace, policy, capacity) -> list[tuple[int, int | None]
     pending: dict[int, int] = {}  # key -> its pending prefetch
     events: list[list] = []
     for s in range(trace.num_steps):
-        a0, a1 = trace.start_S[s], trace.start_S[s + 1]
+        a0, a1 = trace.start_V[s], trace.start_V[s + 1]
         keys = trace.key_A[a0:a1]
         for k in keys.tolist():
             if k in pending:
                 events[pending.pop(k)][1] = s
         n_admit, n_evict = type(policy).step(
-            state, keys, trace.uses_A[a0:a1], resident[keys], int(a0), trace.clock_S[s],
-            trace.request_S[s], resident, admit, evict,
+            state, keys, trace.uses_A[a0:a1], resident[keys], int(a0), trace.clock_V[s],
+            trace.request_V[s], resident, admit, evict,
         )  # fmt: skip
         for k in evict[:n_evict].tolist():
             resident[k] = False
@@ -238,7 +238,7 @@ def test_prefetch_accounting_equals_the_reference(make_trace, seed, capacity):
         t = replay_timed(trace, NextExpert0(demand=demand), capacity, hand_cost())
         assert t.copy_step_C[t.copy_prefetch_C].tolist() == [s for s, _ in events]
         assert t.copy_used_C[t.copy_prefetch_C].tolist() == used
-        use_us = [t.route_us_S[u] if u is not None else np.nan for _, u in events]
+        use_us = [t.route_us_V[u] if u is not None else np.nan for _, u in events]
         np.testing.assert_array_equal(t.copy_use_us_C[t.copy_prefetch_C], use_us)
 
 
@@ -250,8 +250,8 @@ def test_prefetch_counts_do_not_depend_on_bandwidth(make_trace, seed, capacity):
     trace = random_trace(make_trace, seed)
     for demand in (False, True):
         inst = replay_instant(trace, NextExpert0(demand=demand), capacity)
-        assert 0 <= inst.prefetches_used <= inst.prefetches == inst.prefetch_S.sum()
-        assert inst.prefetches <= inst.admits_S.sum()
+        assert 0 <= inst.prefetches_used <= inst.prefetches == inst.prefetch_V.sum()
+        assert inst.prefetches <= inst.admits_V.sum()
         for cost in (hand_cost().infinite_bandwidth(), hand_cost(), hand_cost(bandwidth=1.0)):
             t = replay_timed(trace, NextExpert0(demand=demand), capacity, cost)
             assert (t.prefetches, t.prefetches_used) == (inst.prefetches, inst.prefetches_used)
@@ -279,7 +279,7 @@ def test_demand_policies_never_prefetch(make_trace, name):
         timed = replay_timed(trace, make_policy(name), capacity, hand_cost())
         for r in (inst, timed):
             assert (r.prefetches, r.prefetches_used) == (0, 0), name
-            assert not r.prefetch_S.any()
+            assert not r.prefetch_V.any()
             row = summarize(trace, r)
             assert (row["prefetches"], row["prefetch_wasted_bytes"]) == (0, 0)
             assert row["prefetch_accuracy"] is None
@@ -302,4 +302,4 @@ def test_more_copies_than_accesses_retry_with_longer_copy_arrays(make_trace):
     assert r.copy_used_C[r.copy_prefetch_C].tolist() == [u is not None for _, u in events]
     inst = replay_instant(trace, NextExpert0(demand=True), 2)
     assert (inst.prefetches, inst.prefetches_used) == (r.prefetches, r.prefetches_used)
-    assert np.array_equal(inst.prefetch_S, r.prefetch_S)
+    assert np.array_equal(inst.prefetch_V, r.prefetch_V)

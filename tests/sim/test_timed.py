@@ -72,11 +72,11 @@ def test_infinite_bandwidth_equals_instant_for_every_policy(make_trace, capacity
         timed = replay_timed(trace, make_policy(policy.name), capacity, cost)
         assert np.array_equal(timed.hit_A, inst.hit_A), policy.name
         assert np.array_equal(timed.slot_A, inst.hit_A), policy.name
-        assert np.array_equal(timed.admits_S, inst.admits_S), policy.name
-        assert np.array_equal(timed.evicts_S, inst.evicts_S), policy.name
+        assert np.array_equal(timed.admits_V, inst.admits_V), policy.name
+        assert np.array_equal(timed.evicts_V, inst.evicts_V), policy.name
         assert timed.wasted_copies == 0
         assert timed.copies_ready_next_visit == timed.copies_with_next_visit
-        np.testing.assert_allclose(timed.step_us_S, instant_step_us(trace, inst.hit_A, cost))
+        np.testing.assert_allclose(timed.step_us_V, instant_step_us(trace, inst.hit_A, cost))
 
 
 @pytest.mark.parametrize("bandwidth", [1e-9, 10.0, 128.0])
@@ -87,7 +87,7 @@ def test_placements_do_not_depend_on_bandwidth(make_trace, bandwidth):
         inst = replay_instant(trace, make_policy(policy.name), 5)
         timed = replay_timed(trace, make_policy(policy.name), 5, hand_cost(bandwidth=bandwidth))
         assert np.array_equal(timed.slot_A, inst.hit_A), policy.name
-        assert np.array_equal(timed.admits_S, inst.admits_S), policy.name
+        assert np.array_equal(timed.admits_V, inst.admits_V), policy.name
         assert not np.any(timed.hit_A & ~timed.slot_A)
 
 
@@ -118,8 +118,8 @@ def test_fifo_copy_engine(make_trace):
     r = replay_timed(trace, make_policy("lru"), 4, hand_cost())
     assert r.hit_A.tolist() == [False, False, True, False, False, False, True, True]
     assert r.slot_A.tolist() == [False, False, True, False, True, True, True, True]
-    assert r.step_us_S.tolist() == [12, 6, 12, 2]
-    assert r.route_us_S.tolist() == [0, 12, 18, 30]
+    assert r.step_us_V.tolist() == [12, 6, 12, 2]
+    assert r.route_us_V.tolist() == [0, 12, 18, 30]
     assert r.copy_key_C.tolist() == [0, 1, 2]
     assert r.copy_start_us_C.tolist() == [0, 10, 20]
     assert r.copy_ready_us_C.tolist() == [10, 20, 30]
@@ -147,7 +147,7 @@ def test_slot_reuse_waits_for_gpu_work_of_the_evicted_key(make_trace):
     assert r.copy_start_us_C.tolist()[:2] == [0, 16]
     assert r.copy_ready_us_C.tolist()[:2] == [10, 26]
     assert r.hit_A.tolist() == [False, False, True, False, False, False]
-    assert r.step_us_S.tolist() == [12, 6, 12]
+    assert r.step_us_V.tolist() == [12, 6, 12]
     # key 2 was evicted at t=18 while its copy ran until 26: wasted; key 3's copy queues behind it
     assert r.copy_wasted_C.tolist() == [False, True, False]
     assert r.copy_start_us_C[2] == 26
@@ -188,11 +188,11 @@ def test_layer_time_formula_prefill_and_decode(make_trace):
         non_expert_us_per_prefill_token=0.5,
     )
     r = replay_timed(trace, make_policy("static_cold"), 2, cost)
-    assert r.step_us_S.tolist() == [11.5, 51.5, 5, 23]
-    assert r.route_us_S.tolist() == [1.5, 13, 66, 71]
+    assert r.step_us_V.tolist() == [11.5, 51.5, 5, 23]
+    assert r.route_us_V.tolist() == [1.5, 13, 66, 71]
     assert r.forward_us_F.tolist() == [63, 28]
     assert r.cpu_fallbacks == 7 and r.cpu_fallback_selections == 1 + 2 + 2 + 1 + 1 + 1 + 1
-    np.testing.assert_allclose(instant_step_us(trace, r.hit_A, cost), r.step_us_S)
+    np.testing.assert_allclose(instant_step_us(trace, r.hit_A, cost), r.step_us_V)
     row = summarize(trace, r)
     assert row["est_ms_prefill_per_token"] == pytest.approx(0.063 / 3)
     assert row["est_ms_per_token_decode"] == pytest.approx(0.028)

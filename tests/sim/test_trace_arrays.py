@@ -60,17 +60,17 @@ def test_from_table_flattens_steps_and_dedups_experts(table_of):
     table, meta = table_of(STEPS, 2, 4)
     t = from_table(table, meta)
     assert t.request_ids == ("b", "a", "c")
-    assert t.request_S.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
-    assert t.tokens_S.tolist() == [3, 3, 1, 1, 2, 2, 1, 1, 1, 1]
-    assert t.phase_S.tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 1, 1]
-    assert t.clock_S.tolist() == [0, 0, 3, 3, 4, 4, 6, 6, 7, 7]
+    assert t.request_V.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+    assert t.tokens_V.tolist() == [3, 3, 1, 1, 2, 2, 1, 1, 1, 1]
+    assert t.phase_V.tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 1, 1]
+    assert t.clock_V.tolist() == [0, 0, 3, 3, 4, 4, 6, 6, 7, 7]
     # first step: experts 1, 2, 3 in order of first selection, used by 2, 3 and 1 tokens
-    assert t.key_A[: t.start_S[1]].tolist() == [1, 2, 3]
-    assert t.uses_A[: t.start_S[1]].tolist() == [2, 3, 1]
+    assert t.key_A[: t.start_V[1]].tolist() == [1, 2, 3]
+    assert t.uses_A[: t.start_V[1]].tolist() == [2, 3, 1]
     # second step (layer 1: keys 4 + expert): experts 0, 1, 3
-    assert t.key_A[t.start_S[1] : t.start_S[2]].tolist() == [4, 5, 7]
-    assert t.uses_A[t.start_S[1] : t.start_S[2]].tolist() == [2, 3, 1]
-    assert t.num_accesses == int(t.start_S[-1]) and t.num_tokens == 8
+    assert t.key_A[t.start_V[1] : t.start_V[2]].tolist() == [4, 5, 7]
+    assert t.uses_A[t.start_V[1] : t.start_V[2]].tolist() == [2, 3, 1]
+    assert t.num_accesses == int(t.start_V[-1]) and t.num_tokens == 8
 
 
 def test_dictionary_columns_and_row_groups_give_the_same_arrays(table_of, tmp_path):
@@ -135,13 +135,13 @@ def test_group_sums_equal_bincounts(make_trace, timed):
     result = ReplayResult(
         "x", 1, rng.random(a) < 0.4, rng.integers(0, 3, s, np.int32), rng.integers(0, 3, s, np.int32)
     )
-    step_us_S = rng.random(s) * 100 if timed else None
+    step_us_V = rng.random(s) * 100 if timed else None
     if timed:
         result.slot_A = result.hit_A | (rng.random(a) < 0.3)
-    step_A = np.repeat(np.arange(s), np.diff(trace.start_S))
-    for group_S, n in ((trace.layer_S, trace.num_layers), (trace.request_S, len(trace.request_ids))):
-        got = group_sums(trace, result, group_S, n, step_us_S)
-        group_A = group_S[step_A]
+    step_A = np.repeat(np.arange(s), np.diff(trace.start_V))
+    for group_V, n in ((trace.layer_V, trace.num_layers), (trace.request_V, len(trace.request_ids))):
+        got = group_sums(trace, result, group_V, n, step_us_V)
+        group_A = group_V[step_A]
         uses = trace.uses_A.astype(np.int64)
         slot_A = result.slot_A if timed else result.hit_A
         want = {
@@ -150,12 +150,33 @@ def test_group_sums_equal_bincounts(make_trace, timed):
             "selections": np.bincount(group_A, uses, minlength=n),
             "hit_selections": np.bincount(group_A, uses * result.hit_A, minlength=n),
             "slots": np.bincount(group_A, slot_A, minlength=n),
-            "admissions": np.bincount(group_S, result.admits_S, minlength=n),
-            "evictions": np.bincount(group_S, result.evicts_S, minlength=n),
+            "admissions": np.bincount(group_V, result.admits_V, minlength=n),
+            "evictions": np.bincount(group_V, result.evicts_V, minlength=n),
         }
         for name, values in want.items():
             assert getattr(got, name).dtype == np.int64
             assert np.array_equal(getattr(got, name), values), name
         # step times are summed in step order: exactly np.bincount's float sums
-        us = np.bincount(group_S, step_us_S, minlength=n) if timed else np.zeros(n)
+        us = np.bincount(group_V, step_us_V, minlength=n) if timed else np.zeros(n)
         assert np.array_equal(got.step_us, us)
+
+
+def test_a_token_missing_at_some_layers_counts_once(table_of):
+    """An exported trace that lacks layer 0 of one prefill token: the forward step still has 3 tokens,
+    so the clock of the next step, the trace's tokens and the per-request tokens count it."""
+    from moecache.sim.metrics import per_request, summarize
+    from moecache.sim.policy import make_policy
+    from moecache.sim.replay import replay_instant
+
+    table, meta = table_of(STEPS, 2, 4)
+    first = pa.array([r == "b" and s == 0 and layer == 0 and t == 2 for r, s, layer, t in zip(
+        table["request_id"].to_pylist(), table["step_index"].to_pylist(),
+        table["layer_id"].to_pylist(), table["token_index"].to_pylist(), strict=True)])  # fmt: skip
+    missing = table.filter(pa.compute.invert(first))
+    validate_table(missing, meta, "missing.parquet")  # a valid trace
+    full, part = from_table(table, meta), from_table(missing, meta)
+    assert part.num_tokens == full.num_tokens == 3 + 1 + 2 + 1 + 1
+    assert np.array_equal(part.clock_V, full.clock_V)
+    result = replay_instant(part, make_policy("lru"), 2)
+    assert summarize(part, result)["tokens"] == full.num_tokens
+    assert [r["tokens"] for r in per_request(part, result)] == [4, 3, 1]

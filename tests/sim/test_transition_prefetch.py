@@ -78,8 +78,8 @@ def test_prefetch_turns_misses_into_hits(make_trace):
     assert got.hit_A[odd_l1].tolist() == [False, True, True, True]
     assert got.hit_A.sum() > lfu.hit_A.sum()
     # demand admits 0 and 2 at F0; prefetches at F3 .. F7 L0 (one each, one eviction each)
-    assert got.admits_S.tolist() == [1, 1, 0, 0, 0, 0] + [1, 0] * 5
-    assert got.evicts_S.tolist() == [0] * 6 + [1, 0] * 5
+    assert got.admits_V.tolist() == [1, 1, 0, 0, 0, 0] + [1, 0] * 5
+    assert got.evicts_V.tolist() == [0] * 6 + [1, 0] * 5
 
 
 def test_cancelled_eviction_and_stop_at_own_prefetch(make_trace):
@@ -104,8 +104,8 @@ def test_cancelled_eviction_and_stop_at_own_prefetch(make_trace):
     assert trace.key_A.tolist() == [1, 0, 2, 3, 0, 3, 2]
     got = replay(trace, 2)
     assert got.hit_A.tolist() == [False] * 6 + [True]
-    assert got.admits_S.tolist() == [2, 1, 1, 0]
-    assert got.evicts_S.tolist() == [0, 1, 1, 0]
+    assert got.admits_V.tolist() == [2, 1, 1, 0]
+    assert got.evicts_V.tolist() == [0, 1, 1, 0]
     lfu = replay_instant(trace, make_policy("lfu"), 2)
     assert lfu.hit_A.sum() == 0
     ref = reference_run(trace, NAME, 2)
@@ -178,8 +178,8 @@ def test_budget_zero_is_lfu(make_trace, case):
         got = replay(trace, capacity, budget=0)
         lfu = replay_instant(trace, make_policy("lfu"), capacity)
         assert np.array_equal(got.hit_A, lfu.hit_A), f"capacity {capacity}"
-        assert np.array_equal(got.admits_S, lfu.admits_S), f"capacity {capacity}"
-        assert np.array_equal(got.evicts_S, lfu.evicts_S), f"capacity {capacity}"
+        assert np.array_equal(got.admits_V, lfu.admits_V), f"capacity {capacity}"
+        assert np.array_equal(got.evicts_V, lfu.evicts_V), f"capacity {capacity}"
 
 
 @FAST
@@ -188,10 +188,10 @@ def test_capacity_edges_and_bound(make_trace, case):
     trace = make_trace(*case)
     for params in PARAMS:
         zero = replay(trace, 0, **params)
-        assert not zero.hit_A.any() and zero.admits_S.sum() == 0
+        assert not zero.hit_A.any() and zero.admits_V.sum() == 0
         for capacity in range(1, trace.num_keys + 1):
             got = replay(trace, capacity, **params)  # the driver also raises past the capacity
-            held = np.cumsum(got.admits_S.astype(np.int64) - got.evicts_S)
+            held = np.cumsum(got.admits_V.astype(np.int64) - got.evicts_V)
             assert held.max() <= capacity and held.min() >= 0
 
 
@@ -215,8 +215,8 @@ def test_timed_infinite_bandwidth_equals_instant(make_trace, case):
         timed = replay_timed(trace, make_policy(NAME), capacity, cost)
         assert np.array_equal(timed.hit_A, inst.hit_A)
         assert np.array_equal(timed.slot_A, inst.hit_A)
-        assert np.array_equal(timed.admits_S, inst.admits_S)
-        assert np.array_equal(timed.evicts_S, inst.evicts_S)
+        assert np.array_equal(timed.admits_V, inst.admits_V)
+        assert np.array_equal(timed.evicts_V, inst.evicts_V)
         assert timed.wasted_copies == 0
 
 
@@ -229,7 +229,7 @@ def test_timed_prefetch_needs_its_copy(make_trace):
     odd_l1 = [2 * f + 1 for f in (3, 5, 7)]
     assert slow.slot_A[odd_l1].all() and not slow.hit_A[odd_l1].any()
     assert fast.hit_A[odd_l1].all()  # a 10 us copy, ready at the next step's routing (10 us later)
-    assert np.array_equal(fast.admits_S, slow.admits_S)
+    assert np.array_equal(fast.admits_V, slow.admits_V)
 
 
 @pytest.mark.parametrize(

@@ -50,10 +50,10 @@ def visit_by_visit(trace, policy, capacity):
     hit_A = np.zeros(trace.num_accesses, np.bool_)
     admits, evicts = [], []
     for v in range(trace.num_steps):
-        a0, a1 = int(trace.start_S[v]), int(trace.start_S[v + 1])
+        a0, a1 = int(trace.start_V[v]), int(trace.start_V[v + 1])
         hit_U = np.zeros(a1 - a0, np.bool_)
         n_admit, n_evict = visit(
-            state, trace.key_A[a0:a1], trace.uses_A[a0:a1], a0, int(trace.clock_S[v]), int(trace.request_S[v]),
+            state, trace.key_A[a0:a1], trace.uses_A[a0:a1], a0, int(trace.clock_V[v]), int(trace.request_V[v]),
             resident_G, held_capacity, hit_U, admit_out, evict_out,
         )  # fmt: skip
         hit_A[a0:a1] = hit_U
@@ -72,15 +72,15 @@ def test_visit_from_python_equals_the_compiled_replay(make_trace, name, capacity
     hit_A, admits, evicts = visit_by_visit(trace, make_policy(name).bind_cost(cost), capacity)
     replay = replay_instant(trace, make_policy(name).bind_cost(cost), capacity)
     assert hit_A.tolist() == replay.hit_A.tolist()
-    assert admits == replay.admits_S.tolist()
-    assert evicts == replay.evicts_S.tolist()
+    assert admits == replay.admits_V.tolist()
+    assert evicts == replay.evicts_V.tolist()
 
 
 def test_every_registered_policy_has_its_own_named_state():
     classes = [cls.state_class() for cls in POLICIES.values()]
     assert len(set(classes)) == len(classes)
     lru = LRU.state_class()
-    assert lru._fields == ("prev_K", "next_K", "admitted_at_K", "meta")
+    assert lru._fields == ("prev_G", "next_G", "admitted_at_G", "meta")
     assert lru.__qualname__ == "LRU.State" and LRU.State is lru  # found again by name (pickle)
 
 
@@ -138,9 +138,9 @@ from moecache.sim.replay import _replay_instant, replay_instant
 from moecache.sim.trace_arrays import TraceArrays
 trace = TraceArrays(
     num_layers=1, num_experts=4, top_k=1, expert_bytes=1, request_ids=("r",),
-    layer_S=np.zeros(3, np.int32), request_S=np.zeros(3, np.int32), step_S=np.arange(3, dtype=np.int32),
-    tokens_S=np.ones(3, np.int32), phase_S=np.ones(3, np.int8), clock_S=np.arange(3, dtype=np.int64),
-    start_S=np.arange(4, dtype=np.int64), key_A=np.array([1, 1, 2], np.int32), uses_A=np.ones(3, np.int32),
+    layer_V=np.zeros(3, np.int32), request_V=np.zeros(3, np.int32), step_V=np.arange(3, dtype=np.int32),
+    tokens_V=np.ones(3, np.int32), phase_V=np.ones(3, np.int8), clock_V=np.arange(3, dtype=np.int64),
+    start_V=np.arange(4, dtype=np.int64), key_A=np.array([1, 1, 2], np.int32), uses_A=np.ones(3, np.int32),
 )
 policy = make_policy("lru")
 hits = replay_instant(trace, policy, 1).hit_A.tolist()
@@ -169,20 +169,20 @@ def test_a_second_process_loads_the_driver_instead_of_compiling_it(tmp_path):
 
 def numpy_step_us(trace, hit_A, cost):
     """The vectorised formula the compiled pass replaced (np.bincount sums), as the oracle."""
-    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_S))
-    gpu_S = np.bincount(
+    step_A = np.repeat(np.arange(trace.num_steps), np.diff(trace.start_V))
+    gpu_V = np.bincount(
         step_A, np.where(hit_A, cost.gpu_table()[trace.uses_A], 0.0), minlength=trace.num_steps
     )
-    cpu_S = np.bincount(
+    cpu_V = np.bincount(
         step_A, np.where(hit_A, 0.0, cost.cpu_table()[trace.uses_A]), minlength=trace.num_steps
     )
-    return cost.non_expert_S(trace) + np.maximum(gpu_S, cpu_S)
+    return cost.non_expert_V(trace) + np.maximum(gpu_V, cpu_V)
 
 
 @pytest.mark.parametrize("non_expert", [(0.0, None), (7.5, None), (7.5, 0.3)])
 def test_instant_step_times_are_bit_identical_to_the_vectorised_formula(make_trace, non_expert):
     trace = random_trace(make_trace, seed=3, prefill=4)
-    assert (trace.phase_S != DECODE).any() and (trace.uses_A > 1).any()
+    assert (trace.phase_V != DECODE).any() and (trace.uses_A > 1).any()
     cost = hand_cost(non_expert_us_per_layer=non_expert[0], non_expert_us_per_prefill_token=non_expert[1])
     hit_A = replay_instant(trace, make_policy("lru"), 5).hit_A
     assert hit_A.any() and not hit_A.all()
@@ -191,7 +191,7 @@ def test_instant_step_times_are_bit_identical_to_the_vectorised_formula(make_tra
 
 def test_forward_index(make_trace):
     trace = random_trace(make_trace, requests=2, tokens=3, layers=2, prefill=1)
-    fwd_S, first_F = forward_index(trace)
-    assert fwd_S.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    fwd_V, first_F = forward_index(trace)
+    assert fwd_V.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert first_F.tolist() == [0, 2, 4, 6, 8, 10]
-    assert fwd_S.dtype == first_F.dtype == np.int64
+    assert fwd_V.dtype == first_F.dtype == np.int64

@@ -2,11 +2,11 @@
 of past requests' layer x expert activation matrices, matched by cosine similarity against the current
 request's partial matrix, sets the eviction priority and picks next-layer prefetches.
 
-State. cur_K: the current request's activation matrix, uses per key (a step's uses: the tokens that
+State. cur_G: the current request's activation matrix, uses per key (a step's uses: the tokens that
 selected the expert). A ring of at most `history` stored matrices (the last `history` finished
 requests; when full, the oldest is dropped), their squared norms, and dot_M = cur . stored_m. When
 `request` changes, the finished request's matrix is pushed into the ring and cur restarts from zero.
-Every step first adds its uses to cur_K and to dot_M (only the step's keys: O(history x keys)) and
+Every step first adds its uses to cur_G and to dot_M (only the step's keys: O(history x keys)) and
 to cur's squared norm, and records each key's last access index (a0 + its position in the step).
 
 Stored matrices hold counts, not per-token frequencies. MoE-Infinity's matrices are counts over the
@@ -19,7 +19,7 @@ Match, after the step's update: m* = the stored matrix with the greatest cosine(
 dot_m / (|cur| |stored_m|), evaluated as dot_m / sqrt(|stored_m|^2) (|cur| is common); ties: the
 most recently stored. No match when the collection is empty or every dot product is 0.
 
-Priority of key k: stored[m*, k] (its count in the matched request) with a match, else cur_K[k] (its
+Priority of key k: stored[m*, k] (its count in the matched request) with a match, else cur_G[k] (its
 count in the current request, i.e. the request's own frequency so far). Equal priorities: the older
 last access ranks lower, a key never accessed (prefetched, still unused) lowest, and among those
 the larger key.
@@ -79,53 +79,53 @@ HELD, CAP, NUM_E, NUM_L, LAST_REQUEST, SERIAL, N_STORED, HEAD, CUR_NORM, BUDGET 
 
 
 @nb.njit(cache=True, inline="always")
-def _prio(cur_K, stored_KM, m, k):
+def _prio(cur_G, stored_KM, m, k):
     """Priority of key k: its count in stored matrix m (m >= 0), else in the current request."""
-    return stored_KM[k, m] if m >= 0 else cur_K[k]
+    return stored_KM[k, m] if m >= 0 else cur_G[k]
 
 
 @nb.njit(cache=True, inline="always")
-def _better(cur_K, stored_KM, last_K, m, a, b):
+def _better(cur_G, stored_KM, last_G, m, a, b):
     """Whether key a ranks above key b: greater priority, then more recent last access, then smaller key."""
-    pa = _prio(cur_K, stored_KM, m, a)
-    pb = _prio(cur_K, stored_KM, m, b)
-    return pa > pb or (pa == pb and (last_K[a] > last_K[b] or (last_K[a] == last_K[b] and a < b)))
+    pa = _prio(cur_G, stored_KM, m, a)
+    pb = _prio(cur_G, stored_KM, m, b)
+    return pa > pb or (pa == pb and (last_G[a] > last_G[b] or (last_G[a] == last_G[b] and a < b)))
 
 
 @nb.njit(cache=True, inline="always")
-def _victim(held_H, n, stamp_K, serial, cur_K, stored_KM, last_K, m):
+def _victim(held_H, n, stamp_G, serial, cur_G, stored_KM, last_G, m):
     """The lowest-ranked held key that this step neither accessed nor admitted; -1 when none."""
     v = -1
     for j in range(n):
         k = held_H[j]
-        if stamp_K[k] != serial and (v < 0 or _better(cur_K, stored_KM, last_K, m, v, k)):
+        if stamp_G[k] != serial and (v < 0 or _better(cur_G, stored_KM, last_G, m, v, k)):
             v = k
     return v
 
 
 @nb.njit(cache=True, inline="always")
-def _hold(held_H, hpos_K, n, k):
+def _hold(held_H, hpos_G, n, k):
     held_H[n] = k
-    hpos_K[k] = n
+    hpos_G[k] = n
     return n + 1
 
 
 @nb.njit(cache=True, inline="always")
-def _unhold(held_H, hpos_K, n, k):
-    i = hpos_K[k]
-    hpos_K[k] = -1
+def _unhold(held_H, hpos_G, n, k):
+    i = hpos_G[k]
+    hpos_G[k] = -1
     n -= 1
     last = held_H[n]
     if i < n:
         held_H[i] = last
-        hpos_K[last] = i
+        hpos_G[last] = i
     return n
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    cur_K, stored_KM, nrm_M, dot_M, last_K, stamp_K, held_H, hpos_K, miss, cand, meta = state
-    num_keys = cur_K.shape[0]
+def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    cur_G, stored_KM, nrm_M, dot_M, last_G, stamp_G, held_H, hpos_G, miss, cand, meta = state
+    num_keys = cur_G.shape[0]
     M = nrm_M.shape[0]
     nu = key_U.shape[0]
     # 1. a new request: push the finished one into the ring (the oldest is dropped) and restart cur
@@ -133,8 +133,8 @@ def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resid
         if meta[CUR_NORM] > 0:
             slot = meta[HEAD]
             for k in range(num_keys):
-                stored_KM[k, slot] = cur_K[k]
-                cur_K[k] = 0
+                stored_KM[k, slot] = cur_G[k]
+                cur_G[k] = 0
             nrm_M[slot] = meta[CUR_NORM]
             meta[HEAD] = (slot + 1) % M
             meta[N_STORED] = min(meta[N_STORED] + 1, M)
@@ -150,13 +150,13 @@ def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resid
     for i in range(nu):
         k = key_U[i]
         u = np.int64(uses_U[i])
-        c = cur_K[k]
+        c = cur_G[k]
         cn += (2 * c + u) * u
-        cur_K[k] = c + u
+        cur_G[k] = c + u
         for m in range(ns):
             dot_M[m] += u * stored_KM[k, m]
-        last_K[k] = a0 + i
-        stamp_K[k] = serial
+        last_G[k] = a0 + i
+        stamp_G[k] = serial
     meta[CUR_NORM] = cn
     # 3. match: the greatest cosine, oldest to newest so that the newest of equal cosines wins
     ms = -1
@@ -176,10 +176,10 @@ def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resid
     nm = 0
     for i in range(nu):
         k = key_U[i]
-        if hpos_K[k] < 0:
-            p = _prio(cur_K, stored_KM, ms, k)
+        if hpos_G[k] < 0:
+            p = _prio(cur_G, stored_KM, ms, k)
             j = nm
-            while j > 0 and _prio(cur_K, stored_KM, ms, miss[j - 1]) < p:
+            while j > 0 and _prio(cur_G, stored_KM, ms, miss[j - 1]) < p:
                 miss[j] = miss[j - 1]
                 j -= 1
             miss[j] = k
@@ -193,15 +193,15 @@ def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resid
         j += 1
         if n >= cap:
             if v == -2:
-                v = _victim(held_H, n, stamp_K, serial, cur_K, stored_KM, last_K, ms)
-            if v < 0 or _prio(cur_K, stored_KM, ms, k) < _prio(cur_K, stored_KM, ms, v):
+                v = _victim(held_H, n, stamp_G, serial, cur_G, stored_KM, last_G, ms)
+            if v < 0 or _prio(cur_G, stored_KM, ms, k) < _prio(cur_G, stored_KM, ms, v):
                 j = nm  # later misses rank no better
                 continue
-            n = _unhold(held_H, hpos_K, n, v)
+            n = _unhold(held_H, hpos_G, n, v)
             evict_out[ne] = v
             ne += 1
             v = -2
-        n = _hold(held_H, hpos_K, n, k)
+        n = _hold(held_H, hpos_G, n, k)
         admit_out[na] = k
         na += 1
     # 5. prefetch the matched request's best keys of the next layer
@@ -212,9 +212,9 @@ def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resid
         nc = 0
         for e in range(E):
             k = base + e
-            if stored_KM[k, ms] > 0 and (nc < top or _better(cur_K, stored_KM, last_K, ms, k, cand[nc - 1])):
+            if stored_KM[k, ms] > 0 and (nc < top or _better(cur_G, stored_KM, last_G, ms, k, cand[nc - 1])):
                 r = min(nc, top - 1)
-                while r > 0 and _better(cur_K, stored_KM, last_K, ms, k, cand[r - 1]):
+                while r > 0 and _better(cur_G, stored_KM, last_G, ms, k, cand[r - 1]):
                     cand[r] = cand[r - 1]
                     r -= 1
                 cand[r] = k
@@ -225,20 +225,20 @@ def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resid
         while c < nc and npf < meta[BUDGET]:
             k = cand[c]
             c += 1
-            if hpos_K[k] >= 0:
+            if hpos_G[k] >= 0:
                 continue  # held: takes no budget
             if n >= cap:
                 if v == -2:
-                    v = _victim(held_H, n, stamp_K, serial, cur_K, stored_KM, last_K, ms)
+                    v = _victim(held_H, n, stamp_G, serial, cur_G, stored_KM, last_G, ms)
                 if v < 0 or not stored_KM[k, ms] > stored_KM[v, ms]:
                     c = nc  # stop prefetching for this step
                     continue
-                n = _unhold(held_H, hpos_K, n, v)
+                n = _unhold(held_H, hpos_G, n, v)
                 evict_out[ne] = v
                 ne += 1
                 v = -2
-            n = _hold(held_H, hpos_K, n, k)
-            stamp_K[k] = serial
+            n = _hold(held_H, hpos_G, n, k)
+            stamp_G[k] = serial
             admit_out[na] = k
             na += 1
             npf += 1
@@ -255,14 +255,14 @@ class ActivationMatch(Policy):
     name = "activation_match"
     step = activation_match_step
     state_fields = (
-        "cur_K",
+        "cur_G",
         "stored_KM",
         "nrm_M",
         "dot_M",
-        "last_K",
-        "stamp_K",
+        "last_G",
+        "stamp_G",
         "held_H",
-        "hpos_K",
+        "hpos_G",
         "miss",
         "cand",
         "meta",
@@ -288,14 +288,14 @@ class ActivationMatch(Policy):
         meta[LAST_REQUEST] = -1
         meta[BUDGET] = int(self.params["budget"])
         return (
-            np.zeros(n, np.int64),  # cur_K: uses per key in the current request
+            np.zeros(n, np.int64),  # cur_G: uses per key in the current request
             np.zeros((n, M), np.int64),  # stored_KM: column m = the stored matrix in ring slot m
             np.zeros(M, np.int64),  # nrm_M: squared norms of the stored matrices
             np.zeros(M, np.int64),  # dot_M: cur . stored_m
-            np.full(n, -1, np.int64),  # last_K: last access index
-            np.full(n, -1, np.int64),  # stamp_K: serial of the last step that accessed or admitted k
+            np.full(n, -1, np.int64),  # last_G: last access index
+            np.full(n, -1, np.int64),  # stamp_G: serial of the last step that accessed or admitted k
             np.zeros(max(capacity, 1), np.int64),  # held_H: the held keys, in no order
-            np.full(n, -1, np.int64),  # hpos_K: index in held_H, -1: not held
+            np.full(n, -1, np.int64),  # hpos_G: index in held_H, -1: not held
             np.zeros(n, np.int64),  # miss: the step's misses, ranked
             np.zeros(max(min(int(self.params["top"]), E), 1), np.int64),  # cand: the predicted set
             meta,

@@ -37,26 +37,26 @@ from moecache.sim.policy import Policy, register
 
 @nb.njit(cache=True)
 def next_uses(key_A, num_keys):
-    """next_A[a]: index of the next access of key_A[a] (len(key_A) if none); first_K[k]: index of
+    """next_A[a]: index of the next access of key_A[a] (len(key_A) if none); first_G[k]: index of
     k's first access (len(key_A) if never used). One backward pass."""
     n = key_A.shape[0]
     next_A = np.empty(n, np.int64)
-    first_K = np.full(num_keys, n, np.int64)
+    first_G = np.full(num_keys, n, np.int64)
     for a in range(n - 1, -1, -1):
         k = key_A[a]
-        next_A[a] = first_K[k]
-        first_K[k] = a
-    return next_A, first_K
+        next_A[a] = first_G[k]
+        first_G[k] = a
+    return next_A, first_G
 
 
 # The heap: heap[:n] holds packed priorities c = next_use << shift | key, the largest on top (the
-# farthest next use; among equal next uses the larger key); pos_K[k] is key k's index (-1: none).
+# farthest next use; among equal next uses the larger key); pos_G[k] is key k's index (-1: none).
 # Helpers are inlined, the step has one return and no loop is left both by its condition and by a
 # `break`: otherwise numba keeps the reference-count updates of the array arguments (see _heap).
 
 
 @nb.njit(cache=True, inline="always")
-def _sift_up(heap, pos_K, mask, i, c):
+def _sift_up(heap, pos_G, mask, i, c):
     """Place priority c (not smaller than the one it replaces) at index i and restore the order."""
     while True:
         if i == 0:
@@ -66,14 +66,14 @@ def _sift_up(heap, pos_K, mask, i, c):
         if q >= c:
             break
         heap[i] = q
-        pos_K[q & mask] = i
+        pos_G[q & mask] = i
         i = p
     heap[i] = c
-    pos_K[c & mask] = i
+    pos_G[c & mask] = i
 
 
 @nb.njit(cache=True, inline="always")
-def _sift_down(heap, pos_K, mask, n, i, c):
+def _sift_down(heap, pos_G, mask, n, i, c):
     """Place priority c (not larger than the one it replaces) at index i and restore the order."""
     while True:
         j = 2 * i + 1
@@ -86,15 +86,15 @@ def _sift_down(heap, pos_K, mask, n, i, c):
         if q <= c:
             break
         heap[i] = q
-        pos_K[q & mask] = i
+        pos_G[q & mask] = i
         i = j
     heap[i] = c
-    pos_K[c & mask] = i
+    pos_G[c & mask] = i
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def belady_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    next_A, heap, pos_K, admitted_at_K, meta = state  # meta: [held, capacity, bypass, shift]
+def belady_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    next_A, heap, pos_G, admitted_at_G, meta = state  # meta: [held, capacity, bypass, shift]
     n = meta[0]
     cap = meta[1]
     bypass = meta[2] != 0
@@ -107,7 +107,7 @@ def belady_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
         if hit_U[i]:
             k = key_U[i]
             # the next use only moves later: the priority grows
-            _sift_up(heap, pos_K, mask, pos_K[k], (next_A[a0 + i] << shift) | k)
+            _sift_up(heap, pos_G, mask, pos_G[k], (next_A[a0 + i] << shift) | k)
     if cap > 0:
         for i in range(m):
             if hit_U[i]:
@@ -115,28 +115,28 @@ def belady_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
             k = key_U[i]
             c = (next_A[a0 + i] << shift) | k
             if n < cap:
-                _sift_up(heap, pos_K, mask, n, c)
+                _sift_up(heap, pos_G, mask, n, c)
                 n += 1
             else:
                 top = heap[0]
                 if bypass and (top >> shift) <= (c >> shift):  # the victim is used no later: bypass
                     continue
                 victim = top & mask
-                pos_K[victim] = -1
-                _sift_down(heap, pos_K, mask, n, 0, c)
+                pos_G[victim] = -1
+                _sift_down(heap, pos_G, mask, n, 0, c)
                 n_admit, n_evict = cancel_or_evict(
-                    admit_out, n_admit, evict_out, n_evict, admitted_at_K, a0, victim
+                    admit_out, n_admit, evict_out, n_evict, admitted_at_G, a0, victim
                 )
-            admitted_at_K[k] = a0
+            admitted_at_G[k] = a0
             admit_out[n_admit] = k
             n_admit += 1
         meta[0] = n
     return n_admit, n_evict
 
 
-def warm_residents(first_K: np.ndarray, capacity: int) -> np.ndarray:
+def warm_residents(first_G: np.ndarray, capacity: int) -> np.ndarray:
     """The `capacity` keys used soonest, by (first access index, key), as int64 in that order."""
-    order = np.lexsort((np.arange(len(first_K)), first_K))
+    order = np.lexsort((np.arange(len(first_G)), first_G))
     return order[:capacity].astype(np.int64)
 
 
@@ -145,7 +145,7 @@ class Belady(Policy):
     name = "belady"
     step = belady_step
     offline = True  # init_state reads the future of the replayed trace
-    state_fields = ("next_A", "heap", "pos_K", "admitted_at_K", "meta")
+    state_fields = ("next_A", "heap", "pos_G", "admitted_at_G", "meta")
     defaults = {"warm": False, "bypass": True}
 
     def __init__(self, **params):
@@ -158,21 +158,21 @@ class Belady(Policy):
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
-        next_A, first_K = next_uses(trace.key_A, n)
+        next_A, first_G = next_uses(trace.key_A, n)
         shift = max(1, int(n - 1).bit_length())
         if (trace.num_accesses + 1) >> (62 - shift):
             raise MoecacheError(f"policy belady: {trace.num_accesses} accesses x {n} keys overflow int64")
         heap = np.zeros(max(capacity, 1), np.int64)
-        pos_K = np.full(n, -1, np.int64)
+        pos_G = np.full(n, -1, np.int64)
         held = 0
         if self.params["warm"]:
-            initial = warm_residents(first_K, capacity)
+            initial = warm_residents(first_G, capacity)
             held = len(initial)
             # farthest first use (then larger key) first: a descending array is in heap order
-            heap[:held] = ((first_K[initial] << shift) | initial)[::-1]
-            pos_K[initial[::-1]] = np.arange(held)
+            heap[:held] = ((first_G[initial] << shift) | initial)[::-1]
+            pos_G[initial[::-1]] = np.arange(held)
         meta = np.array([held, capacity, int(self.params["bypass"]), shift], np.int64)
-        return next_A, heap, pos_K, np.full(n, -1, np.int64), meta
+        return next_A, heap, pos_G, np.full(n, -1, np.int64), meta
 
     def initial_residents(self, state: tuple, trace, capacity: int) -> np.ndarray:
         heap, meta = state[1], state[4]

@@ -98,7 +98,7 @@ def call_size(mu, top):
 
 
 @nb.njit(cache=True, inline="always")
-def find_victim(res_heap, res_n_L, p_K, w_L, num_experts):
+def find_victim(res_heap, res_n_L, p_G, w_L, num_experts):
     """(key, impact) of the resident with the lowest impact, ties the larger key, over the tops of the
     layers' resident heaps; (-1, 0.0) when no resident is eligible (the heaps hold only eligible keys)."""
     vk = -1
@@ -106,7 +106,7 @@ def find_victim(res_heap, res_n_L, p_K, w_L, num_experts):
     for layer in range(res_n_L.shape[0]):
         if res_n_L[layer] > 0:
             k = res_heap[layer * num_experts]
-            imp = p_K[k] / w_L[layer]
+            imp = p_G[k] / w_L[layer]
             if vk < 0 or imp < vi or (imp == vi and k > vk):
                 vk = k
                 vi = imp
@@ -114,29 +114,29 @@ def find_victim(res_heap, res_n_L, p_K, w_L, num_experts):
 
 
 @nb.njit(cache=True, inline="always")
-def evict_victim(res_heap, res_pos_K, res_n_L, non_heap, non_pos_J, non_n_L, p_K, q_J, num_experts, v):
+def evict_victim(res_heap, res_pos_G, res_n_L, non_heap, non_pos_J, non_n_L, p_G, q_J, num_experts, v):
     """Take victim v (the top of its layer's resident heap) out; it joins its layer's non-held heap if
     its P is positive."""
     layer = v // num_experts
     lo = layer * num_experts
     hi = lo + num_experts
-    _, n = _heap.pop(res_heap[lo:hi], res_pos_K, p_K, res_n_L[layer])
+    _, n = _heap.pop(res_heap[lo:hi], res_pos_G, p_G, res_n_L[layer])
     res_n_L[layer] = n
-    if p_K[v] > 0:
-        non_n_L[layer] = _heap.push(non_heap[lo:hi], non_pos_J, q_J, non_n_L[layer], p_K.shape[0] - 1 - v)
+    if p_G[v] > 0:
+        non_n_L[layer] = _heap.push(non_heap[lo:hi], non_pos_J, q_J, non_n_L[layer], p_G.shape[0] - 1 - v)
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    (x_K, p_K, q_J, mu_K, res_heap, res_pos_K, res_n_L, non_heap, non_pos_J, non_n_L,
-     visits_L, scale_L, w_L, prev_K, prev_n_L, sav_M, miss, meta, fmeta) = state  # fmt: skip
+def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    (x_G, p_G, q_J, mu_G, res_heap, res_pos_G, res_n_L, non_heap, non_pos_J, non_n_L,
+     visits_L, scale_L, w_L, prev_G, prev_n_L, sav_M, miss, meta, fmeta) = state  # fmt: skip
     # meta: [E, L, capacity, held, top_k, budget, alpha is 1]; fmeta: [alpha, 1 - alpha,
     # log2(1 / (1 - alpha)), horizon, copy_us]
     n_keys = key_U.shape[0]
     if n_keys == 0:
         return 0, 0
     num_experts = meta[0]
-    num_keys = x_K.shape[0]
+    num_keys = x_G.shape[0]
     top = sav_M.shape[0] - 1
     layer = key_U[0] // num_experts  # every key of a layer step belongs to its layer
     lo = layer * num_experts
@@ -153,12 +153,12 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
     visits_L[layer] = visit
     if meta[6] != 0:
         for i in range(prev_n_L[layer]):
-            k = prev_K[lo + i]
-            x_K[k] = 0.0
-            p_K[k] = 0.0
+            k = prev_G[lo + i]
+            x_G[k] = 0.0
+            p_G[k] = 0.0
             q_J[num_keys - 1 - k] = 0.0
-            if res_pos_K[k] >= 0:
-                _heap.update(rh, res_pos_K, p_K, res_n_L[layer], k)
+            if res_pos_G[k] >= 0:
+                _heap.update(rh, res_pos_G, p_G, res_n_L[layer], k)
             elif non_pos_J[num_keys - 1 - k] >= 0:
                 non_n_L[layer] = _heap.remove(nh, non_pos_J, q_J, non_n_L[layer], num_keys - 1 - k)
         w = 1.0
@@ -170,18 +170,18 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
             f = 2.0 ** (-e)
             n_non = 0
             for k in range(lo, hi):
-                x_K[k] *= f
-                p = x_K[k] * sav_M[call_size(mu_K[k], top)]
-                p_K[k] = p
+                x_G[k] *= f
+                p = x_G[k] * sav_M[call_size(mu_G[k], top)]
+                p_G[k] = p
                 j = num_keys - 1 - k
                 q_J[j] = -p
                 non_pos_J[j] = -1
-                if res_pos_K[k] < 0 and p > 0:  # underflow may have emptied some scores
+                if res_pos_G[k] < 0 and p > 0:  # underflow may have emptied some scores
                     nh[n_non] = j
                     n_non += 1
             non_n_L[layer] = n_non
             _heap.heapify(nh, non_pos_J, q_J, n_non)
-            _heap.heapify(rh, res_pos_K, p_K, res_n_L[layer])
+            _heap.heapify(rh, res_pos_G, p_G, res_n_L[layer])
             scale_L[layer] += e
             e = 0
         w = 2.0 ** (xv - q) * 2.0**e
@@ -193,22 +193,22 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
     for i in range(n_keys):
         k = key_U[i]
         j = num_keys - 1 - k
-        if resident_K[k]:
-            res_n_L[layer] = _heap.remove(rh, res_pos_K, p_K, res_n_L[layer], k)
+        if resident_G[k]:
+            res_n_L[layer] = _heap.remove(rh, res_pos_G, p_G, res_n_L[layer], k)
         else:
             if non_pos_J[j] >= 0:
                 non_n_L[layer] = _heap.remove(nh, non_pos_J, q_J, non_n_L[layer], j)
             miss[nm] = k
             nm += 1
         u = uses_U[i]
-        x_K[k] += (alpha * (u / tokens)) * w
-        mu = mu_K[k]
+        x_G[k] += (alpha * (u / tokens)) * w
+        mu = mu_G[k]
         mu = u if mu == 0.0 else alpha * u + fmeta[1] * mu
-        mu_K[k] = mu
-        p = x_K[k] * sav_M[call_size(mu, top)]
-        p_K[k] = p
+        mu_G[k] = mu
+        p = x_G[k] * sav_M[call_size(mu, top)]
+        p_G[k] = p
         q_J[j] = -p
-        prev_K[lo + i] = k
+        prev_G[lo + i] = k
     prev_n_L[layer] = n_keys
 
     # ---- demand: misses best first; the first refusal ends it
@@ -218,18 +218,18 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
     held = meta[3]
     na = 0
     ne = 0
-    sort_ranked(miss, nm, p_K)
+    sort_ranked(miss, nm, p_G)
     r = 0
     while r < nm:  # no `break` (see _heap)
         k = miss[r]
-        imp = p_K[k] / w
+        imp = p_G[k] / w
         ok = imp * horizon > copy_us
         if ok and held >= cap:
-            vk, vi = find_victim(res_heap, res_n_L, p_K, w_L, num_experts)
+            vk, vi = find_victim(res_heap, res_n_L, p_G, w_L, num_experts)
             ok = vk >= 0 and imp > vi
             if ok:
                 evict_victim(
-                    res_heap, res_pos_K, res_n_L, non_heap, non_pos_J, non_n_L, p_K, q_J, num_experts, vk
+                    res_heap, res_pos_G, res_n_L, non_heap, non_pos_J, non_n_L, p_G, q_J, num_experts, vk
                 )
                 evict_out[ne] = vk
                 ne += 1
@@ -244,7 +244,7 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
     if na < nm:  # refused misses wait among the layer's non-held keys
         for i in range(na, nm):
             k = miss[i]
-            if p_K[k] > 0:
+            if p_G[k] > 0:
                 non_n_L[layer] = _heap.push(nh, non_pos_J, q_J, non_n_L[layer], num_keys - 1 - k)
 
     # ---- prefetch of layer n + 1: its best non-held keys; the first refusal ends it
@@ -260,11 +260,11 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
                 b = meta[5]
                 continue
             k = num_keys - 1 - nnh[0]
-            imp = p_K[k] / wn
+            imp = p_G[k] / wn
             ok = imp * horizon > copy_us
             vk = -1
             if ok and held >= cap:
-                vk, vi = find_victim(res_heap, res_n_L, p_K, w_L, num_experts)
+                vk, vi = find_victim(res_heap, res_n_L, p_G, w_L, num_experts)
                 ok = vk >= 0 and imp > vi
             if not ok:
                 b = meta[5]
@@ -273,7 +273,7 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
             non_n_L[nxt] = n_nxt
             if vk >= 0:
                 evict_victim(
-                    res_heap, res_pos_K, res_n_L, non_heap, non_pos_J, non_n_L, p_K, q_J, num_experts, vk
+                    res_heap, res_pos_G, res_n_L, non_heap, non_pos_J, non_n_L, p_G, q_J, num_experts, vk
                 )
                 evict_out[ne] = vk
                 ne += 1
@@ -285,13 +285,13 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, adm
     # ---- the step's hits return with their new impact; admitted keys join their layers' heaps
     for i in range(n_keys):
         k = key_U[i]
-        if resident_K[k]:
-            res_n_L[layer] = _heap.push(rh, res_pos_K, p_K, res_n_L[layer], k)
+        if resident_G[k]:
+            res_n_L[layer] = _heap.push(rh, res_pos_G, p_G, res_n_L[layer], k)
     for i in range(na):
         k = admit_out[i]
         kl = k // num_experts
         klo = kl * num_experts
-        res_n_L[kl] = _heap.push(res_heap[klo : klo + num_experts], res_pos_K, p_K, res_n_L[kl], k)
+        res_n_L[kl] = _heap.push(res_heap[klo : klo + num_experts], res_pos_G, p_G, res_n_L[kl], k)
     meta[3] = held
     return na, ne
 
@@ -305,12 +305,12 @@ class Impact(Policy):
     name = "impact"
     step = impact_step
     state_fields = (
-        "x_K",
-        "p_K",
+        "x_G",
+        "p_G",
         "q_J",
-        "mu_K",
+        "mu_G",
         "res_heap",
-        "res_pos_K",
+        "res_pos_G",
         "res_n_L",
         "non_heap",
         "non_pos_J",
@@ -318,7 +318,7 @@ class Impact(Policy):
         "visits_L",
         "scale_L",
         "w_L",
-        "prev_K",
+        "prev_G",
         "prev_n_L",
         "sav_M",
         "miss",
@@ -365,12 +365,12 @@ class Impact(Policy):
             np.float64,
         )
         return (
-            np.zeros(n, np.float64),  # x_K: scores, stored as S x W_l (lazy decay)
-            np.zeros(n, np.float64),  # p_K: x_K x saving(m_k)
+            np.zeros(n, np.float64),  # x_G: scores, stored as S x W_l (lazy decay)
+            np.zeros(n, np.float64),  # p_G: x_G x saving(m_k)
             np.zeros(n, np.float64),  # q_J: -p of key n - 1 - j (the non-held heaps' priorities)
-            np.zeros(n, np.float64),  # mu_K: EMA of uses per access (0: never accessed)
+            np.zeros(n, np.float64),  # mu_G: EMA of uses per access (0: never accessed)
             np.zeros(max(n, 1), np.int64),  # res_heap: layer l's residents in [l E, (l + 1) E)
-            np.full(n, -1, np.int64),  # res_pos_K
+            np.full(n, -1, np.int64),  # res_pos_G
             np.zeros(layers, np.int64),  # res_n_L
             np.zeros(max(n, 1), np.int64),  # non_heap: layer l's non-held keys (mirrored) with p > 0
             np.full(n, -1, np.int64),  # non_pos_J
@@ -378,7 +378,7 @@ class Impact(Policy):
             np.zeros(layers, np.int64),  # visits_L
             np.zeros(layers, np.int64),  # scale_L: power-of-two exponent divided out of layer l's values
             np.ones(layers, np.float64),  # w_L: W_l at the layer's last visit
-            np.zeros(max(n, 1), np.int64),  # prev_K: keys of layer l's last visit in [l E, ...)
+            np.zeros(max(n, 1), np.int64),  # prev_G: keys of layer l's last visit in [l E, ...)
             np.zeros(layers, np.int64),  # prev_n_L
             sav_M,
             np.zeros(max(experts, 1), np.int64),  # miss: the step's misses

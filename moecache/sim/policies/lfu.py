@@ -110,36 +110,36 @@ def settle(heap, pos, prio, n, cap, miss, nm, best, admit_out, evict_out):
 
 
 @nb.njit(_nrt=False)  # no reference counting (see above)
-def lfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    count_K, heap, pos_K, init_K, miss, meta = state  # meta: [held, capacity, last request, reset]
+def lfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    count_G, heap, pos_G, init_G, miss, meta = state  # meta: [held, capacity, last request, reset]
     n = meta[0]
     if meta[3] != 0 and request != meta[2]:
-        for k in range(count_K.shape[0]):
-            count_K[k] = init_K[k]
-        _heap.heapify(heap, pos_K, count_K, n)
+        for k in range(count_G.shape[0]):
+            count_G[k] = init_G[k]
+        _heap.heapify(heap, pos_G, count_G, n)
     meta[2] = request
     nm = 0
     best = -1
     for i in range(key_U.shape[0]):
         k = key_U[i]
-        count_K[k] += uses_U[i]
-        nm, best = note_use(heap, pos_K, count_K, n, miss, nm, best, k)
-    n, na, ne = settle(heap, pos_K, count_K, n, meta[1], miss, nm, best, admit_out, evict_out)
+        count_G[k] += uses_U[i]
+        nm, best = note_use(heap, pos_G, count_G, n, miss, nm, best, k)
+    n, na, ne = settle(heap, pos_G, count_G, n, meta[1], miss, nm, best, admit_out, evict_out)
     meta[0] = n
     return na, ne
 
 
 @nb.njit(cache=True, nogil=True)
-def _count_uses(key_A, uses_A, count_K):
+def _count_uses(key_A, uses_A, count_G):
     for a in range(key_A.shape[0]):
-        count_K[key_A[a]] += uses_A[a]
+        count_G[key_A[a]] += uses_A[a]
 
 
 def key_counts(trace) -> np.ndarray:
     """Uses per key (int64 [num_keys]) of a TraceArrays."""
-    count_K = np.zeros(trace.num_keys, np.int64)
-    _count_uses(trace.key_A, trace.uses_A, count_K)
-    return count_K
+    count_G = np.zeros(trace.num_keys, np.int64)
+    _count_uses(trace.key_A, trace.uses_A, count_G)
+    return count_G
 
 
 def load_init_counts(path, trace) -> np.ndarray:
@@ -174,7 +174,7 @@ def frequency_arrays(num_keys: int, capacity: int) -> tuple[np.ndarray, np.ndarr
 class LFU(Policy):
     name = "lfu"
     step = lfu_step
-    state_fields = ("count_K", "heap", "pos_K", "init_K", "miss", "meta")
+    state_fields = ("count_G", "heap", "pos_G", "init_G", "miss", "meta")
     defaults = {"reset_per_request": False, "init_counts": None}
 
     def __init__(self, **params):
@@ -190,13 +190,13 @@ class LFU(Policy):
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
         if self.params["init_counts"] is None:
-            init_K = np.zeros(n, np.int64)
+            init_G = np.zeros(n, np.int64)
         else:  # loaded once per policy instance and model shape (a sweep replays many capacities)
             shape = (trace.num_layers, trace.num_experts)
             cached = self.__dict__.setdefault("_init_counts", {})
             if shape not in cached:
                 cached[shape] = load_init_counts(self.params["init_counts"], trace)
-            init_K = cached[shape]
-        heap, pos_K, miss = frequency_arrays(n, capacity)
+            init_G = cached[shape]
+        heap, pos_G, miss = frequency_arrays(n, capacity)
         meta = np.array([0, capacity, -1, int(bool(self.params["reset_per_request"]))], np.int64)
-        return init_K.copy(), heap, pos_K, init_K, miss, meta
+        return init_G.copy(), heap, pos_G, init_G, miss, meta

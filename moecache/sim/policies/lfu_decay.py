@@ -29,7 +29,7 @@ RENORM_EXPONENT = 512  # rescale once the weight of a new use exceeds 2^512
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def decayed_weight(score_K, heap, pos_K, n, meta, x):
+def decayed_weight(score_G, heap, pos_G, n, meta, x):
     """The stored weight of a use at decay exponent x (age 1 = one halving), 2^(x - m), where
     stored scores are true scores x 2^m (m = meta[2]). Before 2^(x - m) overflows, every stored score
     (and so the heap of the n residents) is divided by the same power of two: exact, order-keeping,
@@ -38,26 +38,26 @@ def decayed_weight(score_K, heap, pos_K, n, meta, x):
     e = np.int64(q) - meta[2]
     if e > RENORM_EXPONENT:
         f = 2.0 ** (-e)
-        for k in range(score_K.shape[0]):
-            score_K[k] *= f
+        for k in range(score_G.shape[0]):
+            score_G[k] *= f
         meta[2] += e
         e = 0
-        _heap.heapify(heap, pos_K, score_K, n)  # underflow may have made unequal scores equal
+        _heap.heapify(heap, pos_G, score_G, n)  # underflow may have made unequal scores equal
     return 2.0 ** (x - q) * 2.0**e
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    score_K, heap, pos_K, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
+def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    score_G, heap, pos_G, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
     n = meta[0]
-    w = decayed_weight(score_K, heap, pos_K, n, meta, clock / fmeta[0])  # fmeta[0]: half-life in tokens
+    w = decayed_weight(score_G, heap, pos_G, n, meta, clock / fmeta[0])  # fmeta[0]: half-life in tokens
     nm = 0
     best = -1
     for i in range(key_U.shape[0]):
         k = key_U[i]
-        score_K[k] += uses_U[i] * w
-        nm, best = note_use(heap, pos_K, score_K, n, miss, nm, best, k)
-    n, na, ne = settle(heap, pos_K, score_K, n, meta[1], miss, nm, best, admit_out, evict_out)
+        score_G[k] += uses_U[i] * w
+        nm, best = note_use(heap, pos_G, score_G, n, miss, nm, best, k)
+    n, na, ne = settle(heap, pos_G, score_G, n, meta[1], miss, nm, best, admit_out, evict_out)
     meta[0] = n
     return na, ne
 
@@ -66,7 +66,7 @@ def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, 
 class LFUDecay(Policy):
     name = "lfu_decay"
     step = lfu_decay_step
-    state_fields = ("score_K", "heap", "pos_K", "miss", "meta", "fmeta")
+    state_fields = ("score_G", "heap", "pos_G", "miss", "meta", "fmeta")
     defaults = {"half_life_tokens": 128}
 
     def __init__(self, **params):
@@ -77,7 +77,7 @@ class LFUDecay(Policy):
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
-        heap, pos_K, miss = frequency_arrays(n, capacity)
+        heap, pos_G, miss = frequency_arrays(n, capacity)
         meta = np.array([0, capacity, 0], np.int64)
         fmeta = np.array([float(self.params["half_life_tokens"])], np.float64)
-        return np.zeros(n, np.float64), heap, pos_K, miss, meta, fmeta
+        return np.zeros(n, np.float64), heap, pos_G, miss, meta, fmeta

@@ -20,23 +20,23 @@ from moecache.sim.policy import register
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def lfu_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    count_K, heap, pos_K, miss, off_L, held_L, layer_K = state
+def lfu_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    count_G, heap, pos_G, miss, off_L, held_L, layer_G = state
     na = 0
     ne = 0
     if key_U.shape[0] > 0:
-        layer = layer_K[key_U[0]]  # every key of a layer step belongs to its layer
+        layer = layer_G[key_U[0]]  # every key of a layer step belongs to its layer
         lo = off_L[layer]
         hi = off_L[layer + 1]
-        h = heap[lo:hi]  # the layer's heap; pos_K holds positions within it
+        h = heap[lo:hi]  # the layer's heap; pos_G holds positions within it
         n = held_L[layer]
         nm = 0
         best = -1
         for i in range(key_U.shape[0]):
             k = key_U[i]
-            count_K[k] += uses_U[i]
-            nm, best = note_use(h, pos_K, count_K, n, miss, nm, best, k)
-        n, na, ne = settle(h, pos_K, count_K, n, hi - lo, miss, nm, best, admit_out, evict_out)
+            count_G[k] += uses_U[i]
+            nm, best = note_use(h, pos_G, count_G, n, miss, nm, best, k)
+        n, na, ne = settle(h, pos_G, count_G, n, hi - lo, miss, nm, best, admit_out, evict_out)
         held_L[layer] = n
     return na, ne
 
@@ -45,7 +45,7 @@ def lfu_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident
 class LFUPerLayer(PerLayerPolicy):
     name = "lfu_per_layer"
     step = lfu_per_layer_step
-    state_fields = ("count_K", "heap", "pos_K", "miss", "off_L", "held_L", "layer_K")
+    state_fields = ("count_G", "heap", "pos_G", "miss", "off_L", "held_L", "layer_G")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers

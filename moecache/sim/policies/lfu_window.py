@@ -24,8 +24,8 @@ from moecache.sim.policy import Policy, register
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def lfu_window_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    count_K, heap, pos_K, miss, ring_key, ring_uses, ring_t, meta = state
+def lfu_window_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    count_G, heap, pos_G, miss, ring_key, ring_uses, ring_t, meta = state
     # meta: [held, capacity, window, ring head, ring length]
     n = meta[0]
     size = ring_key.shape[0]
@@ -34,9 +34,9 @@ def lfu_window_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K,
     oldest = clock - meta[2]  # uses at t <= oldest have left the window
     while length > 0 and ring_t[head] <= oldest:
         k = ring_key[head]
-        count_K[k] -= ring_uses[head]
-        if pos_K[k] >= 0:
-            _heap.decreased(heap, pos_K, count_K, k)
+        count_G[k] -= ring_uses[head]
+        if pos_G[k] >= 0:
+            _heap.decreased(heap, pos_G, count_G, k)
         head += 1
         if head == size:
             head = 0
@@ -51,17 +51,17 @@ def lfu_window_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K,
     for i in range(key_U.shape[0]):
         k = key_U[i]
         u = uses_U[i]
-        count_K[k] += u
+        count_G[k] += u
         ring_key[tail] = k
         ring_uses[tail] = u
         ring_t[tail] = clock
         tail += 1
         if tail == size:
             tail = 0
-        nm, best = note_use(heap, pos_K, count_K, n, miss, nm, best, k)
+        nm, best = note_use(heap, pos_G, count_G, n, miss, nm, best, k)
     meta[3] = head
     meta[4] = length + key_U.shape[0]
-    n, na, ne = settle(heap, pos_K, count_K, n, meta[1], miss, nm, best, admit_out, evict_out)
+    n, na, ne = settle(heap, pos_G, count_G, n, meta[1], miss, nm, best, admit_out, evict_out)
     meta[0] = n
     return na, ne
 
@@ -70,7 +70,7 @@ def lfu_window_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K,
 class LFUWindow(Policy):
     name = "lfu_window"
     step = lfu_window_step
-    state_fields = ("count_K", "heap", "pos_K", "miss", "ring_key", "ring_uses", "ring_t", "meta")
+    state_fields = ("count_G", "heap", "pos_G", "miss", "ring_key", "ring_uses", "ring_t", "meta")
     defaults = {"window_tokens": 1024}
 
     def __init__(self, **params):
@@ -86,9 +86,9 @@ class LFUWindow(Policy):
         # token and layer); the current one <= num_experts per layer.
         bound = trace.num_layers * (trace.top_k * (w - 1) + trace.num_experts)
         size = max(1, min(bound, trace.num_accesses))
-        heap, pos_K, miss = frequency_arrays(n, capacity)
+        heap, pos_G, miss = frequency_arrays(n, capacity)
         meta = np.array([0, capacity, w, 0, 0], np.int64)
         return (
-            np.zeros(n, np.int64), heap, pos_K, miss,
+            np.zeros(n, np.int64), heap, pos_G, miss,
             np.zeros(size, np.int32), np.zeros(size, np.int32), np.zeros(size, np.int64), meta,
         )  # fmt: skip

@@ -46,29 +46,29 @@ from moecache.sim.policy import Policy, register
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    # meta: [held, capacity, scale exponent m]; admitted_at_K: a0 of the step that last admitted k
-    score_K, heap, pos_K, miss, admitted_at_K, meta, fmeta = state
+def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    # meta: [held, capacity, scale exponent m]; admitted_at_G: a0 of the step that last admitted k
+    score_G, heap, pos_G, miss, admitted_at_G, meta, fmeta = state
     n = meta[0]
     cap = meta[1]
-    w = decayed_weight(score_K, heap, pos_K, n, meta, fmeta[0] * clock)  # fmeta[0]: lambda_
+    w = decayed_weight(score_G, heap, pos_G, n, meta, fmeta[0] * clock)  # fmeta[0]: lambda_
     nm = 0
     best = -1.0  # unused: always-admit needs no "can any miss win" test
     for i in range(key_U.shape[0]):  # every CRF first (hits sift down), misses kept in router order
         k = key_U[i]
-        score_K[k] += uses_U[i] * w
-        nm, best = note_use(heap, pos_K, score_K, n, miss, nm, best, k)
+        score_G[k] += uses_U[i] * w
+        nm, best = note_use(heap, pos_G, score_G, n, miss, nm, best, k)
     na = 0
     ne = 0
     if cap > 0:
         for j in range(nm):
             m = miss[j]
             if n < cap:
-                n = _heap.push(heap, pos_K, score_K, n, m)
+                n = _heap.push(heap, pos_G, score_G, n, m)
             else:  # the victim is the heap's top: smallest CRF, then largest key
-                v = _heap.replace_top(heap, pos_K, score_K, n, m)
-                na, ne = cancel_or_evict(admit_out, na, evict_out, ne, admitted_at_K, a0, v)
-            admitted_at_K[m] = a0
+                v = _heap.replace_top(heap, pos_G, score_G, n, m)
+                na, ne = cancel_or_evict(admit_out, na, evict_out, ne, admitted_at_G, a0, v)
+            admitted_at_G[m] = a0
             admit_out[na] = m
             na += 1
     meta[0] = n
@@ -79,7 +79,7 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit
 class LRFU(Policy):
     name = "lrfu"
     step = lrfu_step
-    state_fields = ("score_K", "heap", "pos_K", "miss", "admitted_at_K", "meta", "fmeta")
+    state_fields = ("score_G", "heap", "pos_G", "miss", "admitted_at_G", "meta", "fmeta")
     defaults = {"lambda_": 0.01}
 
     def __init__(self, **params):
@@ -90,8 +90,8 @@ class LRFU(Policy):
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
-        heap, pos_K, miss = frequency_arrays(n, capacity)
-        admitted_at_K = np.full(n, -1, np.int64)
+        heap, pos_G, miss = frequency_arrays(n, capacity)
+        admitted_at_G = np.full(n, -1, np.int64)
         meta = np.array([0, capacity, 0], np.int64)
         fmeta = np.array([float(self.params["lambda_"])], np.float64)
-        return np.zeros(n, np.float64), heap, pos_K, miss, admitted_at_K, meta, fmeta
+        return np.zeros(n, np.float64), heap, pos_G, miss, admitted_at_G, meta, fmeta

@@ -15,30 +15,30 @@ from moecache.sim.policy import Policy, register
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _unlink(prev_K, next_K, k):
-    p, n = prev_K[k], next_K[k]
-    next_K[p] = n
-    prev_K[n] = p
+def _unlink(prev_G, next_G, k):
+    p, n = prev_G[k], next_G[k]
+    next_G[p] = n
+    prev_G[n] = p
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _push_front(prev_K, next_K, head, k):
-    first = next_K[head]
-    prev_K[k] = head
-    next_K[k] = first
-    prev_K[first] = k
-    next_K[head] = k
+def _push_front(prev_G, next_G, head, k):
+    first = next_G[head]
+    prev_G[k] = head
+    next_G[k] = first
+    prev_G[first] = k
+    next_G[head] = k
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def lru_update(prev_K, next_K, admitted_at_K, head, held, cap, key_U, hit_U, a0, admit_out, evict_out):
+def lru_update(prev_G, next_G, admitted_at_G, head, held, cap, key_U, hit_U, a0, admit_out, evict_out):
     """One step of LRU over the list behind sentinel `head` holding `held` of `cap` slots: the step's
     hits move to the front (in access order), then each miss is admitted at the front, evicting the
     back when full. Returns (held, n_admit, n_evict)."""
     for i in range(key_U.shape[0]):
         if hit_U[i]:
-            _unlink(prev_K, next_K, key_U[i])
-            _push_front(prev_K, next_K, head, key_U[i])
+            _unlink(prev_G, next_G, key_U[i])
+            _push_front(prev_G, next_G, head, key_U[i])
     n_admit = 0
     n_evict = 0
     if cap == 0:
@@ -48,25 +48,25 @@ def lru_update(prev_K, next_K, admitted_at_K, head, held, cap, key_U, hit_U, a0,
             continue
         k = key_U[i]
         if held == cap:
-            victim = prev_K[head]
-            _unlink(prev_K, next_K, victim)
+            victim = prev_G[head]
+            _unlink(prev_G, next_G, victim)
             held -= 1
             n_admit, n_evict = cancel_or_evict(
-                admit_out, n_admit, evict_out, n_evict, admitted_at_K, a0, victim
+                admit_out, n_admit, evict_out, n_evict, admitted_at_G, a0, victim
             )
-        _push_front(prev_K, next_K, head, k)
+        _push_front(prev_G, next_G, head, k)
         held += 1
-        admitted_at_K[k] = a0
+        admitted_at_G[k] = a0
         admit_out[n_admit] = k
         n_admit += 1
     return held, n_admit, n_evict
 
 
 @nb.njit(_nrt=False)
-def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    prev_K, next_K, admitted_at_K, meta = state  # meta: [head sentinel, keys holding a slot, capacity]
+def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    prev_G, next_G, admitted_at_G, meta = state  # meta: [head sentinel, keys holding a slot, capacity]
     held, n_admit, n_evict = lru_update(
-        prev_K, next_K, admitted_at_K, meta[0], meta[1], meta[2], key_U, hit_U, a0, admit_out, evict_out
+        prev_G, next_G, admitted_at_G, meta[0], meta[1], meta[2], key_U, hit_U, a0, admit_out, evict_out
     )
     meta[1] = held
     return n_admit, n_evict
@@ -76,11 +76,11 @@ def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_
 class LRU(Policy):
     name = "lru"
     step = lru_step
-    state_fields = ("prev_K", "next_K", "admitted_at_K", "meta")
+    state_fields = ("prev_G", "next_G", "admitted_at_G", "meta")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
-        prev_K = np.full(n + 1, n, np.int64)  # index n is the list's head sentinel
-        next_K = np.full(n + 1, n, np.int64)
-        admitted_at_K = np.full(n, -1, np.int64)
-        return prev_K, next_K, admitted_at_K, np.array([n, 0, capacity], np.int64)
+        prev_G = np.full(n + 1, n, np.int64)  # index n is the list's head sentinel
+        next_G = np.full(n + 1, n, np.int64)
+        admitted_at_G = np.full(n, -1, np.int64)
+        return prev_G, next_G, admitted_at_G, np.array([n, 0, capacity], np.int64)

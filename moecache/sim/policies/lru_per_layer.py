@@ -105,15 +105,15 @@ def check_split(policy: str, split) -> str:
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def lru_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
-    prev_K, next_K, admitted_at_K, held_L, budget_L, meta = state  # meta: [num_experts, num_keys]
+def lru_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    prev_G, next_G, admitted_at_G, held_L, budget_L, meta = state  # meta: [num_experts, num_keys]
     n_admit = 0
     n_evict = 0
     if key_U.shape[0] > 0:
         layer = key_U[0] // meta[0]  # every key of a layer step belongs to its layer
         head = meta[1] + layer  # the layer's list sentinel
         held_L[layer], n_admit, n_evict = lru_update(
-            prev_K, next_K, admitted_at_K, head, held_L[layer], budget_L[layer], key_U, hit_U, a0,
+            prev_G, next_G, admitted_at_G, head, held_L[layer], budget_L[layer], key_U, hit_U, a0,
             admit_out, evict_out,
         )  # fmt: skip
     return n_admit, n_evict
@@ -136,18 +136,18 @@ class PerLayerPolicy(Policy):
 class LRUPerLayer(PerLayerPolicy):
     name = "lru_per_layer"
     step = lru_per_layer_step
-    state_fields = ("prev_K", "next_K", "admitted_at_K", "held_L", "budget_L", "meta")
+    state_fields = ("prev_G", "next_G", "admitted_at_G", "held_L", "budget_L", "meta")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers
         sentinels = n + np.arange(layers)  # index n + l is layer l's list sentinel
-        prev_K = np.zeros(n + layers, np.int64)
-        next_K = np.zeros(n + layers, np.int64)
-        prev_K[sentinels] = sentinels
-        next_K[sentinels] = sentinels
+        prev_G = np.zeros(n + layers, np.int64)
+        next_G = np.zeros(n + layers, np.int64)
+        prev_G[sentinels] = sentinels
+        next_G[sentinels] = sentinels
         return (
-            prev_K,
-            next_K,
+            prev_G,
+            next_G,
             np.full(n, -1, np.int64),
             np.zeros(layers, np.int64),
             self.budgets(trace, capacity),

@@ -16,13 +16,13 @@ from moecache.sim.policy import Policy, register
 
 
 @nb.njit(_nrt=False)
-def static_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out):
+def static_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
     return 0, 0
 
 
-def top_keys(count_K: np.ndarray, capacity: int) -> np.ndarray:
+def top_keys(count_G: np.ndarray, capacity: int) -> np.ndarray:
     """The `capacity` best keys by (-count, key), as int32."""
-    order = np.lexsort((np.arange(len(count_K)), -count_K))
+    order = np.lexsort((np.arange(len(count_G)), -count_G))
     return np.sort(order[:capacity]).astype(np.int32)
 
 

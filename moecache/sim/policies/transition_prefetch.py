@@ -67,9 +67,9 @@ def _contains(arr, n, k):
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def transition_prefetch_step(
-    state, key_U, uses_U, hit_U, a0, clock, request, resident_K, admit_out, evict_out
+    state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out
 ):  # fmt: skip
-    count_K, heap, pos_K, miss, trans, succ, prev_E, p_E, cand, pf, meta, fmeta = state
+    count_G, heap, pos_G, miss, trans, succ, prev_E, p_E, cand, pf, meta, fmeta = state
     n = meta[HELD]
     cap = meta[CAP]
     E = meta[NUM_E]
@@ -79,9 +79,9 @@ def transition_prefetch_step(
     best = -1
     for i in range(nu):
         k = key_U[i]
-        count_K[k] += uses_U[i]
-        nm, best = note_use(heap, pos_K, count_K, n, miss, nm, best, k)
-    n, na, ne = settle(heap, pos_K, count_K, n, cap, miss, nm, best, admit_out, evict_out)
+        count_G[k] += uses_U[i]
+        nm, best = note_use(heap, pos_G, count_G, n, miss, nm, best, k)
+    n, na, ne = settle(heap, pos_G, count_G, n, cap, miss, nm, best, admit_out, evict_out)
     if nu > 0:
         layer = key_U[0] // E
         base = layer * E
@@ -131,7 +131,7 @@ def transition_prefetch_step(
             nxt = base + E
             nf = 0  # skip the keys held now (after the demand admissions), before any prefetch
             for c in range(nc):
-                if pos_K[nxt + cand[c]] < 0:
+                if pos_G[nxt + cand[c]] < 0:
                     cand[nf] = cand[c]
                     nf += 1
             npf = 0
@@ -140,13 +140,13 @@ def transition_prefetch_step(
                 k = nxt + cand[c]
                 c += 1
                 if n < cap:
-                    n = _heap.push(heap, pos_K, count_K, n, k)
+                    n = _heap.push(heap, pos_G, count_G, n, k)
                 else:
                     v = heap[0] if n > 0 else -1
                     if v < 0 or _contains(key_U, nu, v) or _contains(pf, npf, v):
                         c = nf  # stop prefetching for this step
                         continue
-                    _heap.replace_top(heap, pos_K, count_K, n, k)
+                    _heap.replace_top(heap, pos_G, count_G, n, k)
                     evict_out[ne] = v
                     ne += 1
                 pf[npf] = k
@@ -174,9 +174,9 @@ class TransitionPrefetch(Policy):
     name = "transition_prefetch"
     step = transition_prefetch_step
     state_fields = (
-        "count_K",
+        "count_G",
         "heap",
-        "pos_K",
+        "pos_G",
         "miss",
         "trans",
         "succ",
@@ -209,16 +209,16 @@ class TransitionPrefetch(Policy):
     def init_state(self, trace, capacity: int) -> tuple:
         L, E = trace.num_layers, trace.num_experts
         n = trace.num_keys
-        heap, pos_K, miss = frequency_arrays(n, capacity)
+        heap, pos_G, miss = frequency_arrays(n, capacity)
         width = max(min(int(self.params["top"]), E), 1)
         meta = np.array(
             [0, capacity, E, L, -2, -1, -1, 0, int(self.params["top"]), int(self.params["budget"])], np.int64
         )
         fmeta = np.array([float(self.params["min_probability"])], np.float64)
         return (
-            np.zeros(n, np.int64),  # count_K
+            np.zeros(n, np.int64),  # count_G
             heap,
-            pos_K,
+            pos_G,
             miss,
             np.zeros(L * E * E, np.int64),  # trans: A[n, i, j] at (n * E + i) * E + j
             np.zeros(n, np.int64),  # succ: N[n, i] at n * E + i
