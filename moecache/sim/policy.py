@@ -51,7 +51,8 @@ class Policy:
     # caching's compulsory misses; the demand-only properties of the tests skip it.
     prefetches: ClassVar[bool] = False
     # True: `init_state` reads the whole trace to be replayed (its future: Belady, hindsight static), so
-    # the policy exists only in the simulator; an online policy needs only the trace's shape there.
+    # the policy exists only in the simulator (the runtime refuses it); an online policy needs only the
+    # model's shape (a ModelShape, moecache/sim/shape.py).
     offline: ClassVar[bool] = False
     # The replay's CostModel (set by `bind_cost`; the simulator binds it before every replay). A policy
     # that weighs CPU, GPU or copy time reads it in `init_state` through `require_cost`.
@@ -85,7 +86,10 @@ class Policy:
         return self.cost
 
     def init_state(self, trace, capacity: int) -> tuple:
-        """Fresh state for replaying `trace` (a TraceArrays) with `capacity` slots."""
+        """Fresh state for `capacity` slots. An online policy reads only the model's shape from `trace`
+        (num_layers, num_experts, top_k, expert_bytes, num_keys): the runtime passes a
+        `moecache.sim.shape.ModelShape`, the simulator the TraceArrays it replays. Only an `offline`
+        policy may read the trace's accesses."""
         raise NotImplementedError
 
     def initial_residents(self, state: tuple, trace, capacity: int) -> np.ndarray:

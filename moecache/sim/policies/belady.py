@@ -142,6 +142,9 @@ def warm_residents(first_G: np.ndarray, capacity: int) -> np.ndarray:
 
 @register
 class Belady(Policy):
+    """Offline: `init_state` needs the whole trace to be replayed (every key's next use), so this
+    policy runs only in the simulator; the runtime refuses it."""
+
     name = "belady"
     step = belady_step
     offline = True  # init_state reads the future of the replayed trace

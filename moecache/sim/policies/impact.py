@@ -343,7 +343,9 @@ class Impact(Policy):
     def init_state(self, trace, capacity: int) -> tuple:
         cost = self.require_cost()
         sav_M = np.ascontiguousarray(cost.cpu_table() - cost.gpu_table(), np.float64)
-        if trace.num_accesses and int(trace.uses_A.max()) > len(sav_M) - 1:
+        # The simulator checks the replayed trace's largest call; the runtime (a ModelShape) has none.
+        uses_A = getattr(trace, "uses_A", None)
+        if uses_A is not None and len(uses_A) and int(uses_A.max()) > len(sav_M) - 1:
             raise MoecacheError(
                 f"policy impact: the cost model's tables stop at {len(sav_M) - 1} tokens per call, trace"
                 f" {trace.name} has a call of {int(trace.uses_A.max())}; build it with CostModel.for_trace"

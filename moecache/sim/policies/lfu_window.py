@@ -85,7 +85,10 @@ class LFUWindow(Policy):
         # In-window uses: the forwards before the current one hold < w tokens (<= top_k experts per
         # token and layer); the current one <= num_experts per layer.
         bound = trace.num_layers * (trace.top_k * (w - 1) + trace.num_experts)
-        size = max(1, min(bound, trace.num_accesses))
+        # A replayed trace cannot hold more accesses than it has (saves memory for long windows); the
+        # runtime's ModelShape has no accesses, so the ring takes the bound.
+        accesses = getattr(trace, "num_accesses", None)
+        size = max(1, bound if accesses is None else min(bound, accesses))
         heap, pos_G, miss = frequency_arrays(n, capacity)
         meta = np.array([0, capacity, w, 0, 0], np.int64)
         return (

@@ -93,7 +93,16 @@ def layer_budgets(uses_LE, capacity: int, num_experts: int, split: str) -> np.nd
 
 
 def trace_budgets(trace, capacity: int, split: str) -> np.ndarray:
-    """layer_budgets from the uses of every key of the trace being replayed."""
+    """layer_budgets from the uses of every key of the trace being replayed. The "equal" split needs
+    only the shape (a ModelShape in the runtime); "entropy" reads the whole trace (hindsight)."""
+    if split == "equal":
+        uses_LE = np.zeros((trace.num_layers, trace.num_experts), np.int64)
+        return layer_budgets(uses_LE, capacity, trace.num_experts, split)
+    if not hasattr(trace, "key_A"):
+        raise MoecacheError(
+            f"split={split} is a hindsight split over the whole replayed trace: it exists only in the "
+            "simulator; use split=equal in the runtime"
+        )
     uses_LE = key_counts(trace).reshape(trace.num_layers, trace.num_experts)
     return layer_budgets(uses_LE, capacity, trace.num_experts, split)
 

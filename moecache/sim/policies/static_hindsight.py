@@ -28,6 +28,10 @@ def top_keys(count_G: np.ndarray, capacity: int) -> np.ndarray:
 
 @register
 class StaticHindsight(Policy):
+    """Offline: `init_state` needs the whole trace to be replayed (its per-key counts), so this policy
+    runs only in the simulator; the runtime refuses it (static_cold, or lfu with init_counts from an
+    earlier trace, are the online statics)."""
+
     name = "static_hindsight"
     cold_start = False
     step = static_step

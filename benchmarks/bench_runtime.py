@@ -1,0 +1,331 @@
+"""The runtime core's own costs: copy bandwidth of the transfer engine, copies overlapping compute, the
+cache manager's time per layer visit, and pinning a store of N experts.
+
+Sections (each skipped, with the reason printed, where the device cannot run it):
+- copy: one expert (Qwen3.6: H 2048, I 512, bf16 = 6 MiB) and a burst of 8 through the transfer engine
+  (device time between the copy's start and ready events; burst: first start to last ready) against
+  raw `copy_(non_blocking=True)`s of pinned 6 MiB buffers on a side stream (one, and eight in a row).
+  CUDA only.
+- overlap: a compute kernel (bf16 matmuls on the compute stream) timed alone and while the engine copies
+  `--overlap-copies` experts on its stream. CUDA only.
+- manager: `CacheManager.visit` per layer visit at the Qwen3.6 shape (40 x 256 experts, top-8,
+  capacity 2048, policy --policy) on synthetic skewed routing, warmed first; with routing already on
+  the host, and (CUDA) with the routing read back from the device (the hot path's one read-back).
+  The store's experts are small here (--manager-h/--manager-i): only the manager's time is measured.
+- store: allocate and fill a store of --store-experts Qwen3.6-sized experts (40*256 = 10240 is the full
+  60 GiB model; the H200 host has 128 GiB), then one cudaHostRegister; its time and the peak RSS.
+
+    python benchmarks/bench_runtime.py [--device auto|cuda|standin] [--store-experts 10240] [--reps 50]
+
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import numpy as np
+import torch
+
+from moecache.runtime.device import make_device
+from moecache.runtime.expert_store import ExpertStore
+from moecache.runtime.manager import CacheManager
+from moecache.runtime.slot_pool import SlotPool
+from moecache.runtime.transfer import TransferEngine
+
+H, INTER, DTYPE = 2048, 512, torch.bfloat16  # Qwen3.6-35B-A3B routed expert
+EXPERT_BYTES = 3 * H * INTER * 2
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def filled_store(num_layers: int, num_experts: int, hidden: int, inter: int) -> ExpertStore:
+    store = ExpertStore.allocate(num_layers, num_experts, hidden, inter, DTYPE)
+    for layer in range(num_layers):  # layer by layer: no temporary beyond one layer's rows
+        rows = slice(layer * num_experts, (layer + 1) * num_experts)
+        store.w13_GIH[rows].normal_()
+        store.w2_GHI[rows].normal_()
+    return store
+
+
+# ---- copy bandwidth ----------------------------------------------------------------------------
+
+
+def bench_copy(device, reps: int) -> dict:
+    store = filled_store(1, 64, H, INTER)
+    store.pin("strict")
+    pool = SlotPool.for_store(device, 8, store)
+    engine = TransferEngine(device, store, pool)
+    raw_src = torch.empty((8, EXPERT_BYTES), dtype=torch.uint8, pin_memory=True)
+    raw_dst = torch.empty((8, EXPERT_BYTES), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    one_us, burst_us, raw_us, raw_burst_us = [], [], [], []
+    for rep in range(reps + 3):
+        torch.cuda.synchronize()
+        copy = engine.enqueue(rep % 64, 0)
+        torch.cuda.synchronize()
+        copy.observe()
+        torch.cuda.synchronize()
+        copies = [engine.enqueue((rep * 8 + j) % 64, j) for j in range(8)]
+        torch.cuda.synchronize()
+        for c in copies:
+            c.observe()
+        burst = copies[0].start_event.event.elapsed_time(copies[-1].ready_event.event) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        burst_start, burst_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            raw_dst[0].copy_(raw_src[0], non_blocking=True)
+            end.record()
+            burst_start.record()
+            for j in range(8):  # eight separate 6 MiB copies, as the engine issues them
+                raw_dst[j].copy_(raw_src[j], non_blocking=True)
+            burst_end.record()
+        torch.cuda.synchronize()
+        if rep >= 3:  # warm-up
+            one_us.append(copy.duration_ns / 1e3)
+            burst_us.append(burst)
+            raw_us.append(start.elapsed_time(end) * 1e3)
+            raw_burst_us.append(burst_start.elapsed_time(burst_end) * 1e3)
+    one, burst, raw, raw_burst = (float(np.median(x)) for x in (one_us, burst_us, raw_us, raw_burst_us))
+    gbps = lambda nbytes, us: nbytes / us / 1e3  # noqa: E731
+    return {
+        "expert_bytes": EXPERT_BYTES,
+        "engine_one_us": one,
+        "engine_one_GBps": gbps(EXPERT_BYTES, one),
+        "engine_burst8_us": burst,
+        "engine_burst8_GBps": gbps(8 * EXPERT_BYTES, burst),
+        "raw_one_us": raw,
+        "raw_one_GBps": gbps(EXPERT_BYTES, raw),
+        "raw_burst8_us": raw_burst,
+        "raw_burst8_GBps": gbps(8 * EXPERT_BYTES, raw_burst),
+        "engine_one_over_raw": raw / one,
+        "engine_burst8_over_raw": raw_burst / burst,
+    }
+
+
+# ---- overlap -----------------------------------------------------------------------------------
+
+
+def bench_overlap(device, reps: int, copies: int) -> dict:
+    store = filled_store(1, max(copies, 8), H, INTER)
+    store.pin("strict")
+    pool = SlotPool.for_store(device, copies, store)
+    engine = TransferEngine(device, store, pool)
+    a = torch.randn(4096, 4096, device="cuda", dtype=DTYPE)
+
+    def compute_us(with_copies: bool) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if with_copies:
+            for j in range(copies):
+                engine.enqueue(j, j)
+        x = a
+        for _ in range(20):
+            x = x @ a
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    for _ in range(3):
+        compute_us(False), compute_us(True)
+    alone = [compute_us(False) for _ in range(reps)]
+    overlapped = [compute_us(True) for _ in range(reps)]
+    return {
+        "copies": copies,
+        "compute_alone_us": float(np.median(alone)),
+        "compute_with_copies_us": float(np.median(overlapped)),
+        "slowdown": float(np.median(overlapped) / np.median(alone)),
+    }
+
+
+# ---- manager -----------------------------------------------------------------------------------
+
+
+def skewed_routing(rng, num_layers: int, num_experts: int, top_k: int, tokens: int) -> np.ndarray:
+    """int64 [tokens, L, 1, K]: expert e with probability proportional to 1 / (e + 8) (bench_step.py)."""
+    p = 1.0 / (np.arange(num_experts) + 8.0)
+    p /= p.sum()
+    out = np.empty((tokens, num_layers, 1, top_k), np.int64)
+    for t in range(tokens):
+        for layer in range(num_layers):
+            out[t, layer, 0] = rng.choice(num_experts, top_k, replace=False, p=p)
+    return out
+
+
+def bench_manager(device, args) -> dict:
+    L, E, K = args.layers, args.experts, args.top_k
+    store = filled_store(L, E, args.manager_h, args.manager_i)
+    if device.is_cuda:
+        store.pin("auto")
+    manager = CacheManager.from_policy(store, device, args.capacity, args.policy, top_k=K)
+    rng = np.random.default_rng(0)
+    routing = skewed_routing(rng, L, E, K, args.warm_tokens + args.tokens)
+    device_routing = torch.as_tensor(routing).to(device.torch_device) if device.is_cuda else None
+    clock = time.perf_counter_ns
+    host_ns, readback_ns = [], []
+    for t in range(routing.shape[0]):
+        for layer in range(L):
+            t0 = clock()
+            manager.visit(layer, routing[t, layer])
+            t1 = clock()
+            if t >= args.warm_tokens:
+                host_ns.append(t1 - t0)
+    if device_routing is not None:
+        manager.reset()
+        torch.cuda.synchronize()
+        for t in range(routing.shape[0]):
+            for layer in range(L):
+                ids = device_routing[t, layer]
+                t0 = clock()
+                manager.visit(layer, ids)
+                t1 = clock()
+                if t >= args.warm_tokens:
+                    readback_ns.append(t1 - t0)
+    s = manager.stats
+    out = {
+        "policy": args.policy,
+        "shape": [L, E, K],
+        "capacity": manager.capacity,
+        "visits_timed": len(host_ns),
+        "host_routing_median_us": float(np.median(host_ns)) / 1e3,
+        "host_routing_p90_us": float(np.percentile(host_ns, 90)) / 1e3,
+        "hit_rate": s.hits / max(1, s.hits + s.misses),
+    }
+    if readback_ns:
+        out["device_routing_median_us"] = float(np.median(readback_ns)) / 1e3
+        out["device_routing_p90_us"] = float(np.percentile(readback_ns, 90)) / 1e3
+    return out
+
+
+# ---- store -------------------------------------------------------------------------------------
+
+
+def bench_store(num_experts: int, fill: str) -> dict:
+    E = 256
+    layers = -(-num_experts // E)
+    rss0 = peak_rss_bytes()
+    t0 = time.perf_counter()
+    store = ExpertStore.allocate(layers, E, H, INTER, DTYPE) if num_experts % E == 0 else None
+    if store is None:
+        raise SystemExit("--store-experts must be a multiple of 256 (whole Qwen3.6 layers)")
+    if fill == "random":
+        store = filled_store(layers, E, H, INTER)
+    else:  # touch every page (memset speed), as loading a checkpoint does
+        store.flat_GB.fill_(1)
+    fill_s = time.perf_counter() - t0
+    pinned = store.pin("auto")
+    out = {
+        "experts": num_experts,
+        "bytes": store.nbytes,
+        "fill": fill,
+        "fill_seconds": fill_s,
+        "pinned": pinned,
+        "register_seconds": store.register_seconds,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_before_bytes": rss0,
+        "rss_over_store": (peak_rss_bytes() - rss0) / store.nbytes,
+    }
+    store.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "standin"])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--overlap-copies", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--capacity", default="2048")
+    ap.add_argument("--policy", default="lfu")
+    ap.add_argument("--warm-tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--manager-h", type=int, default=64)
+    ap.add_argument("--manager-i", type=int, default=32)
+    ap.add_argument(
+        "--store-experts", type=int, default=1024, help="0 skips; 10240 = all of Qwen3.6 (60 GiB)"
+    )
+    ap.add_argument("--store-fill", default="constant", choices=["constant", "random"])
+    ap.add_argument("--sections", default="copy,overlap,manager,store")
+    args = ap.parse_args()
+    device = make_device(args.device)
+    sections = set(args.sections.split(","))
+    result: dict = {"bench": "runtime", "device": device.name, "args": vars(args)}
+    if device.is_cuda:
+        result["gpu"] = torch.cuda.get_device_name()
+    skipped = {}
+    if "copy" in sections:
+        if device.is_cuda:
+            result["copy"] = bench_copy(device, args.reps)
+        else:
+            skipped["copy"] = "needs CUDA"
+    if "overlap" in sections:
+        if device.is_cuda:
+            result["overlap"] = bench_overlap(device, args.reps, args.overlap_copies)
+        else:
+            skipped["overlap"] = "needs CUDA"
+    if "manager" in sections:
+        result["manager"] = bench_manager(device, args)
+    if "store" in sections and args.store_experts:
+        result["store"] = bench_store(args.store_experts, args.store_fill)
+    result["skipped"] = skipped
+    print_table(result)
+    print(json.dumps(result))
+
+
+def print_table(r: dict) -> None:
+    print(f"runtime benchmark on {r.get('gpu', r['device'])}")
+    print(f"{'measure':<52} | {'value':>14}")
+    rows = []
+    if "copy" in r:
+        c = r["copy"]
+        rows += [
+            ("engine: one 6 MiB expert (us, GB/s)", f"{c['engine_one_us']:.1f}, {c['engine_one_GBps']:.1f}"),
+            ("engine: burst of 8 (us, GB/s)", f"{c['engine_burst8_us']:.1f}, {c['engine_burst8_GBps']:.1f}"),
+            ("raw pinned copy, one expert (us, GB/s)", f"{c['raw_one_us']:.1f}, {c['raw_one_GBps']:.1f}"),
+            (
+                "raw pinned copies, burst of 8 (us, GB/s)",
+                f"{c['raw_burst8_us']:.1f}, {c['raw_burst8_GBps']:.1f}",
+            ),
+            (
+                "engine / raw bandwidth: one, burst of 8",
+                f"{c['engine_one_over_raw']:.3f}, {c['engine_burst8_over_raw']:.3f}",
+            ),
+        ]
+    if "overlap" in r:
+        o = r["overlap"]
+        rows += [
+            ("compute alone (us)", f"{o['compute_alone_us']:.1f}"),
+            (f"compute while copying {o['copies']} experts (us)", f"{o['compute_with_copies_us']:.1f}"),
+        ]
+    if "manager" in r:
+        m = r["manager"]
+        label = f"manager visit, {m['policy']} {m['shape']} cap {m['capacity']}"
+        rows.append((label + ", host ids (us)", f"{m['host_routing_median_us']:.2f}"))
+        if "device_routing_median_us" in m:
+            rows.append((label + ", + read-back (us)", f"{m['device_routing_median_us']:.2f}"))
+        rows.append(("manager hit rate", f"{m['hit_rate']:.3f}"))
+    if "store" in r:
+        s = r["store"]
+        reg = "n/a" if s["register_seconds"] is None else f"{s['register_seconds']:.2f}"
+        rows += [
+            (f"store of {s['experts']} experts ({s['bytes'] / 2**30:.1f} GiB): register s", reg),
+            ("store: pinned", str(s["pinned"])),
+            ("store: peak RSS (GiB)", f"{s['peak_rss_bytes'] / 2**30:.2f}"),
+        ]
+    for name, why in r["skipped"].items():
+        rows.append((f"{name}: skipped", why))
+    for name, value in rows:
+        print(f"{name:<52} | {value:>14}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The offloading runtime: pinned expert store, slot pool, transfer engine and cache manager (docs/runtime.md)."""

@@ -1,0 +1,273 @@
+"""Streams, events and copies: the few device operations the runtime uses, behind one small interface.
+
+`CudaDevice` maps them onto torch.cuda streams and events. `StandinDevice` runs the same state machine
+on the CPU: slots are host tensors, and every operation is queued on a stand-in stream and executed in
+stream order only when the test lets it run (`run`, or automatically before each layer visit), so a
+test decides exactly which copies have completed when the manager queries their events.
+
+Semantics shared by both (those of CUDA):
+- operations on one stream execute in the order they were enqueued;
+- `event.record(stream)` marks the point reached by `stream`; `event.query()` says whether the stream
+  has executed everything before that point (an event never recorded counts as complete);
+- `stream.wait_event(event)` holds back everything enqueued on `stream` afterwards until `event` completes;
+- `copy(dst, src, stream)` enqueues `dst.copy_(src)` on `stream` (asynchronous from pinned host memory).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from moecache.errors import MoecacheError
+
+STANDIN_MODES = ("manual", "before_visit", "eager")
+
+
+class Device:
+    """Interface. `torch_device` is where slots and `slot_of_E` live."""
+
+    name: str
+    torch_device: torch.device
+    is_cuda: bool = False
+
+    def new_stream(self):
+        raise NotImplementedError
+
+    def compute_stream(self):
+        """The stream the model's kernels run on (the one that reads the slots)."""
+        raise NotImplementedError
+
+    def new_event(self, timing: bool = False):
+        raise NotImplementedError
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        self.copy_many(((dst, src),), stream)
+
+    def copy_many(self, pairs, stream) -> None:
+        """Enqueue `dst.copy_(src)` for each (dst, src) pair on `stream`, in order."""
+        raise NotImplementedError
+
+    def on_visit(self) -> None:
+        """Called by the cache manager before each layer visit (the stand-in may complete work here)."""
+
+    def synchronize(self) -> None:
+        """Wait for (stand-in: execute) everything enqueued on every stream."""
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------ CUDA
+
+
+class CudaEvent:
+    """A torch.cuda.Event with the interface the runtime uses; host time of record for the log."""
+
+    def __init__(self, timing: bool):
+        self.event = torch.cuda.Event(enable_timing=timing)
+        self.timing = timing
+
+    def record(self, stream) -> None:
+        self.event.record(stream.stream)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def elapsed_ns(self, start: CudaEvent) -> int | None:
+        """Device time from `start` to this event (both complete, both timing events), else None."""
+        if not (self.timing and start.timing):
+            return None
+        return int(start.event.elapsed_time(self.event) * 1e6)
+
+
+class CudaStream:
+    """`current`: the stream was the current stream when wrapped (the compute stream), so work for it
+    is enqueued without entering a stream context (which costs microseconds per entry)."""
+
+    def __init__(self, stream: torch.cuda.Stream, current: bool = False):
+        self.stream = stream
+        self.current = current
+
+    def wait_event(self, event: CudaEvent) -> None:
+        self.stream.wait_event(event.event)
+
+
+class CudaDevice(Device):
+    name = "cuda"
+    is_cuda = True
+
+    def __init__(self, index: int | None = None):
+        if not torch.cuda.is_available():
+            raise MoecacheError("runtime device cuda: torch.cuda.is_available() is false on this machine")
+        self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+    def new_stream(self) -> CudaStream:
+        return CudaStream(torch.cuda.Stream(device=self.torch_device))
+
+    def compute_stream(self) -> CudaStream:
+        """The current stream (at the time of the call): the manager's user runs its kernels there."""
+        return CudaStream(torch.cuda.current_stream(self.torch_device), current=True)
+
+    def new_event(self, timing: bool = False) -> CudaEvent:
+        return CudaEvent(timing)
+
+    def copy_many(self, pairs, stream: CudaStream) -> None:
+        if stream.current:
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            return
+        with stream.stream:  # torch.Stream's own context (C++): torch.cuda.stream() costs ~40 us here
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+
+# -------------------------------------------------------------------------------------- stand-in
+
+
+class StandinEvent:
+    """Complete until recorded; then incomplete until its stream executes the record."""
+
+    def __init__(self, device: StandinDevice, timing: bool):
+        self.device = device
+        self.timing = timing
+        self.done = True
+        self.done_ns: int | None = None
+        self.generation = 0  # records so far: a re-record invalidates the previous one
+
+    def record(self, stream: StandinStream) -> None:
+        self.generation += 1
+        generation = self.generation
+        self.done = False
+
+        def complete():
+            if self.generation == generation:
+                self.done = True
+                self.done_ns = time.monotonic_ns()
+
+        stream.enqueue(complete)
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.device.run()
+        if not self.done:
+            raise MoecacheError(
+                "stand-in device: event.synchronize() would wait forever (a stream is blocked)"
+            )
+
+    def elapsed_ns(self, start: StandinEvent) -> int | None:
+        if not (self.timing and start.timing) or self.done_ns is None or start.done_ns is None:
+            return None
+        return self.done_ns - start.done_ns
+
+
+class StandinStream:
+    """A FIFO of operations: callables, or ("wait", event) barriers."""
+
+    def __init__(self, device: StandinDevice, name: str):
+        self.device = device
+        self.name = name
+        self.ops: deque = deque()
+
+    def enqueue(self, op: Callable[[], None]) -> None:
+        self.ops.append(op)
+        if self.device.mode == "eager":
+            self.device.run()
+
+    def wait_event(self, event: StandinEvent) -> None:
+        self.ops.append(("wait", event))
+
+    def run(self, max_ops: int | None = None) -> int:
+        """Execute operations in order until empty, blocked on an incomplete event, or `max_ops` done."""
+        done = 0
+        while self.ops and (max_ops is None or done < max_ops):
+            op = self.ops[0]
+            if isinstance(op, tuple):
+                if not op[1].query():
+                    break
+                self.ops.popleft()
+                continue
+            self.ops.popleft()
+            op()
+            done += 1
+        return done
+
+
+class StandinDevice(Device):
+    """The CPU stand-in. `mode`: "manual" (work runs only when the test calls `run`), "before_visit"
+    (everything queued runs before each layer visit: every copy completes before the next visit),
+    "eager" (every operation runs when enqueued, like a synchronous device)."""
+
+    name = "standin"
+
+    def __init__(self, mode: str = "before_visit"):
+        if mode not in STANDIN_MODES:
+            raise MoecacheError(f"stand-in device mode={mode!r}: expected one of {list(STANDIN_MODES)}")
+        self.mode = mode
+        self.torch_device = torch.device("cpu")
+        self.streams: list[StandinStream] = []
+        self._compute = self.new_stream("compute")
+
+    def new_stream(self, name: str = "side") -> StandinStream:
+        stream = StandinStream(self, name)
+        self.streams.append(stream)
+        return stream
+
+    def compute_stream(self) -> StandinStream:
+        return self._compute
+
+    def new_event(self, timing: bool = False) -> StandinEvent:
+        return StandinEvent(self, timing)
+
+    def copy_many(self, pairs, stream: StandinStream) -> None:
+        for dst, src in pairs:
+            stream.enqueue(lambda dst=dst, src=src: dst.copy_(src))
+
+    def enqueue(self, stream: StandinStream, op: Callable[[], None]) -> None:
+        """Queue any host work (a test's stand-in kernel) on `stream`."""
+        stream.enqueue(op)
+
+    def run(self, stream: StandinStream | None = None, max_ops: int | None = None) -> int:
+        """Execute queued work: one stream (up to `max_ops` operations) or every stream until none
+        can progress. Returns the operations executed."""
+        if stream is not None:
+            return stream.run(max_ops)
+        total = 0
+        while True:
+            progressed = sum(s.run() for s in self.streams)
+            total += progressed
+            if not progressed:
+                return total
+
+    def pending(self) -> int:
+        return sum(len(s.ops) for s in self.streams)
+
+    def on_visit(self) -> None:
+        if self.mode == "before_visit":
+            self.run()
+
+    def synchronize(self) -> None:
+        self.run()
+        if self.pending():
+            raise MoecacheError(
+                "stand-in device: synchronize() with a stream blocked on an event that never completes"
+            )
+
+
+def make_device(name: str, **options) -> Device:
+    """ "cuda", "standin" (options: mode) or "auto" (cuda where available, else the stand-in)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "standin"
+    if name == "cuda":
+        return CudaDevice(**options)
+    if name == "standin":
+        return StandinDevice(**options)
+    raise MoecacheError(f"runtime device={name!r}: expected cuda, standin or auto")

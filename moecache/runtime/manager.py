@@ -1,0 +1,546 @@
+"""The cache manager: policy, counters, slot table, loading set and per-slot events, one layer visit at a time.
+
+Per layer visit (`visit(layer, topk_ids_TK)`, called after the router, before the layer's experts run):
+1. publication: every copy of this layer in flight whose ready event has completed (queried, never
+   waited on) makes its expert resident; the layer's mapping `slot_of_E` (int32 [E], -1 = not
+   resident) is pushed to its fixed-address device row, ordered on the compute stream before the
+   layer's kernels. Experts still loading stay -1: this visit runs them on the CPU.
+2. hits: an entry of topk_ids_TK is a hit iff its expert is in that snapshot (`hit_TK`); the others
+   go to the CPU path (`miss_experts`).
+3. the policy: the compiled visit of moecache/sim/visit.py (`visit_entry`: the same `step` the
+   simulator replays) updates the counters and returns admissions and evictions. The policy counts a
+   key that holds a slot as resident even while its copy is in flight (the timed simulator's rule).
+4. evictions forget a slot (CPU weights are never touched); admissions take a free slot and their copy
+   is enqueued at once (transfer.py), after the slot's last-use event. A slot freed by this visit's
+   eviction of an expert this very visit runs on the GPU is safe only after this layer's kernels: such
+   an admission's copy is enqueued by `commit` (below), right after those kernels.
+`commit()` (the executor calls it once the layer's GPU work is enqueued; otherwise the next visit does)
+records the compute stream's last-use event for the slots this visit read, and enqueues deferred copies.
+
+Updates are serialised by one lock. Counters and residency are session state: `reset`, `export_state`
+/ `import_state`, `warm_from_trace` (replay a trace through the policy, then load its residents).
+
+Legend: T tokens, K top-k, E experts, L layers, G global keys (layer_id * E + expert_id), U a visit's
+distinct experts (in access order), S slots.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+import torch
+
+from moecache.capacity import parse_capacity
+from moecache.errors import MoecacheError
+from moecache.runtime.slot_pool import SlotPool
+from moecache.runtime.transfer import Copy, TransferEngine
+from moecache.sim.policy import Policy, make_policy
+from moecache.sim.shape import ModelShape
+from moecache.sim.visit import visit_entry
+
+CAPACITY_KEY = "gpu_expert_capacity"
+
+
+@dataclass
+class VisitResult:
+    """What one layer visit gives the MoE layer. Arrays are the visit's own (safe to keep)."""
+
+    layer: int
+    slot_of_E: torch.Tensor  # device int32 [E]: the published snapshot (a fixed-address row)
+    snapshot_E: np.ndarray  # host int32 [E]: the same snapshot
+    hit_TK: np.ndarray  # bool: entry runs on the GPU (its expert is in the snapshot)
+    miss_experts: np.ndarray  # int64: distinct experts of the visit run on the CPU, in access order
+    admitted: np.ndarray  # int32 keys admitted by the policy at this visit
+    evicted: np.ndarray  # int32 keys evicted
+    copies: list[Copy] = field(default_factory=list)  # this visit's admissions' copies (deferred ones too)
+    # Filled by the executors (next issues): execution time of the CPU and the GPU part of the layer.
+    cpu_duration_ns: int | None = None
+    cuda_duration_ns: int | None = None
+
+    def cache_fields(self, num_experts: int) -> list[dict]:
+        """The routing record's cache columns (moecache/trace/schema.py) for each of the visit's T rows.
+        Placement changes and copy totals belong to the visit, so they are on its first row only (the
+        other rows: empty lists, null). copy_ready_ns stays null until every copy has been seen
+        complete; copy_duration_ns is null where the device does not time copies."""
+        base = self.layer * num_experts
+        resident = (base + np.flatnonzero(self.snapshot_E >= 0)).astype(np.int32).tolist()
+        ready = [c.ready_ns for c in self.copies]
+        durations = [c.duration_ns for c in self.copies]
+        rows = []
+        for t in range(self.hit_TK.shape[0]):
+            first = t == 0
+            rows.append(
+                {
+                    "resident_experts": resident,
+                    "cache_hit": self.hit_TK[t].tolist(),
+                    "admitted": self.admitted.tolist() if first else [],
+                    "evicted": self.evicted.tolist() if first else [],
+                    "copy_enqueued_ns": min(c.enqueued_ns for c in self.copies)
+                    if first and self.copies
+                    else None,
+                    "copy_ready_ns": max(ready) if first and ready and None not in ready else None,
+                    "copy_bytes": sum(c.nbytes for c in self.copies) if first else None,
+                    "copy_duration_ns": sum(durations)
+                    if first and durations and None not in durations
+                    else None,
+                    "cpu_duration_ns": self.cpu_duration_ns if first else None,
+                    "cuda_duration_ns": self.cuda_duration_ns if first else None,
+                }
+            )
+        return rows
+
+
+@dataclass
+class ManagerStats:
+    visits: int = 0
+    hits: int = 0  # distinct experts of a visit run on the GPU
+    misses: int = 0
+    admissions: int = 0
+    evictions: int = 0
+    copies: int = 0
+    deferred_copies: int = 0  # copies that had to wait for the visit's own kernels (see commit)
+    wasted_copies: int = 0  # keys evicted before their copy was published
+    publish_waits: int = 0  # times a mapping row's previous upload had not run yet (see _push_row)
+
+
+class CacheManager:
+    def __init__(
+        self,
+        store,
+        device,
+        capacity,
+        policy: Policy,
+        *,
+        top_k: int,
+        synchronous: bool = False,
+        timing: bool = True,
+    ):
+        self.store, self.device = store, device
+        self.shape = ModelShape(store.num_layers, store.num_experts, int(top_k), store.expert_bytes)
+        self.capacity = parse_capacity(
+            capacity, key=CAPACITY_KEY, num_keys=self.shape.num_keys, expert_bytes=store.expert_bytes
+        )
+        if not isinstance(policy, Policy):
+            raise MoecacheError(f"cache manager: policy must be a Policy, got {type(policy).__name__}")
+        if policy.offline:
+            raise MoecacheError(
+                f"policy {policy.name} is offline (it reads the whole future trace) and exists only in the "
+                "simulator; the runtime takes an online policy (e.g. lfu, lru, static_cold)"
+            )
+        self.policy = policy
+        self._visit_fn = visit_entry(type(policy))
+        self.pool = SlotPool.for_store(device, self.capacity, store)
+        self.engine = TransferEngine(device, store, self.pool, synchronous=synchronous, timing=timing)
+        self.compute = device.compute_stream()
+        self._lock = threading.RLock()
+        L, E, G = self.shape.num_layers, self.shape.num_experts, self.shape.num_keys
+        # The published mapping: host rows (the truth), pinned staging rows, fixed-address device rows.
+        self.published_LE = np.full((L, E), -1, np.int32)
+        self._staging_LE = torch.full((L, E), -1, dtype=torch.int32, pin_memory=device.is_cuda)
+        self._staging_np = self._staging_LE.numpy()
+        self.slot_of_LE = torch.full((L, E), -1, dtype=torch.int32, device=device.torch_device)
+        self._device_rows = list(self.slot_of_LE.unbind(0))  # per-layer views, made once
+        self._staging_rows = list(self._staging_LE.unbind(0))
+        self._dirty_L = np.zeros(L, bool)
+        self._publish_event_L = [device.new_event() for _ in range(L)]
+        # Last-use events, pooled: slot s's is _use_events[last_use_S[s]] (-1: never read). An event is
+        # recorded again only once no slot refers to it (a copy's wait captures it when enqueued).
+        self.last_use_S = [-1] * self.capacity
+        self._use_events: list = []
+        self._use_refs: list[int] = []
+        self._use_free: list[int] = []
+        # Scratch of the compiled visit (no allocation per visit beyond the result's own arrays).
+        self._admit_out = np.empty(G, np.int32)
+        self._evict_out = np.empty(G, np.int32)
+        self._hit_U = np.empty(E, np.bool_)
+        self._key_U = np.empty(E, np.int32)
+        self._uses_U = np.empty(E, np.int32)
+        self._slot_U = np.empty(E, np.int32)
+        self._miss_U = np.empty(E, np.int64)
+        self._stamp_E = np.zeros(E, np.int64)  # serial of the visit that last saw each expert (_prepare)
+        self._pos_E = np.zeros(E, np.int64)  # its index in that visit's key_U
+        self._serial = 0
+        self._held_capacity = np.array([0, self.capacity], np.int64)
+        self._routing_views: dict = {}  # pinned read-back buffers of device routing, by shape
+        self.stats = ManagerStats()
+        self._init_session()
+
+    # ---- construction from the configuration -----------------------------------------------------
+
+    @classmethod
+    def from_policy(
+        cls, store, device, capacity, name: str, params: dict | None = None, *, top_k: int, cost=None, **kw
+    ):
+        """From a policy name and parameters (the Hydra `policy` group: name, params)."""
+        policy = make_policy(name, **dict(params or {}))
+        if cost is not None:
+            policy.bind_cost(cost)
+        return cls(store, device, capacity, policy, top_k=top_k, **kw)
+
+    @classmethod
+    def from_decision(cls, path, store, device, capacity, *, top_k: int, cost=None, **kw):
+        """From a decide stage's decision.json: its `selected: {policy, params}` (docs/decision.md)."""
+        from moecache.sim.policy_spec import PolicySpec
+
+        path = Path(path)
+        try:
+            decision = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MoecacheError(f"{path}: cannot read the decision ({' '.join(str(exc).split())})") from exc
+        if not isinstance(decision, dict) or not isinstance(decision.get("selected"), dict):
+            raise MoecacheError(f"{path}: no `selected: {{policy, params}}` object (not a decision.json?)")
+        spec = PolicySpec.from_dict(decision["selected"], f"{path}: selected")
+        return cls.from_policy(store, device, capacity, spec.name, spec.params, top_k=top_k, cost=cost, **kw)
+
+    # ---- session state ---------------------------------------------------------------------------
+
+    def _init_session(self, initial_residents: bool = True) -> None:
+        """Fresh counters and an empty cache, then (unless told not to) the policy's initial residents
+        (static placements)."""
+        G = self.shape.num_keys
+        self.state = self.policy.named_state(self.policy.init_state(self.shape, self.capacity))
+        self.resident_G = np.zeros(G, np.bool_)  # the policy's view: holds a slot (loading or not)
+        self.slot_of_G = np.full(G, -1, np.int32)
+        self.free_S = list(range(self.capacity - 1, -1, -1))  # a stack: slot 0 is taken first
+        self.loading_L: list[dict[int, Copy]] = [{} for _ in range(self.shape.num_layers)]
+        self.published_LE.fill(-1)
+        self._dirty_L[:] = True
+        self._held_capacity[0] = 0
+        self._pending: tuple | None = None  # (hit slots, deferred (key, slot)) awaiting commit
+        self.a0 = 0  # accesses so far (the step's access clock)
+        self.clock = 0  # tokens of earlier forward steps
+        self.request = 0
+        self._step_tokens = 0
+        self._last_layer: int | None = None
+        if not initial_residents:
+            return
+        initial = np.asarray(self.policy.initial_residents(self.state, self.shape, self.capacity), np.int64)
+        if len(initial) > self.capacity:
+            raise MoecacheError(
+                f"policy {self.policy.label()} starts with {len(initial)} residents > capacity {self.capacity}"
+            )
+        self._load_residents(initial)
+
+    def _load_residents(self, keys: np.ndarray) -> None:
+        """Give `keys` slots, copy them and publish them before returning (setup, not the hot path)."""
+        copies = []
+        for k in keys.tolist():
+            if self.resident_G[k]:
+                raise MoecacheError(f"cache manager: key {k} listed twice among the residents")
+            self.resident_G[k] = True
+            slot = self.free_S.pop()
+            self.slot_of_G[k] = slot
+            copies.append(self.engine.enqueue(k, slot, after=self._last_use(slot)))
+        self._held_capacity[0] = int(self.resident_G.sum())
+        for copy in copies:
+            copy.ready_event.synchronize()
+            copy.observe()
+            self._publish(copy)
+            self.engine.release(copy)
+
+    def reset(self) -> None:
+        """Counters and residency back to the start (before a benchmark repetition). Slots keep their
+        last-use events: a copy into a slot still read by queued work still waits for it."""
+        with self._lock:
+            self.commit()
+            self._init_session()
+
+    def export_state(self) -> dict:
+        """The session state, JSON-able apart from numpy arrays: policy, counters, residents, clocks."""
+        with self._lock:
+            self.commit()
+            return {
+                "policy": self.policy.label(),
+                "shape": [self.shape.num_layers, self.shape.num_experts],
+                "capacity": self.capacity,
+                "state": {name: np.array(value, copy=True) for name, value in self.state._asdict().items()},
+                "resident_keys": np.flatnonzero(self.resident_G).astype(np.int64),
+                "clocks": {
+                    "a0": self.a0,
+                    "clock": self.clock,
+                    "request": self.request,
+                    "step_tokens": self._step_tokens,
+                    "last_layer": self._last_layer,
+                },
+            }
+
+    def import_state(self, exported: dict) -> None:
+        """Continue from `export_state`'s result (same policy, shape and capacity): the residents' weights
+        are copied and published before returning."""
+        with self._lock:
+            want = {
+                "policy": self.policy.label(),
+                "shape": [self.shape.num_layers, self.shape.num_experts],
+                "capacity": self.capacity,
+            }
+            for key, value in want.items():
+                if exported.get(key) != value:
+                    raise MoecacheError(
+                        f"cache manager import: {key}={exported.get(key)!r}, this manager has {value!r}"
+                    )
+            self.commit()
+            self._init_session(initial_residents=False)
+            fields = exported["state"]
+            self.state = type(self.state)(*(np.array(fields[name], copy=True) for name in self.state._fields))
+            self._load_residents(np.asarray(exported["resident_keys"], np.int64))
+            clocks = exported["clocks"]
+            self.a0, self.clock, self.request = (
+                int(clocks["a0"]),
+                int(clocks["clock"]),
+                int(clocks["request"]),
+            )
+            self._step_tokens, self._last_layer = int(clocks["step_tokens"]), clocks["last_layer"]
+
+    def warm_from_trace(self, trace) -> None:
+        """Initialise counters and residency by replaying `trace` (a TraceArrays of this model's shape)
+        through the policy, then load the residents it ends with. The clocks continue after the trace."""
+        if (trace.num_layers, trace.num_experts) != (self.shape.num_layers, self.shape.num_experts):
+            raise MoecacheError(
+                f"warm_from_trace: trace {trace.name} is {trace.num_layers} x {trace.num_experts}, the model "
+                f"{self.shape.num_layers} x {self.shape.num_experts}"
+            )
+        with self._lock:
+            self.commit()
+            self._init_session(initial_residents=False)
+            resident_G = np.zeros(self.shape.num_keys, np.bool_)
+            held = np.array([0, self.capacity], np.int64)
+            hit_U = np.empty(self.shape.num_experts, np.bool_)
+            for v in range(trace.num_steps):
+                a0, a1 = int(trace.start_V[v]), int(trace.start_V[v + 1])
+                self._visit_fn(
+                    self.state, trace.key_A[a0:a1], trace.uses_A[a0:a1], a0, int(trace.clock_V[v]), int(trace.request_V[v]),
+                    resident_G, held, hit_U[: a1 - a0], self._admit_out, self._evict_out,
+                )  # fmt: skip
+            self._load_residents(np.flatnonzero(resident_G).astype(np.int64))
+            self.a0 = trace.num_accesses
+            last = trace.num_steps - 1
+            self.clock = int(trace.clock_V[last]) if last >= 0 else 0
+            self._step_tokens = int(trace.tokens_V[last]) if last >= 0 else 0
+            self.request = int(trace.request_V[last]) + 1 if last >= 0 else 0
+            self._last_layer = None
+
+    # ---- the hot path ----------------------------------------------------------------------------
+
+    def begin_request(self) -> None:
+        """The next visits belong to a new request (policies with per-request state read it)."""
+        with self._lock:
+            if self._last_layer is not None or self.a0:
+                self.request += 1
+            self._last_layer = None
+
+    def visit(self, layer: int, topk_ids_TK) -> VisitResult:
+        """One MoE layer's routing (int [T, K], host or device) -> the snapshot, hits, misses and the
+        placement changes (module docstring). A visit to a layer not above the previous visit's layer
+        starts a new forward step of T tokens."""
+        with self._lock:
+            self.commit()
+            self.device.on_visit()
+            if not 0 <= layer < self.shape.num_layers:
+                raise MoecacheError(f"cache manager: layer {layer} outside 0..{self.shape.num_layers - 1}")
+            ids_TK = self._read_routing(topk_ids_TK)
+            T = ids_TK.shape[0]
+            if self._last_layer is None or layer <= self._last_layer:
+                self.clock += self._step_tokens
+                self._step_tokens = T
+            else:
+                self._step_tokens = max(self._step_tokens, T)
+            self._last_layer = layer
+            self._publish_ready(layer)
+            row_E = self.published_LE[layer]
+            self._push_row(layer)
+            E = self.shape.num_experts
+            hit_TK = np.empty(ids_TK.shape, np.bool_)
+            key_U, uses_U, slot_U, miss_U = self._key_U, self._uses_U, self._slot_U, self._miss_U
+            self._serial += 1
+            try:
+                U, n_miss = _prepare(
+                    ids_TK, layer, E, row_E, self._stamp_E, self._pos_E, self._serial, key_U, uses_U, slot_U, hit_TK, miss_U
+                )  # fmt: skip
+            except ValueError as exc:
+                raise MoecacheError(f"cache manager: layer {layer} routing: {exc}") from exc
+            if "sav_M" in self.state._fields and U and int(uses_U[:U].max()) >= len(self.state.sav_M):
+                raise MoecacheError(
+                    f"policy {self.policy.name}: a call of {int(uses_U[:U].max())} tokens is beyond its cost tables"
+                )
+            try:
+                n_admit, n_evict = self._visit_fn(
+                    self.state, key_U[:U], uses_U[:U], self.a0, self.clock, self.request, self.resident_G,
+                    self._held_capacity, self._hit_U[:U], self._admit_out, self._evict_out,
+                )  # fmt: skip
+            except ValueError as exc:
+                raise MoecacheError(
+                    f"policy {self.policy.label()} at capacity {self.capacity}: {exc}"
+                ) from exc
+            self.a0 += U
+            result = VisitResult(
+                layer=layer,
+                slot_of_E=self._device_rows[layer],
+                snapshot_E=row_E.copy(),
+                hit_TK=hit_TK,
+                miss_experts=miss_U[:n_miss].copy(),
+                admitted=self._admit_out[:n_admit].copy(),
+                evicted=self._evict_out[:n_evict].copy(),
+            )
+            gpu_slots = slot_U[:U][slot_U[:U] >= 0].tolist()
+            busy = set(gpu_slots) if n_evict else gpu_slots
+            freed_busy: list[int] = []
+            for k in result.evicted.tolist():
+                self._evict(k, busy, freed_busy)
+            deferred = []
+            for k in result.admitted.tolist():
+                deferred += self._admit(k, freed_busy, result.copies)
+            self._pending = (busy, deferred, result)
+            s = self.stats
+            s.visits += 1
+            s.hits += U - n_miss
+            s.misses += n_miss
+            s.admissions += n_admit
+            s.evictions += n_evict
+            return result
+
+    def commit(self) -> None:
+        """The executor has enqueued the last visit's GPU work on the compute stream: record the slots'
+        last-use event there and enqueue the copies that waited for it. Idempotent."""
+        with self._lock:
+            if self._pending is None:
+                return
+            busy, deferred, result = self._pending
+            self._pending = None
+            if not busy and not deferred:
+                return
+            if self._use_free:
+                index = self._use_free.pop()
+            else:
+                index = len(self._use_events)
+                self._use_events.append(self.device.new_event())
+                self._use_refs.append(0)
+            event = self._use_events[index]
+            event.record(self.compute)
+            refs, last_use_S = self._use_refs, self.last_use_S
+            for slot in busy:
+                old = last_use_S[slot]
+                if old >= 0:
+                    refs[old] -= 1
+                    if refs[old] == 0:
+                        self._use_free.append(old)
+                last_use_S[slot] = index
+                refs[index] += 1
+            for key, slot in deferred:
+                copy = self.engine.enqueue(key, slot, after=event)
+                self.loading_L[key // self.shape.num_experts][key] = copy
+                result.copies.append(copy)
+                self.stats.copies += 1
+            if refs[index] == 0:
+                self._use_free.append(index)
+
+    def _last_use(self, slot: int):
+        index = self.last_use_S[slot]
+        return None if index < 0 else self._use_events[index]
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _read_routing(self, topk_ids_TK) -> np.ndarray:
+        """The routing as host int64 [T, K]: the one device-to-host read of the hot path (into a reused
+        pinned buffer for a CUDA tensor)."""
+        if isinstance(topk_ids_TK, np.ndarray):
+            return topk_ids_TK.astype(np.int64, copy=False).reshape(topk_ids_TK.shape[0], -1)
+        if topk_ids_TK.device.type == "cpu":
+            return topk_ids_TK.numpy().astype(np.int64, copy=False)
+        host = self._routing_views.get(topk_ids_TK.shape)
+        if host is None:  # one pinned buffer per routing shape, made on first use
+            host = torch.empty(topk_ids_TK.shape, dtype=topk_ids_TK.dtype, pin_memory=True)
+            self._routing_views[topk_ids_TK.shape] = host
+        host.copy_(topk_ids_TK, non_blocking=True)
+        self.compute.stream.synchronize()  # the routing was computed on the compute stream
+        return host.numpy().astype(np.int64, copy=False)
+
+    def _publish(self, copy: Copy) -> None:
+        layer, expert = divmod(copy.key, self.shape.num_experts)
+        self.published_LE[layer, expert] = copy.slot
+        self._dirty_L[layer] = True
+
+    def _publish_ready(self, layer: int) -> None:
+        loading = self.loading_L[layer]
+        if loading:
+            for key in [k for k, copy in loading.items() if copy.observe()]:
+                copy = loading.pop(key)
+                self._publish(copy)
+                self.engine.release(copy)
+
+    def _push_row(self, layer: int) -> None:
+        """Upload the layer's mapping row, ordered on the compute stream before its kernels. Its staging
+        row is rewritten only once the previous upload has run (a token behind at most: else we wait)."""
+        if not self._dirty_L[layer]:
+            return
+        event = self._publish_event_L[layer]
+        if not event.query():
+            self.stats.publish_waits += 1
+            event.synchronize()
+        self._staging_np[layer] = self.published_LE[layer]
+        self.device.copy(self._device_rows[layer], self._staging_rows[layer], self.compute)
+        event.record(self.compute)
+        self._dirty_L[layer] = False
+
+    def _evict(self, key: int, busy: set, freed_busy: list) -> None:
+        slot = int(self.slot_of_G[key])
+        self.slot_of_G[key] = -1
+        layer, expert = divmod(key, self.shape.num_experts)
+        if self.published_LE[layer, expert] >= 0:
+            self.published_LE[layer, expert] = -1
+            self._dirty_L[layer] = True
+        copy = self.loading_L[layer].pop(key, None)
+        if copy is not None:
+            copy.wasted = True
+            self.stats.wasted_copies += 1
+        (freed_busy if slot in busy else self.free_S).append(slot)
+
+    def _admit(self, key: int, freed_busy: list, copies: list) -> list:
+        """Reserve a slot for `key` and enqueue its copy now; returns [(key, slot)] if the copy must wait
+        for this visit's own kernels (see commit)."""
+        layer = key // self.shape.num_experts
+        if self.free_S:
+            slot = self.free_S.pop()
+            self.slot_of_G[key] = slot
+            copy = self.engine.enqueue(key, slot, after=self._last_use(slot))
+            self.loading_L[layer][key] = copy
+            copies.append(copy)
+            self.stats.copies += 1
+            return []
+        slot = freed_busy.pop()
+        self.slot_of_G[key] = slot
+        self.stats.deferred_copies += 1
+        return [(key, slot)]
+
+
+@nb.njit(cache=True, nogil=True)
+def _prepare(ids_TK, layer, num_experts, row_E, stamp_E, pos_E, visit, key_U, uses_U, slot_U, hit_TK, miss_U):
+    """One pass over the routing: the distinct experts in order of first selection (token by token,
+    router order within a token) as keys with their uses and published slots, the hit mask of every
+    entry, and the experts with no published slot (the CPU's). Returns (U, misses)."""
+    U = 0
+    n_miss = 0
+    for t in range(ids_TK.shape[0]):
+        for k in range(ids_TK.shape[1]):
+            e = ids_TK[t, k]
+            if e < 0 or e >= num_experts:
+                raise ValueError("routing holds an expert id outside 0..num_experts-1")
+            slot = row_E[e]
+            hit_TK[t, k] = slot >= 0
+            if stamp_E[e] == visit:
+                uses_U[pos_E[e]] += 1
+                continue
+            stamp_E[e] = visit
+            pos_E[e] = U
+            key_U[U] = layer * num_experts + e
+            uses_U[U] = 1
+            slot_U[U] = slot
+            U += 1
+            if slot < 0:
+                miss_U[n_miss] = e
+                n_miss += 1
+    return U, n_miss

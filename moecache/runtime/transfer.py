@@ -1,0 +1,82 @@
+"""The transfer engine: host-to-device copies of expert weights into slots, on one dedicated stream.
+
+`enqueue(key, slot, after)` is called the moment the policy admits `key` (a demand admission or a
+prefetch of a later layer's expert): if `after` (the slot's last-use event: CUDA work that reads the
+slot's previous expert may still be queued) is given, the copy stream first waits on it; then the
+expert's row (w13 then w2, one contiguous copy) is enqueued from the pinned store and a ready event is recorded. Nothing
+here blocks the caller: the manager later queries (never waits on) the ready event.
+
+`synchronous=True` waits for every copy before returning: only for tests and transfer-cost calibration.
+
+Legend: G global expert keys, S slots.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Copy:
+    """One expert copy in flight or done. Times are host `time.monotonic_ns()`; `duration_ns` is the
+    device time between the copy's start and ready events, where the device measures it."""
+
+    key: int
+    slot: int
+    nbytes: int
+    enqueued_ns: int
+    ready_event: object
+    start_event: object
+    ready_ns: int | None = None  # when the manager saw the ready event complete
+    duration_ns: int | None = None
+    wasted: bool = field(default=False)  # its key was evicted before the copy was published
+
+    def observe(self) -> bool:
+        """Query the ready event (never waits); on completion note the times. Returns completion."""
+        if self.ready_ns is not None:
+            return True
+        if not self.ready_event.query():
+            return False
+        self.ready_ns = time.monotonic_ns()
+        self.duration_ns = self.ready_event.elapsed_ns(self.start_event)
+        return True
+
+
+class TransferEngine:
+    def __init__(self, device, store, pool, *, synchronous: bool = False, timing: bool = True):
+        self.device = device
+        self.store = store
+        self.pool = pool
+        self.synchronous = synchronous
+        self.timing = timing
+        self.stream = device.new_stream()
+        self.copies_enqueued = 0
+        self.bytes_enqueued = 0
+        self._free_events: list = []  # events of completed copies, recorded again by later copies
+
+    def _event(self):
+        return self._free_events.pop() if self._free_events else self.device.new_event(timing=self.timing)
+
+    def release(self, copy: Copy) -> None:
+        """The copy is complete and observed: its two events may be recorded again."""
+        self._free_events += (copy.start_event, copy.ready_event)
+        copy.start_event = copy.ready_event = None
+
+    def enqueue(self, key: int, slot: int, after=None) -> Copy:
+        """Copy expert `key` into `slot` on the copy stream, after `after` (an event) completes."""
+        device, stream = self.device, self.stream
+        if after is not None:
+            stream.wait_event(after)
+        start, ready = self._event(), self._event()
+        enqueued = time.monotonic_ns()
+        start.record(stream)
+        device.copy(self.pool.flat_SB[slot], self.store.flat_GB[key], stream)  # one row: w13 then w2
+        ready.record(stream)
+        self.copies_enqueued += 1
+        self.bytes_enqueued += self.store.expert_bytes
+        copy = Copy(key, slot, self.store.expert_bytes, enqueued, ready, start)
+        if self.synchronous:
+            ready.synchronize()
+            copy.observe()
+        return copy

@@ -1,0 +1,343 @@
+"""The cache manager's state machine on the CPU stand-in device (the plan's "Correctness and
+concurrency" list): capacities, deterministic placement, copies at admission, publication, non-blocking
+fallback, safe slot reuse, session state, bad input.
+
+Legend: T tokens, K top-k, E experts, L layers, S slots.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moecache.errors import MoecacheError
+from moecache.runtime.device import StandinDevice
+from moecache.runtime.manager import CacheManager
+from moecache.sim.policy import make_policy
+from moecache.sim.replay import replay_instant
+from tests.conftest import build_trace
+from tests.runtime.helpers import manager, random_store
+
+
+def ids(*experts):
+    return np.array([list(experts)], np.int64)
+
+
+# ---- capacities --------------------------------------------------------------------------------
+
+
+def test_capacity_zero_runs_everything_on_the_cpu():
+    m = manager("lru", 0)
+    assert m.pool.w13_SIH.shape[0] == 0
+    for _ in range(3):
+        r = m.visit(0, ids(1, 2))
+        assert not r.hit_TK.any() and r.miss_experts.tolist() == [1, 2]
+        assert len(r.admitted) == 0 and len(r.copies) == 0
+    assert m.engine.copies_enqueued == 0
+
+
+def test_capacity_partial_hits_after_the_copy():
+    m = manager("lru", 2)
+    first = m.visit(0, ids(1, 2))
+    assert first.admitted.tolist() == [1, 2] and not first.hit_TK.any()
+    second = m.visit(0, ids(1, 2))
+    assert second.hit_TK.all() and second.miss_experts.tolist() == []
+    third = m.visit(0, ids(3, 1))  # 3 evicts the least recent (2)
+    assert third.hit_TK.tolist() == [[False, True]] and third.evicted.tolist() == [2]
+
+
+@pytest.mark.parametrize("capacity", [16, "100%"])
+def test_capacity_every_expert_never_evicts(capacity):
+    m = manager("lru", capacity)  # 2 layers x 8 experts
+    assert m.capacity == 16
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        for layer in range(2):
+            r = m.visit(layer, rng.choice(8, size=(1, 2), replace=False))
+            assert len(r.evicted) == 0
+    assert m.stats.evictions == 0 and m.stats.admissions == 16
+
+
+# ---- deterministic placement -------------------------------------------------------------------
+
+
+def test_ties_break_by_key_and_runs_repeat_exactly():
+    runs = []
+    for _ in range(2):
+        m = manager("lfu", 1)
+        r = m.visit(0, ids(3, 1))  # equal counts: the smaller key wins
+        assert r.admitted.tolist() == [1]
+        r = m.visit(0, ids(5, 6))  # a tie never replaces
+        assert r.admitted.tolist() == [] and r.evicted.tolist() == []
+        rng = np.random.default_rng(7)
+        trail = []
+        for _ in range(50):
+            for layer in range(2):
+                res = m.visit(layer, rng.choice(8, size=(1, 2), replace=False))
+                trail.append((res.admitted.tolist(), res.evicted.tolist(), res.hit_TK.tolist()))
+        runs.append(trail)
+    assert runs[0] == runs[1]
+
+
+def test_repeated_hits_make_no_further_copies():
+    m = manager("lfu", 4)
+    m.visit(0, ids(1, 2))
+    copies = m.engine.copies_enqueued
+    assert copies == 2
+    for _ in range(20):
+        r = m.visit(0, ids(2, 1))
+        assert r.hit_TK.all() and len(r.copies) == 0
+    assert m.engine.copies_enqueued == copies
+
+
+def test_eviction_leaves_cpu_weights_bit_identical():
+    store = random_store(L=2, E=8)
+    before = store.flat_GB.clone()
+    pointer = store.flat_GB.data_ptr()
+    m = manager("lru", 2, store=store)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        for layer in range(2):
+            m.visit(layer, rng.choice(8, size=(1, 2), replace=False))
+    m.device.run()
+    assert m.stats.evictions > 100
+    assert store.flat_GB.data_ptr() == pointer and torch.equal(store.flat_GB, before)
+
+
+# ---- copies, publication and fallback ----------------------------------------------------------
+
+
+def test_copy_is_enqueued_at_admission_not_at_the_end_of_the_token():
+    m = manager("lru", 2, mode="manual")
+    r = m.visit(0, ids(1, 2))
+    assert [c.key for c in r.copies] == [1, 2]
+    assert all(c.enqueued_ns is not None and not c.ready_event.query() for c in r.copies)
+    assert len(m.engine.stream.ops) > 0  # on the copy stream already, before the layer's kernels ran
+    m.device.run(m.engine.stream)  # the copy stream alone completes them: no wait on the token
+    assert all(c.ready_event.query() for c in r.copies)
+
+
+def test_cpu_fallback_while_the_copy_is_in_flight_without_blocking():
+    m = manager("lru", 2, mode="manual")
+    m.visit(0, ids(1, 2))
+    for _ in range(3):  # next tokens: the copy missed the deadline, the CPU runs the experts again
+        r = m.visit(0, ids(1, 2))
+        assert not r.hit_TK.any() and r.miss_experts.tolist() == [1, 2]
+        assert len(r.admitted) == 0  # the policy counts them as holding slots: no second copy
+    assert len(m.engine.stream.ops) > 0  # the manager never waited for (ran) the copies
+    assert m.loading_L[0].keys() == {1, 2}
+
+
+def test_publication_before_the_next_token_once_the_event_completed():
+    m = manager("lru", 2, mode="manual")
+    m.visit(0, ids(1, 2))
+    m.device.run(m.engine.stream, max_ops=4)  # the first copy only (wait-free: start, w13, w2, ready)
+    r = m.visit(0, ids(1, 2))
+    assert r.hit_TK.tolist() == [[True, False]]
+    m.device.run()
+    assert m.slot_of_LE[0].tolist() == r.snapshot_E.tolist()
+    r = m.visit(0, ids(1, 2))
+    assert r.hit_TK.all()
+    m.device.run()
+    assert m.slot_of_LE[0].tolist() == r.snapshot_E.tolist()
+    assert r.snapshot_E[1] >= 0 and r.snapshot_E[2] >= 0
+
+
+def test_slot_of_E_keeps_its_address():
+    m = manager("lru", 2)
+    pointer = m.slot_of_LE.data_ptr()
+    rows = {m.visit(layer, ids(layer, layer + 1)).slot_of_E.data_ptr() for layer in (0, 1) for _ in range(3)}
+    assert m.slot_of_LE.data_ptr() == pointer and rows == {pointer, pointer + 8 * 4}
+
+
+# ---- safe slot reuse (stress) ------------------------------------------------------------------
+
+
+def stress(policy: str, capacity: int, *, seed: int, wait_on_last_use: bool = True, tokens: int = 300):
+    """Random routing, tiny capacity, streams run in random interleavings. After each visit a stand-in
+    kernel is queued on the compute stream: at execution it reads each hit expert's slot through the
+    device mapping row and compares the slot's weights with the store's. Returns (mismatches, stats)."""
+    L, E, K = 2, 5, 2
+    store = random_store(L=L, E=E, H=4, inter=2, seed=seed)
+    m = manager(policy, capacity, store=store, mode="manual", top_k=K)
+    if not wait_on_last_use:  # the bug the test must catch: copies ignore the slots' last-use events
+        enqueue = m.engine.enqueue
+        m.engine.enqueue = lambda key, slot, after=None: enqueue(key, slot, None)
+    rng = np.random.default_rng(seed)
+    bad = []
+    streams = [m.compute, m.engine.stream]
+
+    def kernel(layer, ids_TK, hit_TK):
+        def run():
+            row = m.slot_of_LE[layer]
+            for e in ids_TK[hit_TK].tolist():
+                slot = int(row[e])
+                key = layer * E + e
+                if slot < 0 or not torch.equal(m.pool.w13_SIH[slot], store.w13_GIH[key]):
+                    bad.append((layer, e, slot))
+                elif not torch.equal(m.pool.w2_SHI[slot], store.w2_GHI[key]):
+                    bad.append((layer, e, slot))
+
+        return run
+
+    for _ in range(tokens):
+        for layer in range(L):
+            ids_TK = rng.choice(E, size=(1, K), replace=False)
+            r = m.visit(layer, ids_TK)
+            m.device.enqueue(m.compute, kernel(layer, ids_TK, r.hit_TK))
+            m.commit()
+            for _ in range(int(rng.integers(0, 4))):
+                m.device.run(streams[int(rng.integers(0, 2))], max_ops=int(rng.integers(1, 12)))
+    m.device.run()
+    return bad, m.stats
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "transition_prefetch"])
+def test_a_slot_is_not_overwritten_while_queued_work_reads_it(policy):
+    for seed in range(3):
+        bad, stats = stress(policy, 6, seed=seed)
+        assert bad == [], f"seed {seed}: kernels read overwritten slots {bad[:5]}"
+        assert stats.hits > 50 and stats.copies > 20
+
+
+def test_the_stress_test_catches_a_copy_that_ignores_last_use():
+    found = sum(len(stress("lru", 6, seed=seed, wait_on_last_use=False)[0]) for seed in range(3))
+    assert found > 0
+
+
+def test_a_copy_into_a_slot_this_visit_reads_waits_for_its_kernels():
+    # capacity 2 < top-k 3: LRU evicts an expert this very visit runs on the GPU
+    m = manager("lru", 2, mode="manual", top_k=3)
+    m.visit(0, ids(1, 2, 3))  # admits 2, 3 (the last two)
+    m.device.run()
+    r = m.visit(0, ids(2, 3, 4))  # 2, 3 hit; 4 admitted, evicting 2 (read by this visit)
+    assert r.hit_TK.tolist() == [[True, True, False]] and r.evicted.tolist() == [2]
+    assert r.copies == [] and m.stats.deferred_copies == 1  # not enqueued before the kernels
+    m.commit()
+    assert [c.key for c in r.copies] == [4]
+
+
+# ---- session state -----------------------------------------------------------------------------
+
+
+def routing(seed: int, n: int, L: int = 2, E: int = 8, K: int = 2):
+    rng = np.random.default_rng(seed)
+    return [(layer, rng.choice(E, size=(1, K), replace=False)) for _ in range(n) for layer in range(L)]
+
+
+def trail(m, visits):
+    return [
+        (r.admitted.tolist(), r.evicted.tolist(), r.hit_TK.tolist())
+        for r in (m.visit(layer, i) for layer, i in visits)
+    ]
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru", "transition_prefetch"])
+def test_export_import_continues_identically(policy):
+    first, rest = routing(1, 30), routing(2, 30)
+    a = manager(policy, 3)
+    trail(a, first)
+    exported = a.export_state()
+    json.dumps({k: v for k, v in exported.items() if k not in ("state", "resident_keys")})
+    b = manager(policy, 3)
+    b.import_state(exported)
+    assert trail(a, rest) == trail(b, rest)
+
+
+def test_reset_equals_a_fresh_manager():
+    visits = routing(3, 40)
+    a = manager("lfu", 3)
+    trail(a, routing(4, 25))
+    a.reset()
+    assert a.stats.visits == 50
+    assert trail(a, visits) == trail(manager("lfu", 3), visits)
+
+
+def test_warm_from_trace_equals_having_visited_it():
+    visits = routing(5, 30)  # 30 tokens x 2 layers, one decode step per token
+    steps = [(0, n // 2, layer, [i[0].tolist()]) for n, (layer, i) in enumerate(visits)]
+    trace = build_trace(steps, num_layers=2, num_experts=8)
+    warm = manager("lfu", 3)
+    warm.warm_from_trace(trace)
+    lived = manager("lfu", 3)
+    trail(lived, visits)
+    assert lived.stats.admissions == int(replay_instant(trace, make_policy("lfu"), 3).admits_V.sum())
+    assert np.array_equal(warm.resident_G, lived.resident_G)
+    for name in warm.state._fields:
+        assert np.array_equal(getattr(warm.state, name), getattr(lived.state, name)), name
+    after = routing(6, 20)
+    assert [t[:2] for t in trail(warm, after)] == [t[:2] for t in trail(lived, after)]
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capacity", "message"),
+    [
+        (17, "more slots than experts"),
+        (-1, "cannot be negative"),
+        ("101%", "from 0% to 100%"),
+        (2.0, "expected"),
+    ],
+)
+def test_bad_capacity_is_one_line(capacity, message):
+    with pytest.raises(MoecacheError, match=message) as info:
+        manager("lru", capacity)
+    assert "\n" not in str(info.value) and "gpu_expert_capacity" in str(info.value)
+
+
+@pytest.mark.parametrize("policy", ["belady", "static_hindsight"])
+def test_offline_policy_is_refused(policy):
+    with pytest.raises(MoecacheError, match="offline") as info:
+        manager(policy, 2)
+    assert "\n" not in str(info.value)
+
+
+def test_decision_json(tmp_path):
+    store = random_store()
+    path = tmp_path / "decision.json"
+    path.write_text(json.dumps({"selected": {"policy": "lfu", "params": {"reset_per_request": True}}}))
+    m = CacheManager.from_decision(path, store, StandinDevice(), 4, top_k=2)
+    assert m.policy.name == "lfu" and m.policy.params["reset_per_request"] is True
+    path.write_text(json.dumps({"selected": {"policy": "no_such_policy", "params": {}}}))
+    with pytest.raises(MoecacheError, match="unknown policy 'no_such_policy'") as info:
+        CacheManager.from_decision(path, store, StandinDevice(), 4, top_k=2)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+    path.write_text(json.dumps({"baseline": {}}))
+    with pytest.raises(MoecacheError, match="no `selected"):
+        CacheManager.from_decision(path, store, StandinDevice(), 4, top_k=2)
+    with pytest.raises(MoecacheError, match="cannot read"):
+        CacheManager.from_decision(tmp_path / "missing.json", store, StandinDevice(), 4, top_k=2)
+
+
+def test_unknown_policy_parameter_and_standin_mode():
+    with pytest.raises(MoecacheError, match="unknown parameter"):
+        manager("lru", 2, params={"window": 3})
+    with pytest.raises(MoecacheError, match="stand-in device mode"):
+        StandinDevice("sometimes")
+
+
+# ---- the routing record's cache fields ---------------------------------------------------------
+
+
+def test_cache_fields_fill_every_cache_column_of_the_record():
+    from moecache.trace.schema import CACHE_COLUMNS
+
+    m = manager("lru", 2, mode="manual")
+    r = m.visit(0, np.array([[1, 2], [2, 3]]))
+    rows = r.cache_fields(m.shape.num_experts)
+    assert len(rows) == 2 and all(set(row) == set(CACHE_COLUMNS) for row in rows)
+    first = rows[0]
+    assert first["cache_hit"] == [False, False] and rows[1]["cache_hit"] == [False, False]
+    assert first["admitted"] == r.admitted.tolist() and rows[1]["admitted"] == []
+    assert first["copy_bytes"] == len(r.copies) * m.store.expert_bytes and first["copy_enqueued_ns"] > 0
+    assert first["copy_ready_ns"] is None  # not seen complete yet
+    m.device.run()
+    r2 = m.visit(0, np.array([[2, 3]]))
+    assert r.cache_fields(8)[0]["copy_ready_ns"] >= first["copy_enqueued_ns"]
+    assert r2.cache_fields(8)[0]["resident_experts"] == sorted(int(k) for k in r.admitted)
+    assert r2.cache_fields(8)[0]["cpu_duration_ns"] is None  # the executors fill these (next issues)
