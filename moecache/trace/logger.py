@@ -104,6 +104,9 @@ class _Record:
     weights_TK: torch.Tensor
     lens_rows_N: np.ndarray | None = None  # int64 rows (0..T-1) of the step that the lens sampled
     lens_tokens_N: torch.Tensor | None = None  # their lens token ids, same order
+    # The runtime's visit (moecache/runtime/manager.py VisitResult): anything with
+    # `cache_fields(num_experts) -> list[dict]`, one dict of cache columns per row; None: no cache ran.
+    cache: object | None = None
 
 
 WAKE_INTERVAL_S = 0.05
@@ -151,10 +154,13 @@ class RoutingLogger:
         weights_TK: torch.Tensor,
         lens_rows_N: np.ndarray | None = None,
         lens_tokens_N: torch.Tensor | None = None,
+        cache: object | None = None,
     ) -> None:
         """Record one layer's routing for the current step. Never waits on I/O. `lens_rows_N` (host
         int64, rows of this step) and `lens_tokens_N` (their logit-lens token ids, any device): the
-        rows with a `lens_token`; the other rows get null."""
+        rows with a `lens_token`; the other rows get null. `cache`: the runtime's result of this visit
+        (its `cache_fields` fill the cache columns; read by the writer thread, when the visit's copies
+        have had time to complete, so `copy_ready_ns` is known); None leaves them null."""
         if self._error is not None:
             raise MoecacheError(f"routing log writer failed: {self._error}") from self._error
         if self._closed:
@@ -169,7 +175,9 @@ class RoutingLogger:
             weights_TK = weights_TK.detach()
         if (lens_rows_N is None) != (lens_tokens_N is None):
             raise MoecacheError("routing logger: lens_rows_N and lens_tokens_N go together")
-        self._buf.append(_Record(self._ctx, layer_id, expert_ids_TK, weights_TK, lens_rows_N, lens_tokens_N))
+        self._buf.append(
+            _Record(self._ctx, layer_id, expert_ids_TK, weights_TK, lens_rows_N, lens_tokens_N, cache)
+        )
         self.stats.records_in += 1
         if len(self._buf) >= self._wake_at:
             self._wake.set()
@@ -250,10 +258,26 @@ class RoutingLogger:
             "expert_ids": pa.ListArray.from_arrays(offsets, pa.array(ids_NK.reshape(-1))),
             "router_weights": pa.ListArray.from_arrays(offsets, pa.array(w_NK.reshape(-1))),
         }
-        for name in CACHE_COLUMNS:
-            columns[name] = pa.nulls(n, SCHEMA.field(name).type)
+        columns.update(self._cache_columns(records, counts))
         columns[LENS_COLUMN] = _lens_column(records, counts)
         return pa.table(columns, schema=SCHEMA)
+
+    def _cache_columns(self, records: list[_Record], counts: np.ndarray) -> dict[str, pa.Array]:
+        """The cache columns: from each record's runtime visit where one ran, null elsewhere."""
+        n = int(counts.sum())
+        if all(r.cache is None for r in records):
+            return {name: pa.nulls(n, SCHEMA.field(name).type) for name in CACHE_COLUMNS}
+        values: dict[str, list] = {name: [] for name in CACHE_COLUMNS}
+        for record, rows in zip(records, counts.tolist(), strict=True):
+            fields = record.cache.cache_fields(self.meta.num_experts) if record.cache is not None else None
+            if fields is not None and len(fields) != rows:
+                raise MoecacheError(
+                    f"routing logger: layer {record.layer_id}'s cache record has {len(fields)} rows, "
+                    f"its routing {rows}"
+                )
+            for name in CACHE_COLUMNS:
+                values[name].extend([row[name] for row in fields] if fields is not None else [None] * rows)
+        return {name: pa.array(values[name], SCHEMA.field(name).type) for name in CACHE_COLUMNS}
 
     # ---- shutdown -------------------------------------------------------------------------------
 
