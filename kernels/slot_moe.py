@@ -1,0 +1,373 @@
+"""Fused slot-pool MoE in Triton: gate/up -> SiLU(gate) * up -> down -> router-weighted sum.
+
+`slot_moe(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, *, out=None) -> y_TH` computes,
+for each token, the router-weighted sum over its RESIDENT experts (`slot_of_E[e] >= 0`) straight from the
+slot pool; non-resident entries add nothing (the runtime computes them on the CPU). `slot_moe_reference`
+is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
+
+- decode (T <= DECODE_MAX_T): launch 1, one program per (token, k, block of I), a GEMV of x[t] with the
+  slot's gate and up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch; a non-resident entry
+  exits at once. Launch 2, one program per (token, block of H), sums the down projections of the token's
+  resident experts times their router weights. No buffer depends on E, nothing is sorted or padded.
+- prefill (T > DECODE_MAX_T): as vLLM's fused_moe, (token, k) pairs are sorted by expert on the device
+  and each expert's run is padded to BLOCK_M; tensor-core tiles then run gate/up + activation (to a
+  [T*K, I] buffer in x's dtype), then down times the router weight (to a [T*K, H] float32 buffer), and a
+  last launch sums each token's K rows. Blocks past the padded total, or of non-resident experts, exit.
+
+CPU tensors run only under Triton's interpreter: TRITON_INTERPRET=1 set before triton is first imported
+(triton decides at import whether its own library functions are interpreted), as the CPU tests do in a
+subprocess. Expert ids outside [0, E)
+and slots outside [0, S) count as not resident (checking them would need a host sync); the reference
+raises on them.
+
+Shape legend: T tokens, H hidden, I intermediate, E experts, K top-k, S slots, P = T*K (token, k) pairs,
+B blocks of BLOCK_M sorted pairs.
+"""
+
+# ruff: noqa: E741  (kernel arguments use the shape legend: H, I, E, S, K)
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from .slot_moe_align import align_by_expert
+from .slot_moe_config import DECODE_MAX_T, device_name, get_config
+
+
+@triton.jit
+def _gate_up_decode(
+    x_ptr, ids_ptr, slot_ptr, w13_ptr, act_ptr,
+    H: tl.constexpr, I: tl.constexpr, E, S, K: tl.constexpr,
+    stride_xt, stride_ws, stride_wn,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i])."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    inside = (expert >= 0) & (expert < E)
+    slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
+    if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):
+        return
+    token = pair // K
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask_i = offs_i < I
+    gate_ptrs = w13_ptr + slot.to(tl.int64) * stride_ws + offs_i[:, None] * stride_wn
+    up_ptrs = gate_ptrs + I * stride_wn
+    acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    for h0 in tl.static_range(0, H, BLOCK_H):  # unrolled: all of the row block's loads in flight at once
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        x = tl.load(x_ptr + token * stride_xt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        mask = mask_i[:, None] & mask_h[None, :]
+        gate = tl.load(gate_ptrs + offs_h[None, :], mask=mask, other=0.0)
+        up = tl.load(up_ptrs + offs_h[None, :], mask=mask, other=0.0)
+        acc_gate += gate.to(tl.float32) * x[None, :]
+        acc_up += up.to(tl.float32) * x[None, :]
+    gate_i = tl.sum(acc_gate, axis=1)
+    up_i = tl.sum(acc_up, axis=1)
+    act = gate_i / (1.0 + tl.exp(-gate_i)) * up_i
+    tl.store(act_ptr + pair * I + offs_i, act, mask=mask_i)
+
+
+@triton.jit
+def _down_decode(
+    act_ptr, ids_ptr, slot_ptr, wts_ptr, w2_ptr, y_ptr,
+    H, I: tl.constexpr, E, S, K: tl.constexpr,
+    stride_ws, stride_wh, stride_yt,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+):  # fmt: skip
+    """Program (token t, block of H): y[t, h] = sum over resident k of w[t, k] * down[h] . act[t*K + k]."""
+    token = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+    for k in tl.static_range(K):  # unrolled, so the K experts' loads need not wait on each other
+        pair = token * K + k
+        expert = tl.load(ids_ptr + pair).to(tl.int32)
+        inside = (expert >= 0) & (expert < E)
+        slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
+        resident = inside & (slot >= 0) & (slot < S)
+        weight = tl.load(wts_ptr + pair).to(tl.float32)
+        w_ptrs = w2_ptr + tl.where(resident, slot, 0).to(tl.int64) * stride_ws + offs_h[:, None] * stride_wh
+        i_end = tl.where(resident, I, 0)  # a non-resident entry loads nothing
+        for i0 in tl.static_range(0, I, BLOCK_I):
+            offs_i = i0 + tl.arange(0, BLOCK_I)
+            mask_i = offs_i < i_end
+            act = tl.load(act_ptr + pair * I + offs_i, mask=mask_i, other=0.0)
+            w = tl.load(w_ptrs + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
+            acc += w.to(tl.float32) * (act * weight)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _gate_up_grouped(
+    x_ptr, pair_ptr, block_slot_ptr, w13_ptr, act_ptr,
+    num_pairs, num_blocks_m, H, I, K,
+    stride_xt, stride_ws, stride_wn, stride_at,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program (block of BLOCK_M pairs sorted by expert, block of I): act = silu(x @ gate.T) * (x @ up.T)."""
+    pid = tl.program_id(0)
+    num_blocks_n = tl.cdiv(I, BLOCK_N)
+    group = GROUP_M * num_blocks_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    slot = tl.load(block_slot_ptr + pid_m).to(tl.int32)
+    if slot < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)
+    mask_m = pair < num_pairs
+    token = tl.where(mask_m, pair, 0) // K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+    gate_ptrs = w13_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + I * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(H, BLOCK_K)):
+        mask_k = offs_k < H - k0 * BLOCK_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        gate = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:  # the interpreter: its bf16 tl.dot is wrong (triton 3.9), float32 is exact
+            x, gate, up = x.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+        acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    act_ptrs = act_ptr + pair[:, None].to(tl.int64) * stride_at + offs_n[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_grouped(
+    act_ptr, pair_ptr, block_slot_ptr, wts_ptr, w2_ptr, out_ptr,
+    num_pairs, num_blocks_m, H, I,
+    stride_at, stride_ws, stride_wh, stride_op,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program (block of sorted pairs, block of H): out[p, h] = w[p] * act[p] . down[h], float32."""
+    pid = tl.program_id(0)
+    num_blocks_n = tl.cdiv(H, BLOCK_N)
+    group = GROUP_M * num_blocks_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    slot = tl.load(block_slot_ptr + pid_m).to(tl.int32)
+    if slot < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + offs_m)
+    mask_m = pair < num_pairs
+    pair_c = tl.where(mask_m, pair, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    act_ptrs = act_ptr + pair_c[:, None] * stride_at + offs_k[None, :]
+    w_ptrs = w2_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wh + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(I, BLOCK_K)):
+        mask_k = offs_k < I - k0 * BLOCK_K
+        act = tl.load(act_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            act, w = act.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(act, w, acc, input_precision=PRECISION)
+        act_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(wts_ptr + pair_c, mask=mask_m, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + pair_c[:, None] * stride_op + offs_n[None, :]
+    tl.store(out_ptrs, acc * weight[:, None], mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _sum_pairs(
+    out_ptr, ids_ptr, slot_ptr, y_ptr,
+    H, E, S, K,
+    stride_op, stride_yt,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (token t, block of H): y[t] = sum over resident k of out[t*K + k], in float32."""
+    token = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in range(0, K):
+        pair = token * K + k
+        expert = tl.load(ids_ptr + pair).to(tl.int32)
+        inside = (expert >= 0) & (expert < E)
+        slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
+        resident = inside & (slot >= 0) & (slot < S)
+        acc += tl.load(
+            out_ptr + pair.to(tl.int64) * stride_op + offs_h,
+            mask=offs_h < tl.where(resident, H, 0),
+            other=0.0,
+        )
+    tl.store(y_ptr + token * stride_yt + offs_h, acc.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+def _check(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, out) -> None:
+    """Shapes, dtypes, devices and layouts (host metadata only: no sync); ValueError naming the bad one."""
+    num_tokens, hidden = x_TH.shape
+    num_slots, two_inter, _ = w13_SIH.shape
+    if (
+        topk_ids_TK.shape != topk_weights_TK.shape
+        or topk_ids_TK.dim() != 2
+        or topk_ids_TK.shape[0] != num_tokens
+    ):
+        raise ValueError(
+            f"slot_moe: routing shapes disagree: x {tuple(x_TH.shape)}, topk_ids {tuple(topk_ids_TK.shape)},"
+            f" topk_weights {tuple(topk_weights_TK.shape)}"
+        )
+    if two_inter % 2 or w13_SIH.shape[2] != hidden or w2_SHI.shape != (num_slots, hidden, two_inter // 2):
+        raise ValueError(
+            f"slot_moe: slot pool shapes disagree with hidden {hidden}: w13 {tuple(w13_SIH.shape)} (want [S, 2I, H]),"
+            f" w2 {tuple(w2_SHI.shape)} (want [S, H, I])"
+        )
+    if slot_of_E.dim() != 1 or slot_of_E.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slot_moe: slot_of_E must be a 1-D int tensor, got {slot_of_E.dtype} {tuple(slot_of_E.shape)}"
+        )
+    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_moe: topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
+    tensors = {"x": x_TH, "topk_ids": topk_ids_TK, "topk_weights": topk_weights_TK, "slot_of_E": slot_of_E,
+               "w13": w13_SIH, "w2": w2_SHI}  # fmt: skip
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"slot_moe: tensors on different devices: {devices}")
+    if w13_SIH.dtype != w2_SHI.dtype or x_TH.dtype != w13_SIH.dtype:
+        raise ValueError(
+            f"slot_moe: x {x_TH.dtype}, w13 {w13_SIH.dtype}, w2 {w2_SHI.dtype} must share a dtype"
+        )
+    for name in ("w13", "w2"):
+        if tensors[name].stride(-1) != 1 or tensors[name].stride(-2) != tensors[name].shape[-1]:
+            raise ValueError(
+                f"slot_moe: {name} must be contiguous in its last two dims, strides {tensors[name].stride()}"
+            )
+    if x_TH.stride(-1) != 1:
+        raise ValueError(f"slot_moe: x must be contiguous in its last dim, strides {x_TH.stride()}")
+    if out is not None and (out.shape != x_TH.shape or out.dtype != x_TH.dtype or out.device != x_TH.device
+                            or out.stride(-1) != 1):  # fmt: skip
+        raise ValueError(
+            f"slot_moe: out must be {tuple(x_TH.shape)} {x_TH.dtype} on {x_TH.device}, last dim contiguous"
+        )
+
+
+def slot_moe(
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    slot_of_E: torch.Tensor,
+    w13_SIH: torch.Tensor,
+    w2_SHI: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each token's router-weighted sum of SiLU-gated experts over its resident experts, shape [T, H].
+
+    `w13_SIH` [S, 2I, H] holds gate rows then up rows; `w2_SHI` [S, H, I]; `slot_of_E` [E] maps expert ->
+    slot, -1 = not resident (adds nothing). Accumulates in float32, returns x's dtype; writes into `out`
+    (and returns it) when given, e.g. a static buffer for CUDA-graph capture.
+    """
+    _check(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, out)
+    if x_TH.device.type != "cuda" and not knobs.runtime.interpret:
+        raise ValueError(
+            f"slot_moe: tensors on {x_TH.device} run only under Triton's interpreter: set TRITON_INTERPRET=1"
+            " before triton is imported"
+        )
+    y_TH = torch.empty_like(x_TH) if out is None else out
+    if x_TH.shape[0] == 0:
+        return y_TH
+    name = "cpu" if x_TH.device.type == "cpu" else device_name(x_TH.device)
+    config = get_config(x_TH.shape[0], slot_of_E.shape[0], w2_SHI.shape[2], x_TH.dtype, name)
+    launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
+    return y_TH
+
+
+def launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config: dict) -> None:
+    """slot_moe's launches with an explicit config (the tuning script's entry; inputs already checked)."""
+    num_tokens = x_TH.shape[0]
+    ids_P = topk_ids_TK.contiguous()
+    weights_P = topk_weights_TK.contiguous()
+    slots = slot_of_E.contiguous()
+    if num_tokens <= DECODE_MAX_T:
+        _decode(x_TH, ids_P, weights_P, slots, w13_SIH, w2_SHI, y_TH, config)
+    else:
+        _prefill(x_TH, ids_P, weights_P, slots, w13_SIH, w2_SHI, y_TH, config)
+
+
+def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
+    """Two launches: gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch, then down."""
+    num_tokens, hidden = x_TH.shape
+    top_k = ids_TK.shape[1]
+    num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
+    act_PI = torch.empty((num_tokens * top_k, inter), dtype=torch.float32, device=x_TH.device)
+    gate_up, down = config["gate_up"], config["down"]
+    grid = (num_tokens * top_k, triton.cdiv(inter, gate_up["BLOCK_I"]))
+    _gate_up_decode[grid](
+        x_TH, ids_TK, slot_of_E, w13_SIH, act_PI,
+        hidden, inter, num_experts, num_slots, top_k,
+        x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1),
+        BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], num_warps=gate_up["num_warps"],
+    )  # fmt: skip
+    grid = (num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))
+    _down_decode[grid](
+        act_PI, ids_TK, slot_of_E, weights_TK, w2_SHI, y_TH,
+        hidden, inter, num_experts, num_slots, top_k,
+        w2_SHI.stride(0), w2_SHI.stride(1), y_TH.stride(0),
+        BLOCK_H=down["BLOCK_H"], BLOCK_I=down["BLOCK_I"], num_warps=down["num_warps"],
+    )  # fmt: skip
+
+
+def _prefill(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
+    """Sort pairs by expert, then tensor-core tiles: gate/up + SiLU, down x router weight, sum over k."""
+    num_tokens, hidden = x_TH.shape
+    top_k = ids_TK.shape[1]
+    num_pairs = num_tokens * top_k
+    num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
+    block_m = config["BLOCK_M"]
+    pair_of_row, slot_of_block = align_by_expert(ids_TK, slot_of_E, num_slots, block_m)
+    num_blocks_m = slot_of_block.shape[0]
+    interpret = bool(knobs.runtime.interpret)
+    # float32 inputs get exact ("ieee") dots, not tf32; bf16/fp16 dots ignore the setting
+    precision = "ieee" if x_TH.dtype == torch.float32 or interpret else "tf32"
+    act_PI = torch.empty((num_pairs, inter), dtype=x_TH.dtype, device=x_TH.device)
+    out_PH = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x_TH.device)
+    gate_up, down = config["gate_up"], config["down"]
+    grid = (num_blocks_m * triton.cdiv(inter, gate_up["BLOCK_N"]),)
+    _gate_up_grouped[grid](
+        x_TH, pair_of_row, slot_of_block, w13_SIH, act_PI,
+        num_pairs, num_blocks_m, hidden, inter, top_k,
+        x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1), act_PI.stride(0),
+        BLOCK_M=block_m, BLOCK_N=gate_up["BLOCK_N"], BLOCK_K=gate_up["BLOCK_K"], GROUP_M=gate_up["GROUP_M"],
+        PRECISION=precision, UPCAST=interpret, num_warps=gate_up["num_warps"], num_stages=gate_up["num_stages"],
+    )  # fmt: skip
+    grid = (num_blocks_m * triton.cdiv(hidden, down["BLOCK_N"]),)
+    _down_grouped[grid](
+        act_PI, pair_of_row, slot_of_block, weights_TK, w2_SHI, out_PH,
+        num_pairs, num_blocks_m, hidden, inter,
+        act_PI.stride(0), w2_SHI.stride(0), w2_SHI.stride(1), out_PH.stride(0),
+        BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
+        PRECISION=precision, UPCAST=interpret, num_warps=down["num_warps"], num_stages=down["num_stages"],
+    )  # fmt: skip
+    block_h = 1024 if x_TH.device.type != "cpu" else 64
+    _sum_pairs[(num_tokens, triton.cdiv(hidden, block_h))](
+        out_PH, ids_TK, slot_of_E, y_TH,
+        hidden, num_experts, num_slots, top_k,
+        out_PH.stride(0), y_TH.stride(0),
+        BLOCK_H=block_h,
+    )  # fmt: skip

@@ -1,0 +1,126 @@
+"""Launch configurations of `slot_moe` as data: JSON files keyed by E, N (= I), device and dtype.
+
+As vLLM's `fused_moe/configs/`: `configs/E=256,N=512,device_name=NVIDIA_H200,dtype=bfloat16.json` maps a
+token count T (a JSON string key) to the block sizes measured fastest for it by
+`benchmarks/tune_slot_moe.py`; the entry of the nearest T is used. With no file for the device and shape,
+`default_config` gives a sane one. Two kinds of entry, one per path of the kernel:
+
+- decode (T <= DECODE_MAX_T): {"gate_up": {"BLOCK_I", "BLOCK_H", "num_warps"},
+                               "down": {"BLOCK_H", "BLOCK_I", "num_warps"}}
+- prefill (T > DECODE_MAX_T): {"BLOCK_M", "gate_up": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+                               "num_stages"}, "down": {the same keys}}
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# Up to this many tokens the decode path runs (one GEMV program per (token, k, block of I)); above it, the
+# prefill path sorts (token, k) pairs by expert and runs tensor-core tiles.
+DECODE_MAX_T = 16
+
+DECODE_KEYS = {"gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"), "down": ("BLOCK_H", "BLOCK_I", "num_warps")}
+PREFILL_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> "bfloat16", the dtype part of a config file's name."""
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=16)
+def device_name(device: torch.device | str | None = None) -> str:
+    """The CUDA device's name with spaces as underscores ("NVIDIA_H200"); "cpu" off CUDA."""
+    if torch.device(device or "cuda").type != "cuda" or not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def config_file_name(num_experts: int, inter: int, device: str, dtype: torch.dtype) -> str:
+    """`E=256,N=512,device_name=NVIDIA_H200,dtype=bfloat16.json`."""
+    return f"E={num_experts},N={inter},device_name={device},dtype={dtype_name(dtype)}.json"
+
+
+def validate_entry(entry: object, where: str) -> dict:
+    """Check one entry's keys and values; raise ValueError naming `where` (file and T) on a bad one."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: want an object, got {entry!r}")
+    if "BLOCK_M" in entry:
+        _positive_ints(entry, ("BLOCK_M",), where)
+        for stage in ("gate_up", "down"):
+            _positive_ints(entry.get(stage), PREFILL_STAGE_KEYS, f"{where}.{stage}")
+    else:
+        for stage, keys in DECODE_KEYS.items():
+            _positive_ints(entry.get(stage), keys, f"{where}.{stage}")
+    return entry
+
+
+def _positive_ints(block: object, keys: tuple[str, ...], where: str) -> None:
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: want an object with keys {list(keys)}, got {block!r}")
+    for key in keys:
+        value = block.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{where}.{key}: want a positive integer, got {value!r}")
+        if key.startswith("BLOCK_") and value & (value - 1):
+            raise ValueError(f"{where}.{key}: want a power of two (Triton block), got {value}")
+
+
+@functools.lru_cache(maxsize=64)
+def load_configs(path: Path) -> dict[int, dict] | None:
+    """The T -> entry table of one config file, validated; None when the file does not exist."""
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON: {err}") from err
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{path}: want an object mapping token counts to configs")
+    table = {}
+    for key, entry in raw.items():
+        if not key.isdigit() or int(key) <= 0:
+            raise ValueError(f"{path}: key {key!r} is not a positive token count")
+        table[int(key)] = validate_entry(entry, f"{path.name}[{key}]")
+    return table
+
+
+def default_config(num_tokens: int) -> dict:
+    """A config that is sound on any GPU (and in the interpreter): small GEMV blocks for decode, vLLM-like
+    bf16 tiles for prefill, larger BLOCK_M as T grows."""
+    if num_tokens <= DECODE_MAX_T:
+        # Many small programs: at T = 1 the down launch has only T * H / BLOCK_H of them, and fewer than
+        # ~4 per SM leave HBM idle (H200, Qwen3.6 shape: BLOCK_H 16 -> 4 took 38.9 -> 25.6 us).
+        return {
+            "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128, "num_warps": 8},
+            "down": {"BLOCK_H": 4, "BLOCK_I": 128, "num_warps": 8},
+        }
+    block_m = 16 if num_tokens <= 64 else 32 if num_tokens <= 256 else 64
+    stage = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": block_m, "gate_up": dict(stage), "down": dict(stage, BLOCK_N=128)}
+
+
+@functools.lru_cache(maxsize=1024)
+def get_config(
+    num_tokens: int,
+    num_experts: int,
+    inter: int,
+    dtype: torch.dtype,
+    device: str,
+    config_dir: Path = CONFIG_DIR,
+) -> dict:
+    """The tuned entry of the nearest T in the matching file that is of the same path (decode or
+    prefill) as `num_tokens`, else `default_config(num_tokens)`. Cached (the launcher calls it on every
+    call): treat the returned dict as read-only."""
+    table = load_configs(config_dir / config_file_name(num_experts, inter, device, dtype))
+    if table:
+        decode = num_tokens <= DECODE_MAX_T
+        same_path = [t for t in table if (t <= DECODE_MAX_T) == decode]
+        if same_path:
+            return table[min(same_path, key=lambda t: (abs(t - num_tokens), t))]
+    return default_config(num_tokens)

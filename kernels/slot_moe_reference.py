@@ -1,0 +1,51 @@
+"""Plain torch reference of the slot-pool MoE operator: the oracle `slot_moe` is tested against.
+
+The runtime keeps only some experts on the GPU, in a pool of S slots; `slot_of_E[e]` is expert e's slot,
+or -1 when it is not resident (the runtime computes those on the CPU and adds them in itself). This
+reference computes what the GPU part must return: each token's router-weighted sum over its resident
+experts only, each expert run through `expert_forward` in float32, summed in float32, cast to x's dtype.
+
+Shape legend: T tokens, H hidden, I intermediate, E experts, K top-k, S slots (`2I` = gate rows + up rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .expert_reference import expert_forward
+
+
+def slot_moe_reference(
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    slot_of_E: torch.Tensor,
+    w13_SIH: torch.Tensor,
+    w2_SHI: torch.Tensor,
+) -> torch.Tensor:
+    """`y[t] = sum over k with slot_of_E[ids[t, k]] >= 0 of weights[t, k] * expert(x[t])`, shape (T, H).
+
+    `w13_SIH` is [S, 2I, H] (gate rows, then up rows), `w2_SHI` is [S, H, I]. Raises ValueError on shapes
+    that disagree, expert ids outside [0, E) or slots outside [-1, S).
+    """
+    num_tokens, hidden = x_TH.shape
+    num_experts, num_slots = slot_of_E.shape[0], w13_SIH.shape[0]
+    if topk_ids_TK.shape != topk_weights_TK.shape or topk_ids_TK.shape[0] != num_tokens:
+        raise ValueError(
+            f"routing shapes disagree: x {tuple(x_TH.shape)}, topk_ids {tuple(topk_ids_TK.shape)},"
+            f" topk_weights {tuple(topk_weights_TK.shape)}"
+        )
+    if w2_SHI.shape[0] != num_slots or w13_SIH.shape[2] != hidden or w2_SHI.shape[1] != hidden:
+        raise ValueError(f"slot pool shapes disagree: w13 {tuple(w13_SIH.shape)}, w2 {tuple(w2_SHI.shape)}")
+    if topk_ids_TK.numel() and (topk_ids_TK.min() < 0 or topk_ids_TK.max() >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts}); got {topk_ids_TK.unique().tolist()}")
+    if slot_of_E.numel() and (slot_of_E.min() < -1 or slot_of_E.max() >= num_slots):
+        raise ValueError(f"slot_of_E must lie in [-1, {num_slots}); got {slot_of_E.unique().tolist()}")
+    y_TH = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x_TH.device)
+    slot_TK = slot_of_E[topk_ids_TK.long()]
+    for slot in slot_TK[slot_TK >= 0].unique().tolist():
+        token_N, k_N = torch.where(slot_TK == slot)
+        # float32 inputs, so the expert's output stays float32 until the final cast
+        out_NH = expert_forward(x_TH[token_N].float(), w13_SIH[slot].float(), w2_SHI[slot].float())
+        y_TH.index_add_(0, token_N, out_NH * topk_weights_TK[token_N, k_N, None].float())
+    return y_TH.to(x_TH.dtype)
