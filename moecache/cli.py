@@ -155,6 +155,46 @@ for _stage, (_module, _help) in STAGES.items():
     _make_stage_command(_stage, _help)
 
 
+GENERATE_HELP = (
+    'Continue prompt="..." with the offloaded model (capacity=..., policy=...): the text streams to '
+    "stdout, the cache statistics go to stderr; runtime.enabled=false runs the unmodified model. "
+    "Writes no artifact. Extra arguments are Hydra overrides (key=value, group=option)."
+)
+
+
+@app.command(
+    "generate",
+    help=GENERATE_HELP,
+    epilog=_stage_epilog("generate"),
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def generate_command(
+    ctx: typer.Context,
+    cfg: str = typer.Option(
+        None,
+        "--cfg",
+        "-c",
+        help="Print the composed config and exit: job (the keys generate reads), all, or hydra.",
+    ),
+    resolve: bool = typer.Option(False, "--resolve", help="With --cfg: resolve interpolations."),
+) -> None:
+    """The stages' composition and one-line errors, without an artifact (nor a multirun: one prompt)."""
+    stage, overrides = "generate", list(ctx.args)
+    if cfg is not None and cfg not in ("job", "all", "hydra"):
+        _fail(stage, MoecacheError(f"--cfg {cfg}: expected job, all or hydra"))
+    try:
+        check_overrides(stage, overrides, CONF_DIR)
+        if cfg is not None:
+            print(_stage_config_yaml(stage, overrides, cfg, resolve), end="")
+            return
+        from moecache.config import compose
+        from moecache.stages.generate import run
+
+        run(compose(overrides))
+    except MoecacheError as exc:
+        _fail(stage, exc)
+
+
 def _default_output_root() -> str:
     import os
 

@@ -133,6 +133,14 @@ def _capacity(required: bool) -> Check:
     return check
 
 
+def _one_capacity(key: str, value) -> None:
+    """`moecache generate` runs one cache: one capacity or none (then runtime.enabled=false)."""
+    if isinstance(value, list | tuple):
+        _fail(key, value, "one capacity (moecache generate runs one cache), e.g. capacity=25%")
+    if value is not None:
+        capacity_specs(value, key=key)
+
+
 def _logging_enabled(key: str, value) -> None:
     """`collect` exists to log routing: `logging.enabled=false` there contradicts the command. null (the
     default) means "the stage decides": on in collect, off in the runtime's inference path."""
@@ -186,6 +194,12 @@ RULES: dict[str, dict[str, Check]] = {
         "generation.top_p": number(0, 1, low_open=True),
         "generation.ignore_eos": boolean,
     },
+    "runtime": {
+        "runtime.enabled": boolean,
+        "runtime.decision": optional(string),
+        "runtime.device": one_of("auto", "cuda", "standin"),
+    },
+    "prompt": {"prompt": optional(string)},
     "cost": {
         "cost.tokens_per_call": list_of(integer(1)),
         "cost.dtypes": list_of(string),
@@ -201,7 +215,11 @@ RULES: dict[str, dict[str, Check]] = {
 }
 # The sweep group includes its capacity grid.
 RULES["sweep"].update(RULES["sweep.capacities"])
-CAPACITY = {"simulate": _capacity(required=True), "sweep": _capacity(required=False)}
+CAPACITY = {
+    "simulate": _capacity(required=True),
+    "sweep": _capacity(required=False),
+    "generate": _one_capacity,
+}
 
 
 def _get(c: dict, dotted: str):

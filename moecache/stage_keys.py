@@ -32,6 +32,8 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "analyze": ("analyze", "sim", "traces", "seed", "sweep.capacities", "sweep.policies"),
     "decide": ("decide", "seed"),  # seed: conf/decide/default.yaml's `seed: ${seed}`
     "report": ("report",),
+    # writes no artifact: streams text to stdout, the cache statistics to stderr
+    "generate": ("model", "runtime", "capacity", "policy", "prompt", "generation", "seed", "device"),
 }
 
 # key=value, +key=value, ++key=value, ~key, ~key=value; a key may be a group path (hydra/launcher)

@@ -66,6 +66,19 @@ def _artifact_config(c: dict, device: str, revision: str) -> dict:
     }
 
 
+def sampling_kwargs(gen: dict) -> dict:
+    """`model.generate` keywords of the `generation` group's sampling keys (shared with `moecache
+    generate`): temperature and top-p when sampling, the model's own sampling defaults switched off
+    otherwise, and no EOS stop under `ignore_eos`."""
+    if gen["do_sample"]:
+        kwargs = dict(temperature=float(gen["temperature"]), top_p=float(gen["top_p"]))
+    else:
+        kwargs = dict(temperature=None, top_p=None, top_k=None)
+    if gen["ignore_eos"]:
+        kwargs["eos_token_id"] = None
+    return kwargs
+
+
 def _generate(model, ids: list[int], gen: dict, max_new_tokens: int, device: str, pad_id: int) -> list[int]:
     input_ids = torch.tensor([ids], device=device)
     kwargs = dict(
@@ -75,12 +88,7 @@ def _generate(model, ids: list[int], gen: dict, max_new_tokens: int, device: str
         do_sample=bool(gen["do_sample"]),
         pad_token_id=pad_id,
     )
-    if gen["do_sample"]:
-        kwargs.update(temperature=float(gen["temperature"]), top_p=float(gen["top_p"]))
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
-    if gen["ignore_eos"]:
-        kwargs["eos_token_id"] = None
+    kwargs.update(sampling_kwargs(gen))
     with torch.inference_mode():
         out = model.generate(**kwargs)
     return out[0, input_ids.shape[1] :].tolist()

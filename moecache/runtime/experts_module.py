@@ -1,0 +1,123 @@
+"""The experts module of an offloaded model: stands in for a sparse MoE block's `.experts`.
+
+Every supported model (transformers 5: Qwen3.5/3.6-MoE, DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE) calls its
+experts as `experts(hidden_states_TH, top_k_index_TK, top_k_weights_TK) -> y_TH` after its own router;
+the shared expert, if any, is added by the block itself. `OffloadedExperts` keeps that signature, so it is
+swapped in by assigning `block.experts` (transformers is not edited): the router and the shared expert
+stay the model's, and the module holds no parameters at all (the dense expert weights are gone from the
+compute device; every expert lives in the host store, some in the slot pool).
+
+One call is one layer visit of the cache manager (docs/runtime.md):
+1. the routing is read to the host once (ids and weights: the manager and the CPU path need them);
+2. `manager.visit(layer, ids)` publishes the layer's finished copies and says which entries hit;
+3. the hits run from the slot pool on the compute device (`slot_moe` on CUDA, its torch reference on the
+   CPU stand-in), reading the mapping `slot_of_E` of this very visit; then `manager.commit()`;
+4. the misses run on the CPU from the store (`CpuExperts.run`, keys = layer * E + expert) and are added.
+Both halves sum only their own entries, so y = GPU part + CPU part is every entry's weighted sum.
+
+Legend: T tokens, H hidden, K top-k, E experts, M (token, expert) entries run on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from moecache.runtime.cpu_experts import CpuExperts
+from moecache.runtime.manager import CacheManager
+
+
+@dataclass
+class ExecStats:
+    """What the experts modules themselves count (the manager counts hits, misses and copies)."""
+
+    cpu_entries: int = 0  # (token, k) entries computed on the CPU (fallbacks)
+    gpu_entries: int = 0  # (token, k) entries computed from the slot pool
+    kernel_calls: int = 0  # visits with at least one hit (the slot-pool operator ran)
+
+
+class ExpertsRuntime:
+    """What every layer's experts module shares: the manager (its store and slot pool) and the CPU
+    executor. Calls are serialised by the model's forward (one layer after the other)."""
+
+    def __init__(self, manager: CacheManager, cpu: CpuExperts):
+        self.manager = manager
+        self.cpu = cpu
+        self.device = manager.device
+        self.pool = manager.pool
+        self.num_experts = manager.shape.num_experts
+        self.stats = ExecStats()
+        if self.device.is_cuda:
+            from moecache_kernels import slot_moe
+
+            self._slot_moe = slot_moe
+        else:
+            from moecache_kernels import slot_moe_reference
+
+            self._slot_moe = slot_moe_reference
+
+    def run(self, layer: int, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
+        """y_TH for one layer visit (module docstring), in x's dtype, on x's device."""
+        ids_host_TK = ids_TK.detach().to("cpu", torch.int64).numpy()
+        visit = self.manager.visit(layer, ids_host_TK)
+        hit_TK = visit.hit_TK
+        n_hit = int(hit_TK.sum())
+        y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E) if n_hit else None
+        self.manager.commit()  # the GPU half is enqueued: slots it read get their last-use event
+        if n_hit < hit_TK.size:
+            cpu_TH = self._cpu_part(layer, x_TH, ids_host_TK, weights_TK, hit_TK)
+            y_TH = cpu_TH if y_TH is None else y_TH + cpu_TH
+        self.stats.gpu_entries += n_hit
+        self.stats.cpu_entries += hit_TK.size - n_hit
+        return y_TH if y_TH is not None else torch.zeros_like(x_TH)
+
+    def _gpu_part(self, x_TH, ids_TK, weights_TK, slot_of_E) -> torch.Tensor:
+        """The resident entries from the slot pool, on the compute stream after the mapping's upload."""
+        self.stats.kernel_calls += 1
+        pool = self.pool
+        if self.device.is_cuda:
+            return self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI)
+        # The stand-in: the operator is queued on its compute stream behind the mapping row's upload and
+        # run there now, so it reads exactly the mapping this visit published.
+        out: list[torch.Tensor] = []
+        compute = self.manager.compute
+        self.device.enqueue(
+            compute,
+            lambda: out.append(
+                self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI)
+            ),
+        )
+        self.device.run(compute)
+        return out[0]
+
+    def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK) -> torch.Tensor:
+        """The entries whose expert is not in the visit's snapshot, from the host store."""
+        token_M, k_M = np.nonzero(~hit_TK)
+        token_t, k_t = torch.from_numpy(token_M.astype(np.int64)), torch.from_numpy(k_M.astype(np.int64))
+        keys_M = layer * self.num_experts + torch.from_numpy(ids_host_TK)[token_t, k_t]
+        weights_M = weights_TK.detach().to("cpu", torch.float32)[token_t, k_t]
+        x_host_TH = x_TH.detach().to("cpu")
+        y_host_TH = self.cpu.run(x_host_TH, keys_M, token_t, weights_M)
+        return y_host_TH.to(x_TH.device, non_blocking=False)
+
+
+class OffloadedExperts(nn.Module):
+    """`forward(hidden_states, top_k_index, top_k_weights)`: the replaced experts module's signature and
+    result, computed by the runtime for MoE layer `layer_id` (module docstring). No parameters."""
+
+    def __init__(self, layer_id: int, runtime: ExpertsRuntime):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_experts = runtime.num_experts
+        self._runtime = runtime  # a plain attribute: not a submodule, not in the state dict
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return self._runtime.run(self.layer_id, hidden_states, top_k_index, top_k_weights)
+
+    def extra_repr(self) -> str:
+        return f"layer_id={self.layer_id}, num_experts={self.num_experts}, offloaded"

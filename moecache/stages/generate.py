@@ -1,0 +1,135 @@
+"""`moecache generate`: continue one prompt with the offloaded model and show what the cache did.
+
+The generated text streams to stdout as it is decoded; the cache statistics (`model.moecache.stats()`)
+and the generation speed go to stderr. `runtime.enabled=false` runs the unmodified model (every expert
+on the compute device) on the same prompt, for comparison. No artifact is written.
+
+The model is loaded on the CPU and offloaded there (its dense experts dropped, the expert store filled
+from the checkpoint's safetensors) before the rest of it goes to `device`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from omegaconf import DictConfig
+
+from moecache.errors import MoecacheError
+from moecache.stages.base import prepare, torch_device
+
+STAGE = "generate"
+
+
+def _check(c: dict, device: str) -> None:
+    """What the value checks cannot see alone: required keys and keys that must agree."""
+    if c["prompt"] is None:
+        raise MoecacheError('prompt is required: pass prompt="..." (the text to continue)')
+    if c["generation"]["max_new_tokens"] is None:
+        raise MoecacheError("generation.max_new_tokens is required here: e.g. generation.max_new_tokens=64")
+    runtime = c["runtime"]
+    if not runtime["enabled"]:
+        return
+    if c["capacity"] is None:
+        raise MoecacheError(
+            "capacity is required: a slot count, a percentage ('25%') or a memory budget ('12GiB') "
+            "(runtime.enabled=false runs the unmodified model)"
+        )
+    if runtime["decision"] is not None and c.get("policy"):
+        raise MoecacheError("runtime.decision and policy=... both name a policy: give one of them")
+    if c.get("policy"):
+        from moecache.sim.policy import make_policy
+        from moecache.stages.simulate import check_policy
+
+        check_policy(c["policy"])
+        if make_policy(c["policy"]["name"], **(c["policy"].get("params") or {})).offline:
+            raise MoecacheError(
+                f"policy={c['policy']['name']} is offline (it reads the whole future trace) and exists only "
+                "in the simulator; the runtime takes an online policy (e.g. lfu, lru, static_cold)"
+            )
+    want = runtime["device"]
+    on_cuda = device.startswith("cuda")
+    if (want == "cuda" and not on_cuda) or (want == "standin" and on_cuda):
+        raise MoecacheError(
+            f"runtime.device={want} but the model computes on device={device}: the slot pool lives where "
+            "the model computes (runtime.device=auto picks it)"
+        )
+
+
+def _encode(tokenizer, prompt: str, device: str):
+    import torch
+
+    ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise MoecacheError(f"prompt={prompt!r} encodes to no tokens")
+    return torch.tensor([ids], device=device)
+
+
+def _generate(model, tokenizer, input_ids, gen: dict, seed: int, out) -> int:
+    """Generate with the text streamed to `out`; returns the number of new tokens."""
+    import torch
+    from transformers import TextStreamer
+
+    from moecache.stages.collect import sampling_kwargs
+
+    class _Streamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            print(text, end="\n" if stream_end else "", file=out, flush=True)
+
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=int(gen["max_new_tokens"]),
+        do_sample=bool(gen["do_sample"]),
+        streamer=_Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+        pad_token_id=model.generation_config.pad_token_id,
+    )
+    if gen["do_sample"]:
+        torch.manual_seed(seed)
+    kwargs.update(sampling_kwargs(gen))
+    with torch.inference_mode():
+        output = model.generate(**kwargs)
+    return int(output.shape[1] - input_ids.shape[1])
+
+
+def _print_stats(stats: dict | None, tokens: int, seconds: float, err) -> None:
+    print(
+        f"generated {tokens} tokens in {seconds:.3f} s ({tokens / max(seconds, 1e-9):.2f} tokens/s, prefill "
+        "included)",
+        file=err,
+    )
+    if stats is None:
+        print("runtime: disabled (the unmodified model)", file=err)
+        return
+    for key, value in stats.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"{key}: {shown}", file=err)
+
+
+def run(cfg: DictConfig, out=None, err=None) -> dict | None:
+    """Generate (module docstring); returns the cache statistics (None with runtime.enabled=false)."""
+    from moecache.models import load_model
+
+    out, err = out or sys.stdout, err or sys.stderr
+    c = prepare(cfg, STAGE)
+    device = torch_device(cfg)
+    _check(c, device)
+    runtime = c["runtime"]
+    enabled = runtime["enabled"]
+    loaded = load_model(cfg.model, cfg.output_root, "cpu" if enabled else device)
+    model = loaded.model
+    if enabled:
+        from moecache.offloading import offload_model
+
+        policy = c.get("policy") or {}
+        model = offload_model(
+            model, capacity=c["capacity"], policy=policy.get("name"), params=policy.get("params"),
+            decision=runtime["decision"], device=device, checkpoint=loaded.path,
+        )  # fmt: skip
+    input_ids = _encode(loaded.tokenizer, c["prompt"], device)
+    start = time.perf_counter()
+    tokens = _generate(model, loaded.tokenizer, input_ids, c["generation"], int(c["seed"]), out)
+    seconds = time.perf_counter() - start
+    stats = model.moecache.stats() if enabled else None
+    _print_stats(stats, tokens, seconds, err)
+    return stats

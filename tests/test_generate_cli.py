@@ -1,0 +1,88 @@
+"""`moecache generate` end to end on the tiny model: the text on stdout (the same as the unmodified
+model's, greedy), the cache statistics on stderr, `runtime.enabled=false`, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from moecache.cli import app
+
+BASE = ["model=tiny", "prompt=Hello there", "generation.max_new_tokens=6"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("generate-out"))
+
+
+def generate(root: str, *overrides: str):
+    return CliRunner().invoke(app, ["generate", *BASE, f"output_root={root}", *overrides])
+
+
+def stats_of(stderr: str) -> dict:
+    """The `key: value` lines of the statistics."""
+    return dict(
+        line.split(": ", 1) for line in stderr.splitlines() if ": " in line and " " not in line.split(": ")[0]
+    )
+
+
+def test_generate_streams_the_text_and_prints_the_statistics(root):
+    offloaded = generate(root, "capacity=25%", "policy=lru")
+    assert offloaded.exit_code == 0, offloaded.output
+    plain = generate(root, "runtime.enabled=false")
+    assert plain.exit_code == 0, plain.output
+    assert offloaded.stdout == plain.stdout and offloaded.stdout.endswith("\n") and offloaded.stdout.strip()
+    stats = stats_of(offloaded.stderr)
+    assert stats["policy"] == "lru" and stats["capacity"] == "32"  # 25% of 4 layers x 32 experts
+    assert int(stats["hits"]) + int(stats["misses"]) == int(stats["accesses"]) > 0
+    assert 0.0 <= float(stats["hit_rate"]) <= 1.0 and int(stats["copies"]) > 0
+    assert len(yaml.safe_load(stats["residents_per_layer"])) == 4
+    assert "generated 6 tokens" in offloaded.stderr
+    assert "runtime: disabled" in plain.stderr and "hit_rate" not in plain.stderr
+
+
+def test_capacity_zero_runs_every_expert_on_the_cpu(root):
+    res = generate(root, "capacity=0")
+    assert res.exit_code == 0, res.output
+    stats = stats_of(res.stderr)
+    assert stats["policy"].startswith("lfu") and float(stats["hit_rate"]) == 0.0 and stats["copies"] == "0"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["capacity=abc"], "capacity='abc': expected an integer slot count"),
+        (["capacity=[4,8]"], "capacity=[4, 8]: expected one capacity"),
+        (["capacity=200%"], "capacity=200%: a percentage of all experts must be from 0% to 100%"),
+        (["capacity=1000"], "capacity=1000: more slots than experts (128 in all)"),
+        ([], "capacity is required"),
+        (["capacity=4", "policy=belady"], "policy=belady is offline"),
+        (["capacity=4", "runtime.device=cuda"], "runtime.device=cuda but the model computes on device=cpu"),
+        (["capacity=4", "runtime.enabled=no"], "runtime.enabled='no': expected true or false"),
+        (["capacity=4", "workload=long_single"], "does not read `workload`"),
+        (["capacity=4", "policy=lruu"], "policy=lruu: no such option (did you mean lru?)"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(root, overrides, message):
+    res = generate(root, "device=cpu", *overrides)
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.stderr.splitlines() if line.startswith("moecache generate: error:")]
+    assert len(errors) == 1 and message in errors[0], res.stderr
+    assert res.stdout == ""
+
+
+def test_a_prompt_is_required(root):
+    res = CliRunner().invoke(app, ["generate", "model=tiny", "capacity=4", f"output_root={root}"])
+    assert res.exit_code == 2 and "prompt is required" in res.stderr
+
+
+def test_help_and_cfg_job():
+    res = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "Group runtime: default" in res.output
+    job = CliRunner().invoke(app, ["generate", "--cfg", "job", "capacity=25%", "policy=lru"])
+    assert job.exit_code == 0, job.output
+    printed = yaml.safe_load(job.stdout)
+    assert printed["capacity"] == "25%" and printed["policy"]["name"] == "lru"
+    assert printed["runtime"]["enabled"] is True and "workload" not in printed
