@@ -60,3 +60,18 @@ def hand_cost(
         gpu_us_M=np.array(gpu, float),
         **kw,
     )
+
+
+def skewed_trace(make_trace, seed=0, requests=3, tokens=10, layers=3, experts=6, top_k=2, prefill=3):
+    """Requests of one prefill step of `prefill` tokens, then decode steps; routing skewed towards low
+    expert ids (probability 1/rank), `top_k` distinct experts per token."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, experts + 1)
+    p /= p.sum()
+    steps = []
+    for r in range(requests):
+        for step, n in enumerate([prefill] + [1] * (tokens - prefill)):
+            for layer in range(layers):
+                toks = [list(rng.choice(experts, top_k, replace=False, p=p)) for _ in range(n)]
+                steps.append((f"r{r}", step, layer, toks))
+    return make_trace(steps, layers, experts, top_k)

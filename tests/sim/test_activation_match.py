@@ -4,10 +4,12 @@ moecache/sim/reference.py), capacity bounds, timed = instant at infinite bandwid
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import assert_matches_reference, small_traces
+from strategies import assert_matches_reference, skewed_trace, small_traces
 
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel
@@ -137,17 +139,8 @@ def test_capacity_bounds(make_trace, case):
         assert held.max() <= capacity and held.min() >= 0
 
 
-def random_trace(make_trace, seed=0, requests=4, tokens=10, layers=3, experts=8, top_k=2, prefill=3):
-    """Requests of one prefill step of `prefill` tokens, then decode steps; skewed routing."""
-    rng = np.random.default_rng(seed)
-    w = 1.0 / np.arange(1, experts + 1)
-    steps = []
-    for r in range(requests):
-        for step, n in enumerate([prefill] + [1] * (tokens - prefill)):
-            for layer in range(layers):
-                toks = [list(rng.choice(experts, top_k, replace=False, p=w / w.sum())) for _ in range(n)]
-                steps.append((f"r{r}", step, layer, toks))
-    return make_trace(steps, layers, experts, top_k)
+# this module's sizes of the shared skewed trace
+random_trace = functools.partial(skewed_trace, requests=4, tokens=10, layers=3, experts=8, top_k=2, prefill=3)
 
 
 @pytest.mark.parametrize("capacity", [0, 1, 3, 7, 24])

@@ -6,13 +6,14 @@ real-trace smoke run."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import assert_matches_reference, hand_cost, small_traces
+from strategies import assert_matches_reference, hand_cost, skewed_trace, small_traces
 
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.errors import MoecacheError
@@ -132,24 +133,8 @@ def test_renormalises(make_trace):
 # ---- the cost rules ----------------------------------------------------------------------------------
 
 
-def random_trace(make_trace, seed=0, requests=3, tokens=12, layers=3, experts=8, top_k=2, prefill=4):
-    """Requests of one prefill step of `prefill` tokens, then decode steps; skewed routing."""
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, experts + 1)
-    p /= p.sum()
-    steps = []
-    for r in range(requests):
-        for step, n in enumerate([prefill] + [1] * (tokens - prefill)):
-            for layer in range(layers):
-                steps.append(
-                    (
-                        f"r{r}",
-                        step,
-                        layer,
-                        [list(rng.choice(experts, top_k, replace=False, p=p)) for _ in range(n)],
-                    )
-                )
-    return make_trace(steps, layers, experts, top_k)
+# this module's sizes of the shared skewed trace
+random_trace = functools.partial(skewed_trace, requests=3, tokens=12, layers=3, experts=8, top_k=2, prefill=4)
 
 
 def test_copy_that_cannot_pay_is_never_made(make_trace):

@@ -3,6 +3,7 @@ the compiled step-time pass of instant mode (cost_model.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from collections import namedtuple
 import numba as nb
 import numpy as np
 import pytest
-from strategies import hand_cost
+from strategies import hand_cost, skewed_trace
 
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.sim.cost_model import forward_index, instant_step_us
@@ -26,18 +27,8 @@ from moecache.sim.visit import bind_step, visit_entry
 ONLINE = sorted(name for name, cls in POLICIES.items() if not cls.offline)
 
 
-def random_trace(make_trace, seed=0, requests=3, tokens=10, layers=3, experts=6, top_k=2, prefill=3):
-    """Requests of one prefill step of `prefill` tokens, then decode steps; skewed routing."""
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, experts + 1)
-    p /= p.sum()
-    steps = []
-    for r in range(requests):
-        for step, n in enumerate([prefill] + [1] * (tokens - prefill)):
-            for layer in range(layers):
-                toks = [list(rng.choice(experts, top_k, replace=False, p=p)) for _ in range(n)]
-                steps.append((f"r{r}", step, layer, toks))
-    return make_trace(steps, layers, experts, top_k)
+# this module's sizes of the shared skewed trace
+random_trace = functools.partial(skewed_trace, requests=3, tokens=10, layers=3, experts=6, top_k=2, prefill=3)
 
 
 def visit_by_visit(trace, policy, capacity):
