@@ -83,11 +83,21 @@ def _stage_config_yaml(stage: str, overrides: list[str], what: str, resolve: boo
         raise MoecacheError(f"--cfg {what}: {' '.join(str(exc).split())}") from exc
 
 
+def _checked_or_printed(stage: str, overrides: list[str], show_cfg: str | None, resolve: bool) -> bool:
+    """Check the overrides against what `stage` reads; with `--cfg`, print the composed config instead of
+    running. True: the command is done (the config was printed)."""
+    if show_cfg is not None and show_cfg not in ("job", "all", "hydra"):
+        raise MoecacheError(f"--cfg {show_cfg}: expected job, all or hydra")
+    check_overrides(stage, overrides, CONF_DIR)
+    if show_cfg is None:
+        return False
+    print(_stage_config_yaml(stage, overrides, show_cfg, resolve), end="")
+    return True
+
+
 def _run_stage(stage: str, overrides: list[str], multirun: bool, show_cfg: str | None, resolve: bool) -> None:
     try:
-        check_overrides(stage, overrides, CONF_DIR)
-        if show_cfg is not None:
-            print(_stage_config_yaml(stage, overrides, show_cfg, resolve), end="")
+        if _checked_or_printed(stage, overrides, show_cfg, resolve):
             return
         from moecache.config import compose
         from moecache.config import multirun as hydra_multirun
@@ -126,6 +136,16 @@ def _stage_epilog(stage: str) -> str:
     return "\n\n".join(lines)
 
 
+# The options every command that composes the config takes besides its overrides.
+CFG_OPTION = typer.Option(
+    None,
+    "--cfg",
+    "-c",
+    help="Print the composed config and exit: job (the keys the command reads), all, or hydra.",
+)
+RESOLVE_OPTION = typer.Option(False, "--resolve", help="With --cfg: resolve interpolations.")
+
+
 def _make_stage_command(stage: str, help_text: str) -> None:
     @app.command(
         stage,
@@ -138,16 +158,9 @@ def _make_stage_command(stage: str, help_text: str) -> None:
         multirun: bool = typer.Option(
             False, "-m", "--multirun", help="Hydra multirun over comma-separated values."
         ),
-        cfg: str = typer.Option(
-            None,
-            "--cfg",
-            "-c",
-            help="Print the composed config and exit: job (the keys this stage reads), all, or hydra.",
-        ),
-        resolve: bool = typer.Option(False, "--resolve", help="With --cfg: resolve interpolations."),
+        cfg: str = CFG_OPTION,
+        resolve: bool = RESOLVE_OPTION,
     ) -> None:
-        if cfg is not None and cfg not in ("job", "all", "hydra"):
-            _fail(stage, MoecacheError(f"--cfg {cfg}: expected job, all or hydra"))
         _run_stage(stage, list(ctx.args), multirun, cfg, resolve)
 
 
@@ -168,24 +181,11 @@ GENERATE_HELP = (
     epilog=_stage_epilog("generate"),
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
-def generate_command(
-    ctx: typer.Context,
-    cfg: str = typer.Option(
-        None,
-        "--cfg",
-        "-c",
-        help="Print the composed config and exit: job (the keys generate reads), all, or hydra.",
-    ),
-    resolve: bool = typer.Option(False, "--resolve", help="With --cfg: resolve interpolations."),
-) -> None:
+def generate_command(ctx: typer.Context, cfg: str = CFG_OPTION, resolve: bool = RESOLVE_OPTION) -> None:
     """The stages' composition and one-line errors, without an artifact (nor a multirun: one prompt)."""
     stage, overrides = "generate", list(ctx.args)
-    if cfg is not None and cfg not in ("job", "all", "hydra"):
-        _fail(stage, MoecacheError(f"--cfg {cfg}: expected job, all or hydra"))
     try:
-        check_overrides(stage, overrides, CONF_DIR)
-        if cfg is not None:
-            print(_stage_config_yaml(stage, overrides, cfg, resolve), end="")
+        if _checked_or_printed(stage, overrides, cfg, resolve):
             return
         from moecache.config import compose
         from moecache.stages.generate import run
