@@ -104,6 +104,16 @@ def _down_decode(
 
 
 @triton.jit
+def _grouped_tile(pid, num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
+    """(block of rows, block of columns) of program `pid`, in groups of GROUP_M row blocks so that
+    consecutive programs share their expert's weight tiles in L2 (the Triton matmul tutorial's order)."""
+    group = GROUP_M * num_blocks_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_blocks_m - first_m, GROUP_M)
+    return first_m + (pid % group) % group_m, (pid % group) // group_m
+
+
+@triton.jit
 def _gate_up_grouped(
     x_ptr, pair_ptr, block_slot_ptr, w13_ptr, act_ptr,
     num_pairs, num_blocks_m, H, I, K,
@@ -112,13 +122,7 @@ def _gate_up_grouped(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program (block of BLOCK_M pairs sorted by expert, block of I): act = silu(x @ gate.T) * (x @ up.T)."""
-    pid = tl.program_id(0)
-    num_blocks_n = tl.cdiv(I, BLOCK_N)
-    group = GROUP_M * num_blocks_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     slot = tl.load(block_slot_ptr + pid_m).to(tl.int32)
     if slot < 0:
         return
@@ -160,13 +164,7 @@ def _down_grouped(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program (block of sorted pairs, block of H): out[p, h] = w[p] * act[p] . down[h], float32."""
-    pid = tl.program_id(0)
-    num_blocks_n = tl.cdiv(H, BLOCK_N)
-    group = GROUP_M * num_blocks_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     slot = tl.load(block_slot_ptr + pid_m).to(tl.int32)
     if slot < 0:
         return
