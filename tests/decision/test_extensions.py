@@ -45,15 +45,16 @@ def scenario(factors: dict, seed: int = 0):
                     (pp, ref_N * np.where(first_half, early, late) * rng.uniform(0.995, 1.005, ref_N.shape))
                 )
             for (policy, params), us_N in variants:
-                blocks = [
-                    (r, b, int(t), float(u), 1, 1000)
-                    for (r, b), t, u in zip(keys, tokens_N, us_N, strict=True)
-                ]
-                groups.append(
-                    {"trace": trace, "workload": workload, "policy": policy, "params": params,
-                     "capacity": cap, "hit_rate": hit, "blocks": blocks}
-                )  # fmt: skip
+                groups.append(_group(trace, workload, policy, params, cap, hit, keys, tokens_N, us_N))
     return tables(groups)
+
+
+def _group(trace, workload, policy, params, cap, hit, keys, tokens_N, us_N) -> dict:
+    """One (trace, policy, capacity) group for `tables`: a block per (request, block) key with its tokens
+    and time, one transfer of 1000 bytes each."""
+    blocks = [(r, b, int(t), float(u), 1, 1000) for (r, b), t, u in zip(keys, tokens_N, us_N, strict=True)]
+    return {"trace": trace, "workload": workload, "policy": policy, "params": params,
+            "capacity": cap, "hit_rate": hit, "blocks": blocks}  # fmt: skip
 
 
 RULE = rule(extensions={"policies": ["transition_prefetch"], "prefix_fraction": 0.5})
@@ -178,14 +179,7 @@ def every_policy(factors: dict, seed: int = 1):
             variants += [(pp, factors[pp[0], str(pp[1])][cap]) for pp in (RESET, ("lru", {}))]
             for (policy, params), f in variants:
                 us_N = ref_N * f * (1 if f == 1.0 else rng.uniform(0.995, 1.005, ref_N.shape))
-                blocks = [
-                    (r, b, int(t), float(u), 1, 1000)
-                    for (r, b), t, u in zip(keys, tokens_N, us_N, strict=True)
-                ]
-                groups.append(
-                    {"trace": trace, "workload": workload, "policy": policy, "params": params,
-                     "capacity": cap, "hit_rate": hit, "blocks": blocks}
-                )  # fmt: skip
+                groups.append(_group(trace, workload, policy, params, cap, hit, keys, tokens_N, us_N))
     return tables(groups)
 
 
