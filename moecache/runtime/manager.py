@@ -363,10 +363,6 @@ class CacheManager:
                 )  # fmt: skip
             except ValueError as exc:
                 raise MoecacheError(f"cache manager: layer {layer} routing: {exc}") from exc
-            if "sav_M" in self.state._fields and U and int(uses_U[:U].max()) >= len(self.state.sav_M):
-                raise MoecacheError(
-                    f"policy {self.policy.name}: a call of {int(uses_U[:U].max())} tokens is beyond its cost tables"
-                )
             try:
                 n_admit, n_evict = self._visit_fn(
                     self.state, key_U[:U], uses_U[:U], self.a0, self.clock, self.request, self.resident_G,

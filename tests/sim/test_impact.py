@@ -235,10 +235,20 @@ def test_needs_a_bound_cost(make_trace):
 
 
 def test_cost_tables_must_cover_the_trace(make_trace):
+    """A call of more tokens than the cost tables hold is refused by the step itself, so the instant
+    replay and the runtime's manager refuse it alike (the timed replay's cost model refuses it first)."""
     trace = make_trace([(0, 0, 0, [[0]] * 3)], 1, 2)  # one call of 3 tokens
     short = hand_cost(cpu=(0, 6, 9), gpu=(0, 1, 1.5))
-    with pytest.raises(MoecacheError, match="stop at 2 tokens per call"):
+    with pytest.raises(MoecacheError, match="more tokens than the cost model's tables hold"):
         replay(trace, 1, short)
+    with pytest.raises(MoecacheError, match="cost model tabulated up to 2 tokens"):  # the timing's own check
+        replay_timed(trace, make_policy("impact").bind_cost(short), 1, short)
+    from tests.runtime.helpers import manager, random_store
+
+    m = manager("impact", 1, store=random_store(L=1, E=2), top_k=1, cost=short)
+    m.visit(0, np.array([[0], [0]]))  # two tokens: within the tables
+    with pytest.raises(MoecacheError, match="more tokens than the cost model's tables hold"):
+        m.visit(0, np.array([[0], [0], [0]]))
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,9 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, adm
     num_experts = meta[0]
     num_keys = x_G.shape[0]
     top = sav_M.shape[0] - 1
+    for i in range(n_keys):  # the same check in the simulator and the runtime
+        if uses_U[i] > top:
+            raise ValueError("a call of more tokens than the cost model's tables hold (CostModel.for_trace)")
     layer = key_U[0] // num_experts  # every key of a layer step belongs to its layer
     lo = layer * num_experts
     hi = lo + num_experts
@@ -343,13 +346,6 @@ class Impact(Policy):
     def init_state(self, trace, capacity: int) -> tuple:
         cost = self.require_cost()
         sav_M = np.ascontiguousarray(cost.cpu_table() - cost.gpu_table(), np.float64)
-        # The simulator checks the replayed trace's largest call; the runtime (a ModelShape) has none.
-        uses_A = getattr(trace, "uses_A", None)
-        if uses_A is not None and len(uses_A) and int(uses_A.max()) > len(sav_M) - 1:
-            raise MoecacheError(
-                f"policy impact: the cost model's tables stop at {len(sav_M) - 1} tokens per call, trace"
-                f" {trace.name} has a call of {int(trace.uses_A.max())}; build it with CostModel.for_trace"
-            )
         alpha = float(self.params["alpha"])
         n, layers, experts = trace.num_keys, trace.num_layers, trace.num_experts
         meta = np.array(
