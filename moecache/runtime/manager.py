@@ -40,6 +40,7 @@ from moecache.errors import MoecacheError
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import Copy, TransferEngine
 from moecache.sim.policy import Policy, make_policy
+from moecache.sim.replay import replay_from
 from moecache.sim.shape import ModelShape
 from moecache.sim.visit import visit_entry
 
@@ -308,14 +309,7 @@ class CacheManager:
             self.commit()
             self._init_session(initial_residents=False)
             resident_G = np.zeros(self.shape.num_keys, np.bool_)
-            held = np.array([0, self.capacity], np.int64)
-            hit_U = np.empty(self.shape.num_experts, np.bool_)
-            for v in range(trace.num_steps):
-                a0, a1 = int(trace.start_V[v]), int(trace.start_V[v + 1])
-                self._visit_fn(
-                    self.state, trace.key_A[a0:a1], trace.uses_A[a0:a1], a0, int(trace.clock_V[v]), int(trace.request_V[v]),
-                    resident_G, held, hit_U[: a1 - a0], self._admit_out, self._evict_out,
-                )  # fmt: skip
+            replay_from(trace, self.policy, self.state, resident_G, self.capacity)
             self._load_residents(np.flatnonzero(resident_G).astype(np.int64))
             self.a0 = trace.num_accesses
             last = trace.num_steps - 1

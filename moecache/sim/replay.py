@@ -112,6 +112,14 @@ def replay_instant(trace: TraceArrays, policy: Policy, capacity: int) -> ReplayR
     check_capacity(trace, capacity)
     state = policy.init_state(trace, int(capacity))
     resident_G = initial_resident_mask(policy, state, trace, capacity)
+    return replay_from(trace, policy, state, resident_G, capacity)
+
+
+def replay_from(
+    trace: TraceArrays, policy: Policy, state: tuple, resident_G: np.ndarray, capacity: int
+) -> ReplayResult:
+    """Replay `trace` from the given policy state and residency (both updated in place): the instant
+    replay's loop, also how the runtime's manager warms its cache from a trace."""
     hit_A = np.zeros(trace.num_accesses, np.bool_)
     admits_V = np.zeros(trace.num_steps, np.int32)
     evicts_V = np.zeros(trace.num_steps, np.int32)
