@@ -30,7 +30,21 @@ def compose(
     overrides: list[str] | None = None, conf_dir: Path = CONF_DIR, with_hydra: bool = False
 ) -> DictConfig:
     """The resolved config for `overrides` (`key=value`, `group=option`), as Hydra composes it;
-    `with_hydra`: with Hydra's own `hydra` node (for `--cfg hydra`)."""
+    `with_hydra`: with Hydra's own `hydra` node (for `--cfg hydra`). Without it the result comes from
+    the compose cache when the config tree and the overrides are unchanged (moecache/compose_cache.py)."""
+    if with_hydra:
+        return _hydra_compose(overrides, conf_dir, with_hydra=True)
+    from moecache import compose_cache
+
+    cache_key = compose_cache.key(conf_dir, list(overrides or []))
+    cfg = compose_cache.load(cache_key)
+    if cfg is None:
+        cfg = _hydra_compose(overrides, conf_dir, with_hydra=False)
+        compose_cache.store(cache_key, cfg)
+    return cfg
+
+
+def _hydra_compose(overrides: list[str] | None, conf_dir: Path, with_hydra: bool) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException

@@ -8,6 +8,8 @@ number of tokens. `request` is any value (its str() becomes the request id).
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,10 @@ import pytest
 
 from moecache.sim.trace_arrays import TraceArrays, from_table
 from moecache.trace.schema import SCHEMA, TraceMeta, empty_cache_columns, schema_with_meta
+
+# Composed configs are cached on disk (moecache/compose_cache.py): the test session, and every CLI process
+# it starts, uses a cache folder of its own instead of the user's.
+os.environ.setdefault("MOECACHE_COMPOSE_CACHE", tempfile.mkdtemp(prefix="moecache-compose-"))
 
 
 def trace_table(steps, num_layers: int, num_experts: int, top_k: int | None = None, expert_bytes: int = 1024):

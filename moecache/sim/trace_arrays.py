@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from moecache.arrow_numpy import numpy_view
 from moecache.errors import MoecacheError
 from moecache.trace.schema import TraceMeta, read_trace
 
@@ -211,7 +212,7 @@ def _dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list]:
     if not pa.types.is_dictionary(column.type):
         column = pc.dictionary_encode(column)
     array = column.combine_chunks()  # one dictionary for all chunks
-    return array.indices.to_numpy(zero_copy_only=False), array.dictionary.to_pylist()
+    return numpy_view(array.indices), array.dictionary.to_pylist()
 
 
 def from_table(
@@ -227,11 +228,11 @@ def from_table(
     contiguous, layer_V, request_V, step_V, tokens_V, phase_V, start_V, key_A, uses_A, request_codes = (
         _flatten(
             request_R,
-            table["step_index"].to_numpy(),  # any integer type: _flatten is compiled per type, which
-            table["layer_id"].to_numpy(),  # spares a converted copy of every per-row column
+            numpy_view(table["step_index"]),  # any integer type: _flatten is compiled per type, which
+            numpy_view(table["layer_id"]),  # spares a converted copy of every per-row column
             phase_R,
-            experts.offsets.to_numpy(),
-            experts.values.to_numpy(),  # the lists' values, indexed by the offsets
+            numpy_view(experts.offsets),
+            numpy_view(experts.values),  # the lists' values, indexed by the offsets
             np.array([v == "decode" for v in phase_values], np.int8),
             len(request_values),
             meta.num_experts,

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
+from moecache.arrow_numpy import table_from_rows
 from moecache.artifacts import artifact_id
 from moecache.capacity import parse_capacities
 from moecache.errors import MoecacheError
@@ -106,11 +107,11 @@ def run(cfg: DictConfig) -> StageResult:
                 for i in range(t.trace.num_layers)
             ]
             requests += [{**keys, **r} for r in per_request(t.trace, result, cost)]
-    metrics = pa.Table.from_pylist(rows)
+    metrics = table_from_rows(rows)
     with store.create(STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=None) as tmp:
         pq.write_table(metrics, tmp / "metrics.parquet")
-        pq.write_table(pa.Table.from_pylist(layers), tmp / "per_layer.parquet")
-        pq.write_table(pa.Table.from_pylist(requests), tmp / "per_request.parquet")
+        pq.write_table(table_from_rows(layers), tmp / "per_layer.parquet")
+        pq.write_table(table_from_rows(requests), tmp / "per_request.parquet")
     return StageResult(
         store.get(artifact_id(STAGE, SCHEMA_VERSION, config, inputs)).path, summary=_summary(metrics)
     )

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from moecache.arrow_numpy import numpy_view
 from moecache.errors import MoecacheError
 
 ORDER_COLUMNS = ("step_index", "layer_id", "token_index")  # within a request, ascending in this order
@@ -63,7 +64,7 @@ def check_distinct_experts(table: pa.Table, where: str) -> None:
     K = int(length_N.max())
     if K < 2:
         return
-    values_X = pc.list_flatten(column).to_numpy()
+    values_X = numpy_view(pc.list_flatten(column))
     if int(length_N.min()) == K:
         expert_KN = np.ascontiguousarray(values_X.reshape(-1, K).T)  # contiguous rows compare faster
     else:
@@ -108,7 +109,7 @@ def request_codes(column: pa.ChunkedArray) -> np.ndarray:
     if not pa.types.is_dictionary(column.type):
         column = pc.dictionary_encode(column)
     array = column.combine_chunks()  # one dictionary for all chunks
-    return array.indices.to_numpy(zero_copy_only=False)
+    return numpy_view(array.indices)
 
 
 def row_keys(table: pa.Table) -> tuple[np.ndarray, ...]:
@@ -116,7 +117,7 @@ def row_keys(table: pa.Table) -> tuple[np.ndarray, ...]:
     column's own integer type (the request's dictionary codes), which compares exactly and costs no
     conversion."""
     request_N = request_codes(table["request_id"])
-    return (request_N, *(table[name].to_numpy() for name in ORDER_COLUMNS))
+    return (request_N, *(numpy_view(table[name]) for name in ORDER_COLUMNS))
 
 
 def canonical_order(table: pa.Table) -> np.ndarray:
@@ -216,9 +217,9 @@ def _list_offsets(column: pa.ChunkedArray) -> np.ndarray:
     """int64 [N+1]: row n's items are list_flatten(column)[offsets[n]:offsets[n+1]] (null lists have
     none; the caller refuses them first)."""
     if column.num_chunks == 1 and column.chunk(0).null_count == 0:  # the usual case: read them
-        offsets = column.chunk(0).offsets.to_numpy().astype(np.int64)
+        offsets = numpy_view(column.chunk(0).offsets).astype(np.int64)
         return offsets - offsets[0]
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    lengths = numpy_view(pc.list_value_length(column))
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(np.nan_to_num(lengths).astype(np.int64), out=offsets[1:])
     return offsets
