@@ -16,8 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from moecache_kernels import expert_forward
+
+from moecache.token_clock import TokenStamps
 
 MiB = 1 << 20
 
@@ -239,3 +242,293 @@ def fit_latency_bandwidth(points: list[tuple[int, float]]) -> tuple[float, float
     if slope <= 0:
         raise ValueError(f"copy times do not grow with size; cannot fit a bandwidth to {points}")
     return latency_us, 1.0 / slope / 1e3
+
+
+# ---------------------------------------------------------------------------------------------------
+# The runtime's own costs (cost profile schema 2): the code paths `moecache.offload` runs, timed as the
+# runtime calls them (moecache/runtime/experts_module.py), on a synthetic store of the model's shape.
+#
+# Legend (runtime): T tokens of a layer step, K top-k, E experts of a layer, R resident experts (slots),
+# N resident (token, k) entries of a step, U experts of one CPU-path call, M tokens per expert.
+
+
+@dataclass(frozen=True)
+class RuntimeShape:
+    """What the runtime measurements need of the model: one MoE layer's shape and its weight dtype."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    moe_intermediate_size: int
+    dtype: torch.dtype
+
+    def expert_bytes(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size * self.dtype.itemsize
+
+
+def synthetic_runtime(
+    shape: RuntimeShape,
+    store_experts: int,
+    slots: int,
+    device,
+    *,
+    cpu_threads: int | None = None,
+    cpu_backend: str = "auto",
+):
+    """An `ExpertsRuntime` (the object every offloaded layer calls) over a one-layer store of
+    `store_experts` random experts of `shape` and a slot pool of `slots` filled with the first of them.
+    `device`: a runtime Device (CudaDevice or StandinDevice). The store is pinned on CUDA, as
+    `moecache.offload` pins it."""
+    from moecache.runtime.cpu_experts import CpuExperts
+    from moecache.runtime.expert_store import ExpertStore
+    from moecache.runtime.experts_module import ExpertsRuntime
+    from moecache.runtime.manager import CacheManager
+
+    if store_experts < max(shape.num_experts, slots):
+        raise ValueError(f"store of {store_experts} experts < E={shape.num_experts} or slots={slots}")
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    store = ExpertStore.allocate(1, store_experts, h, i, shape.dtype)
+    gate_up_P2IH, down_PHI = make_pool(ExpertShape(h, i), 1, shape.dtype)
+    store.w13_GIH.copy_(gate_up_P2IH.expand(store_experts, 2 * i, h))
+    store.w2_GHI.copy_(down_PHI.expand(store_experts, h, i))
+    store.pin("auto" if device.is_cuda else "off")
+    manager = CacheManager.from_policy(store, device, slots, "lru", top_k=shape.top_k)
+    manager.pool.flat_SB.copy_(store.flat_GB[:slots])
+    cpu = CpuExperts(store.w13_GIH, store.w2_GHI, threads=cpu_threads, backend=cpu_backend)
+    return ExpertsRuntime(manager, cpu)
+
+
+def _entries_routing(
+    tokens: int, entries: int, shape: RuntimeShape, resident: int, gen: torch.Generator
+) -> torch.Tensor:
+    """int64 [T, K] routing with exactly `entries` (token, k) entries on the first `resident` experts
+    (spread evenly over the tokens, the first ones in each row) and the rest on the others; distinct
+    experts within a token, drawn at random."""
+    k, e = shape.top_k, shape.num_experts
+    ids_TK = torch.empty(tokens, k, dtype=torch.int64)
+    for t in range(tokens):
+        hits = entries // tokens + (t < entries % tokens)
+        ids_TK[t, :hits] = torch.randperm(resident, generator=gen)[:hits]
+        ids_TK[t, hits:] = resident + torch.randperm(e - resident, generator=gen)[: k - hits]
+    return ids_TK
+
+
+def _weights(tokens: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    w_TK = torch.rand(tokens, k, generator=gen) + 0.1
+    return w_TK / w_TK.sum(dim=1, keepdim=True)
+
+
+def entries_grid(tokens: int, top_k: int, resident: int) -> list[int]:
+    """Resident entries at which the operator is timed for `tokens` tokens: 1, 2, 4, ... and the most a
+    step can have, tokens x min(top_k, resident)."""
+    most = tokens * min(top_k, resident)
+    grid, n = set(), 1
+    while n < most:
+        grid.add(n)
+        n *= 2
+    return sorted(grid | {most})
+
+
+def _host_timer(device):
+    """(start, stop) -> microseconds of host wall time, the device drained before start and after the
+    call (the runtime's visit returns with its work enqueued; the next visit reads the routing back)."""
+    sync = device.synchronize
+
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter_ns()
+        fn()
+        sync()
+        return (time.perf_counter_ns() - t0) / 1e3
+
+    return timed
+
+
+@torch.inference_mode()
+def time_slot_moe(
+    runtime, shape: RuntimeShape, tokens: int, entries: int, repeats: int, warmup: int, seed: int = 0
+) -> Timing:
+    """One call of the runtime's GPU half (`ExpertsRuntime._gpu_part`: `slot_moe` on CUDA, its torch
+    reference queued and run on the stand-in) for a step of `tokens` tokens with `entries` resident
+    entries. CUDA: device time between events around the call; stand-in: host wall time."""
+    device = runtime.device
+    resident = runtime.pool.capacity
+    gen = torch.Generator().manual_seed(seed + 1000 * tokens + entries)
+    dev = device.torch_device
+    slot_of_E = torch.full((shape.num_experts,), -1, dtype=torch.int32)
+    slot_of_E[:resident] = torch.randperm(resident, generator=gen).to(torch.int32)
+    slot_of_E = slot_of_E.to(dev)
+    calls = [
+        (_entries_routing(tokens, entries, shape, resident, gen).to(dev), _weights(tokens, shape.top_k, gen))
+        for _ in range(min(warmup + repeats, 8))
+    ]
+    x_TH = _input(tokens, shape.hidden_size, shape.dtype, dev)
+    calls = [(ids, w.to(device=dev, dtype=shape.dtype)) for ids, w in calls]
+
+    def one(n: int):
+        ids_TK, w_TK = calls[n % len(calls)]
+        return runtime._gpu_part(x_TH, ids_TK, w_TK, slot_of_E)
+
+    if device.is_cuda:
+        for n in range(warmup):
+            one(n)
+        torch.cuda.synchronize(dev)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(repeats)
+        ]
+        for n, (begin, end) in enumerate(events):
+            begin.record()
+            one(warmup + n)
+            end.record()
+        torch.cuda.synchronize(dev)
+        return summarize([begin.elapsed_time(end) * 1e3 for begin, end in events])
+    timed = _host_timer(device)
+    samples = [timed(lambda n=n: one(n)) for n in range(warmup + repeats)]
+    return summarize(samples[warmup:])
+
+
+@torch.inference_mode()
+def time_cpu_path(
+    runtime, shape: RuntimeShape, tokens_per_expert: int, experts: int, repeats: int, warmup: int
+) -> Timing:
+    """Host wall time of the runtime's CPU half (`ExpertsRuntime._cpu_part`: the routing's missed
+    entries gathered, `CpuExperts.run`, the result back on x's device) for `experts` missed experts of
+    `tokens_per_expert` tokens each (every token selects all of them). Successive calls rotate over the
+    store, so weights come from memory as the run's own do when its store outgrows the cache."""
+    device = runtime.device
+    dev = device.torch_device
+    store_experts = runtime.manager.shape.num_experts
+    m, u = tokens_per_expert, experts
+    gen = torch.Generator().manual_seed(7 * m + u)
+    x_TH = _input(m, shape.hidden_size, shape.dtype, dev)
+    w_TU = _weights(m, u, gen).to(device=dev, dtype=shape.dtype)
+    miss_TU = np.zeros((m, u), np.bool_)
+    timed = _host_timer(device)
+    samples = []
+    for n in range(warmup + repeats):
+        first = (n * u) % (store_experts - u + 1)
+        ids_TU = np.tile(np.arange(first, first + u, dtype=np.int64), (m, 1))
+        samples.append(timed(lambda ids=ids_TU: runtime._cpu_part(0, x_TH, ids, w_TU, miss_TU)))
+    return summarize(samples[warmup:])
+
+
+def time_visit(manager, shape: RuntimeShape, tokens: int, repeats: int, warmup: int, seed: int = 0) -> Timing:
+    """Host wall time of one cache-manager layer visit and its commit (`manager.visit` + `commit`:
+    publication, the compiled policy step, evictions, admissions and their copies enqueued) for random
+    routings of `tokens` tokens, the manager's policy and capacity as given."""
+    gen = np.random.default_rng(seed + tokens)
+    e, k = shape.num_experts, shape.top_k
+    routings = [
+        np.stack([gen.choice(e, size=k, replace=False) for _ in range(tokens)]).astype(np.int64)
+        for _ in range(warmup + repeats)
+    ]
+    timed = _host_timer(manager.device)
+    samples = []
+    for ids_TK in routings:
+
+        def one(ids=ids_TK):
+            manager.visit(0, ids)
+            manager.commit()
+
+        samples.append(timed(one))
+    return summarize(samples[warmup:])
+
+
+def time_copy_engine(runtime, copies: int, repeats: int, warmup: int) -> tuple[Timing, Timing]:
+    """The runtime's copy engine (`TransferEngine.enqueue` from the pinned store into a slot): host time
+    from enqueue to its ready event seen complete, for one copy alone and for `copies` copies enqueued
+    back to back (to the last one complete). CUDA only. Returns (single, batch)."""
+    engine = runtime.manager.engine
+    device = runtime.device
+    store_experts = runtime.manager.shape.num_experts
+    slots = runtime.pool.capacity
+    if slots < copies:
+        raise ValueError(f"copy engine timing: {copies} copies need as many slots, the pool has {slots}")
+
+    def run(n_copies: int, first_key: int) -> float:
+        device.synchronize()
+        t0 = time.perf_counter_ns()
+        done = [engine.enqueue((first_key + j) % store_experts, j) for j in range(n_copies)]
+        last = done[-1]
+        while not last.ready_event.query():
+            pass
+        elapsed = (time.perf_counter_ns() - t0) / 1e3
+        for copy in done:
+            copy.observe()
+            engine.release(copy)
+        return elapsed
+
+    single = [run(1, n) for n in range(warmup + repeats)][warmup:]
+    batch = [run(copies, n * copies) for n in range(warmup + repeats)][warmup:]
+    return summarize(single), summarize(batch)
+
+
+# ---- non-expert time: the model itself, its routed experts replaced by zeros ------------------------
+
+
+class ZeroExperts(torch.nn.Module):
+    """Stands in for a sparse MoE block's `.experts` (the runtime's signature): reads the routing back to
+    the host, as the runtime's experts module does at every layer visit (that read waits for the router),
+    and returns zeros. The router, the shared expert and everything else stay the model's."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        top_k_index.detach().to("cpu", torch.int64)
+        return torch.zeros_like(hidden_states)
+
+
+def zero_experts(adapter) -> int:
+    """Replace every MoE block's routed experts of the adapter's model by `ZeroExperts`; the number of
+    MoE layers."""
+    layers = adapter.moe_layers()
+    for layer in layers:
+        layer.block.experts = ZeroExperts()
+    return len(layers)
+
+
+def transformers_generate(model, prompt_1T: torch.Tensor, new_tokens: int, stamp) -> None:
+    """The plain transformers execution path: greedy `model.generate` of `new_tokens` tokens, `stamp`
+    (a logits processor) called as each token's logits are ready. The decode loop `time_model_steps`
+    times; a faster decode loop takes the same arguments."""
+    from transformers import LogitsProcessorList
+
+    model.generate(
+        input_ids=prompt_1T, attention_mask=torch.ones_like(prompt_1T), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+        eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([stamp]),
+    )  # fmt: skip
+
+
+STEP_FUNCTIONS = {"transformers": transformers_generate}
+
+
+@torch.inference_mode()
+def time_model_steps(
+    model,
+    *,
+    prompt_tokens: int,
+    decode_steps: int,
+    repeats: int,
+    warmup: int,
+    vocab_size: int,
+    step=transformers_generate,
+    seed: int = 0,
+) -> tuple[Timing, Timing]:
+    """(prefill, decode): host wall time from the call to the first token's logits, over `repeats`
+    generations from a prompt of `prompt_tokens` tokens, and between consecutive tokens' logits over the
+    `decode_steps` decode steps of those generations (`warmup` generations untimed first). `step(model,
+    prompt_1T, new_tokens, stamp)` is the decode loop (`transformers_generate`, or a faster one): this is
+    how `moecache validate` times a run, so the loop's own per-token work counts as it does there."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    prompt_1T = torch.randint(0, vocab_size, (1, prompt_tokens), generator=gen).to(device)
+    per_run = max(1, -(-decode_steps // max(repeats, 1)))  # decode steps timed per generation
+    prefill, decode = [], []
+    for n in range(warmup + repeats):
+        stamp = TokenStamps(device.type == "cuda")
+        start = time.perf_counter()
+        step(model, prompt_1T, per_run + 1, stamp)
+        if n >= warmup:
+            prefill.append((stamp.times[0] - start) * 1e6)
+            decode += [(b - a) * 1e6 for a, b in zip(stamp.times, stamp.times[1:], strict=False)]
+    return summarize(prefill), summarize(decode)

@@ -44,6 +44,10 @@ STAGES = {
     "analyze": ("analyze", "Offline sequence analysis of traces: frequency, drift, locality, transitions."),
     "decide": ("decide", "Apply the pre-registered decision rule to a sweep; write decision.json."),
     "report": ("report", "Render a Markdown report with figures from a decision, its sweep and analysis."),
+    "validate": (
+        "validate",
+        "Run the decided policy and the baselines end to end on the workloads; write a validation artifact.",
+    ),
 }
 
 

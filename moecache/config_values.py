@@ -211,6 +211,18 @@ RULES: dict[str, dict[str, Check]] = {
         "cost.fallback_llc_bytes": integer(1),
         "cost.max_pool_bytes": integer(1),
         "cost.copy_sizes_bytes": list_of(integer(1)),
+        "cost.runtime.enabled": boolean,
+        "cost.runtime.repeats": integer(1),
+        "cost.runtime.warmup": integer(0),
+        "cost.runtime.kernel_tokens": list_of(integer(1)),
+        "cost.runtime.cpu_tokens_per_expert": list_of(integer(1)),
+        "cost.runtime.visit_tokens": list_of(integer(1)),
+        "cost.runtime.copy_batch": integer(1),
+        "cost.runtime.prompt_tokens": integer(1),
+        "cost.runtime.decode_steps": integer(1),
+        "cost.runtime.step": string,
+        "cost.runtime.cpu_threads": optional(integer(1)),
+        "cost.runtime.cpu_backend": one_of("auto", "cpp", "torch"),
     },
 }
 # The sweep group includes its capacity grid.

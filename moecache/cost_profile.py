@@ -9,6 +9,22 @@ Expert times are the measured medians made non-decreasing in tokens per call (is
 must not make more tokens look cheaper; the raw rows stay in `cpu`/`cuda`), interpolated linearly between
 the measured points and extrapolated from the last two past the largest; copy times come from the latency + bytes / bandwidth fit of the
 pinned copies, so any size can be costed.
+
+Schema 2 adds `runtime` (null when not measured): the costs of the runtime's own code paths on the model of
+the calibrate run (moecache/stages/calibrate.py documents every key). `profile.runtime_costs()` gives them
+as a `RuntimeCosts` (None for a schema-1 profile or a null section), which `moecache.sim.cost_model`
+uses for the whole-step estimate:
+
+    rc = profile.runtime_costs()
+    rc.kernel_row_us(tokens=1)        # slot-pool operator, 1 token: [0, N=1, ..., N=top_k] resident entries
+    rc.cpu_expert_us(m)               # runtime CPU path, one more expert of m tokens in a call
+    rc.cpu_call_us                    # ... its fixed cost per call (a step with at least one miss)
+    rc.visit_us(tokens)               # cache-manager visit + commit per layer step
+    rc.copy_us                        # copy engine, one expert (None: measured without CUDA)
+    rc.non_expert_decode_us_per_layer, rc.non_expert_prefill_us_per_token
+
+Interpolation as for the expert times: non-decreasing (isotonic) in the varied count, linear between the
+measured points, flat below the first, extrapolated from the last two (slope >= 0) past the largest.
 """
 
 from __future__ import annotations
@@ -18,10 +34,18 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from moecache.errors import MoecacheError
 
 PROFILE_FILE = "cost_profile.json"
-SCHEMA_VERSION = 1  # the version `moecache.stages.calibrate` writes
+SCHEMA_VERSION = 2  # the version `moecache.stages.calibrate` writes
+SCHEMA_VERSIONS = (1, 2)  # the versions `CostProfile` reads (1: no `runtime` section)
+OVERLAPS = ("serial", "parallel")  # how a layer step combines its GPU and CPU halves
+
+_RUNTIME_KEYS = ("model", "execution", "slot_moe", "cpu_path", "visit", "copy_engine", "non_expert")
+_RUNTIME_MODEL_KEYS = ("num_experts", "top_k", "expert_bytes")
+_TIMING_KEYS = ("median_us", "p10_us", "p90_us", "repeats")
 
 _TOP_KEYS = ("schema_version", "shape", "dtype", "machine", "cpu", "cuda", "h2d", "measured_at")
 _SHAPE_KEYS = ("hidden_size", "moe_intermediate_size", "expert_bytes")
@@ -88,6 +112,7 @@ class CostProfile:
     measured_at: str
     measure_s: float | None = None
     source: str = "<dict>"
+    runtime: dict | None = None  # schema 2's runtime section (None: schema 1, or not measured)
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
@@ -105,10 +130,13 @@ class CostProfile:
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>") -> CostProfile:
         _require(data, _TOP_KEYS, "", source)
-        if data["schema_version"] != SCHEMA_VERSION:
+        if data["schema_version"] not in SCHEMA_VERSIONS:
             raise MoecacheError(
-                f"{source}: schema_version {data['schema_version']}, expected {SCHEMA_VERSION}"
+                f"{source}: schema_version {data['schema_version']}, expected one of {list(SCHEMA_VERSIONS)}"
             )
+        runtime = data.get("runtime") if data["schema_version"] >= 2 else None
+        if runtime is not None:
+            _check_runtime(runtime, source)
         _require(data["shape"], _SHAPE_KEYS, "shape", source)
         _require_rows(data["cpu"], _EXPERT_ROW_KEYS, "cpu", source)
         if data["cuda"] is not None:
@@ -128,6 +156,7 @@ class CostProfile:
             measured_at=data["measured_at"],
             measure_s=data.get("measure_s"),
             source=source,
+            runtime=runtime,
         )
 
     @property
@@ -185,3 +214,144 @@ class CostProfile:
             if row["bytes"] == nbytes:
                 return row
         raise MoecacheError(f"{self.source}: no pinned copy of exactly {nbytes} bytes was measured")
+
+    def runtime_costs(self) -> RuntimeCosts | None:
+        """The runtime section as costs (module docstring), or None where the profile has none."""
+        return None if self.runtime is None else RuntimeCosts.from_section(self.runtime, self.source)
+
+
+def _check_runtime(rt, source: str) -> None:
+    _require(rt, _RUNTIME_KEYS, "runtime", source)
+    _require(rt["model"], _RUNTIME_MODEL_KEYS, "runtime.model", source)
+    _require(rt["execution"], ("path", "overlap"), "runtime.execution", source)
+    if rt["execution"]["overlap"] not in OVERLAPS:
+        raise MoecacheError(
+            f"{source}: runtime.execution.overlap={rt['execution']['overlap']!r}, expected one of {list(OVERLAPS)}"
+        )
+    _require_rows(rt["slot_moe"], ("tokens", "entries", *_TIMING_KEYS), "runtime.slot_moe", source)
+    _require_rows(rt["cpu_path"], ("tokens_per_expert", "experts", *_TIMING_KEYS), "runtime.cpu_path", source)
+    _require_rows(rt["visit"], ("tokens", *_TIMING_KEYS), "runtime.visit", source)
+    if rt["copy_engine"] is not None:
+        _require(
+            rt["copy_engine"],
+            ("expert_bytes", "per_copy_us", "single", "batch"),
+            "runtime.copy_engine",
+            source,
+        )
+    if rt["non_expert"] is not None:
+        _require(
+            rt["non_expert"],
+            ("moe_layers", "decode_us_per_layer", "prefill_us_per_token_per_layer"),
+            "runtime.non_expert",
+            source,
+        )
+    experts = {r["experts"] for r in rt["cpu_path"]}
+    if len(experts) < 2:
+        raise MoecacheError(
+            f"{source}: runtime.cpu_path needs calls of two expert counts (per expert and per call), has {sorted(experts)}"
+        )
+
+
+class Curve:
+    """y(x) through measured (x, y) points: non-decreasing (isotonic), piecewise linear, flat below the
+    first point, extrapolated past the last with the last two points' slope (>= 0). Vectorised."""
+
+    def __init__(self, points: list[tuple[float, float]]):
+        fitted = _non_decreasing(sorted(points))
+        self.x = np.array([p[0] for p in fitted], np.float64)
+        self.y = np.array([p[1] for p in fitted], np.float64)
+
+    def __call__(self, x) -> np.ndarray:
+        x = np.asarray(x, np.float64)
+        out = np.interp(x, self.x, self.y)
+        if len(self.x) >= 2:
+            slope = max((self.y[-1] - self.y[-2]) / (self.x[-1] - self.x[-2]), 0.0)
+            out = np.where(x > self.x[-1], self.y[-1] + slope * (x - self.x[-1]), out)
+        elif self.x[0] > 0:
+            out = np.where(x > self.x[0], self.y[0] * x / self.x[0], out)
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class RuntimeCosts:
+    """The runtime section of a schema-2 profile as costs in microseconds (module docstring)."""
+
+    num_experts: int
+    top_k: int
+    expert_bytes: int  # of the runtime's measured model, in its dtype
+    overlap: str  # "serial": the step's CPU half runs after its GPU half; "parallel": at the same time
+    path: str  # the execution path the non-expert time was measured with ("transformers", ...)
+    kernel_tokens: np.ndarray  # int64 [J]: tokens of the operator's measured rows
+    kernel_curves: tuple[Curve, ...]  # per measured token count: time against resident entries
+    cpu_expert: Curve  # one more expert of m tokens in a CPU-path call
+    cpu_call_us: float  # fixed cost of a CPU-path call
+    visit: Curve  # manager visit + commit against tokens of the step
+    copy_us: float | None  # copy engine, one expert copy's share of back-to-back copies
+    non_expert_decode_us_per_layer: float | None
+    non_expert_prefill_us_per_token: float | None
+    source: str = ""
+
+    @classmethod
+    def from_section(cls, rt: dict, source: str) -> RuntimeCosts:
+        by_tokens: dict[int, list] = {}
+        for r in rt["slot_moe"]:
+            by_tokens.setdefault(int(r["tokens"]), []).append((float(r["entries"]), float(r["median_us"])))
+        tokens = sorted(by_tokens)
+        cpu = {}
+        for r in rt["cpu_path"]:
+            cpu.setdefault(int(r["tokens_per_expert"]), {})[int(r["experts"])] = float(r["median_us"])
+        per_expert, per_call = [], []
+        for m, by_u in sorted(cpu.items()):
+            if len(by_u) < 2:
+                continue
+            lo, hi = min(by_u), max(by_u)
+            slope = max((by_u[hi] - by_u[lo]) / (hi - lo), 0.0)
+            per_expert.append((float(m), slope))
+            per_call.append(by_u[lo] - lo * slope)
+        if not per_expert:
+            raise MoecacheError(f"{source}: runtime.cpu_path has no token count timed at two expert counts")
+        ne = rt["non_expert"]
+        engine = rt["copy_engine"]
+        return cls(
+            num_experts=int(rt["model"]["num_experts"]),
+            top_k=int(rt["model"]["top_k"]),
+            expert_bytes=int(rt["model"]["expert_bytes"]),
+            overlap=str(rt["execution"]["overlap"]),
+            path=str(rt["execution"]["path"]),
+            kernel_tokens=np.array(tokens, np.int64),
+            kernel_curves=tuple(Curve(by_tokens[t]) for t in tokens),
+            cpu_expert=Curve(per_expert),
+            cpu_call_us=max(float(np.median(per_call)), 0.0),
+            visit=Curve([(float(r["tokens"]), float(r["median_us"])) for r in rt["visit"]]),
+            copy_us=None if engine is None else float(engine["per_copy_us"]),
+            non_expert_decode_us_per_layer=None if ne is None else float(ne["decode_us_per_layer"]),
+            non_expert_prefill_us_per_token=None
+            if ne is None
+            else float(ne["prefill_us_per_token_per_layer"]),
+            source=source,
+        )
+
+    def kernel_row_us(self, tokens: int) -> np.ndarray:
+        """float64 [tokens x top_k + 1]: the operator's time for a step of `tokens` tokens against its
+        resident entries N = 0..tokens x top_k (N = 0: the runtime does not call it, 0 us). Between
+        measured token counts, linear in tokens at each N; outside them, flat below / extrapolated above."""
+        n = np.arange(tokens * self.top_k + 1, dtype=np.float64)
+        rows = np.stack([curve(n) for curve in self.kernel_curves])  # [J, N]
+        ts = self.kernel_tokens.astype(np.float64)
+        if len(ts) == 1 or tokens <= ts[0]:
+            row = rows[0]
+        else:
+            j = min(int(np.searchsorted(ts, tokens)), len(ts) - 1)
+            w = (tokens - ts[j - 1]) / (ts[j] - ts[j - 1])
+            row = rows[j - 1] + w * (rows[j] - rows[j - 1])
+            if tokens > ts[-1]:
+                row = np.maximum(row, rows[-1])  # never cheaper than the largest measured token count
+        row = np.maximum.accumulate(np.maximum(row, 0.0))
+        row[0] = 0.0
+        return row
+
+    def cpu_expert_us(self, m) -> np.ndarray:
+        return self.cpu_expert(m)
+
+    def visit_us(self, tokens) -> np.ndarray:
+        return self.visit(tokens)

@@ -34,6 +34,7 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "report": ("report",),
     # writes no artifact: streams text to stdout, the cache statistics to stderr
     "generate": ("model", "runtime", "capacity", "policy", "prompt", "generation", "seed", "device"),
+    "validate": ("validate", "model", "seed", "device"),
 }
 
 # key=value, +key=value, ++key=value, ~key, ~key=value; a key may be a group path (hydra/launcher)

@@ -228,3 +228,163 @@ def test_calibrate_stage_writes_then_reuses(tmp_path) -> None:
 def test_calibrate_rejects_bad_settings(tmp_path) -> None:
     with pytest.raises(MoecacheError, match="cost.dtypes"):
         calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST, "cost.dtypes=[float42]"]))
+
+
+# ---- schema 2: the runtime section --------------------------------------------------------------------
+
+
+def _runtime_profile(overlap: str = "serial", copy_engine: dict | None = None) -> dict:
+    """_profile_dict as schema 2 with a hand-made runtime section (easy arithmetic, not measurements):
+    operator 10 us per resident entry at T=1 and 5 us per entry (+20) at T=4; CPU path 20 us per call
+    + 5 us per expert of 1 token, 8 us of 4 tokens; visit 3 us; non-expert 100 us/layer, 20 us/token."""
+    timing = {"p10_us": 0.0, "p90_us": 0.0, "repeats": 1}
+    kernel = [{"tokens": 1, "entries": n, "median_us": 10.0 * n, **timing} for n in (1, 2)]
+    kernel += [{"tokens": 4, "entries": n, "median_us": 20.0 + 5.0 * n, **timing} for n in (1, 4, 8)]
+    cpu = [
+        {"tokens_per_expert": m, "experts": u, "median_us": 20.0 + u * per, **timing}
+        for m, per in ((1, 5.0), (4, 8.0))
+        for u in (1, 2)
+    ]
+    return _profile_dict() | {
+        "schema_version": 2,
+        "runtime": {
+            "model": {"num_experts": 8, "top_k": 2, "expert_bytes": 1_000_000},
+            "execution": {"path": "transformers", "overlap": overlap},
+            "slot_moe": kernel,
+            "cpu_path": cpu,
+            "visit": [{"tokens": 1, "median_us": 3.0, **timing}],
+            "copy_engine": copy_engine,
+            "non_expert": {"moe_layers": 2, "decode_us_per_layer": 100.0, "prefill_us_per_token_per_layer": 20.0},
+        },
+    }  # fmt: skip
+
+
+def test_schema_1_has_no_runtime_and_schema_2_reads_it() -> None:
+    assert CostProfile.from_dict(_profile_dict()).runtime_costs() is None
+    costs = CostProfile.from_dict(_runtime_profile()).runtime_costs()
+    assert costs.cpu_call_us == pytest.approx(20.0)
+    assert costs.cpu_expert_us(1) == pytest.approx(5.0) and costs.cpu_expert_us(4) == pytest.approx(8.0)
+    assert list(costs.kernel_row_us(1)) == pytest.approx([0.0, 10.0, 20.0])
+    assert list(costs.kernel_row_us(4)) == pytest.approx(
+        [0.0, 25.0, 30.0, 35.0, 40.0, 45.0, 50.0, 55.0, 60.0]
+    )
+    assert costs.visit_us(1) == pytest.approx(3.0) and costs.copy_us is None
+    bad = _runtime_profile()
+    bad["runtime"]["execution"]["overlap"] = "sometimes"
+    with pytest.raises(MoecacheError, match="runtime.execution.overlap"):
+        CostProfile.from_dict(bad)
+    del bad["runtime"]["visit"]
+    with pytest.raises(MoecacheError, match="runtime.visit"):
+        CostProfile.from_dict(bad)
+
+
+def _decode_trace(make_trace=None):
+    """One request, 4 decode steps of one token over 2 layers x 8 experts, top-2, 1 MB experts."""
+    from conftest import trace_table
+
+    from moecache.sim.trace_arrays import from_table
+
+    tokens = [[[0, 1]], [[0, 2]], [[0, 1]], [[3, 1]]]
+    steps = [(0, i, layer, tok) for i, tok in enumerate(tokens) for layer in range(2)]
+    table, meta = trace_table(steps, 2, 8, 2, expert_bytes=1_000_000)
+    return from_table(table, meta)
+
+
+@pytest.mark.parametrize("overlap", ["serial", "parallel"])
+def test_timed_replay_prices_the_runtime_step(make_trace, overlap) -> None:
+    from moecache.sim.cost_model import CostModel, instant_step_us
+    from moecache.sim.policy import make_policy
+    from moecache.sim.replay import replay_instant
+    from moecache.sim.timed import replay_timed
+
+    trace = _decode_trace(make_trace)
+    profile = CostProfile.from_dict(_runtime_profile(overlap))
+    cost = CostModel.for_trace(profile, trace, non_expert_us_per_layer=0.0)  # 0.0: the measurement stays
+    assert cost.non_expert_us_per_layer == 100.0 and cost.copy_us() == 0.0
+    timed = replay_timed(trace, make_policy("lru"), 4, cost)
+    inst = replay_instant(trace, make_policy("lru"), 4)
+    assert (timed.hit_A == inst.hit_A).all()  # free copies: the stand-in's before_visit equals instant
+    layer = 100.0 + 3.0
+    want = []
+    for s in range(trace.num_steps):
+        hits = int(timed.hit_A[trace.start_V[s] : trace.start_V[s + 1]].sum())
+        misses = int(trace.start_V[s + 1] - trace.start_V[s]) - hits
+        gpu, cpu = 10.0 * hits, (20.0 + 5.0 * misses) if misses else 0.0
+        want.append(layer + (gpu + cpu if overlap == "serial" else max(gpu, cpu)))
+    assert list(timed.step_us_V) == pytest.approx(want)
+    assert list(instant_step_us(trace, inst.hit_A, cost)) == pytest.approx(want)
+    assert 0 < inst.hit_A.sum() < trace.num_accesses  # both halves are exercised
+
+
+def test_copy_engine_prices_the_copies(make_trace) -> None:
+    from moecache.sim.cost_model import CostModel
+
+    engine = {"expert_bytes": 1_000_000, "per_copy_us": 50.0, "single": {}, "batch": {}}
+    cost = CostModel.for_trace(
+        CostProfile.from_dict(_runtime_profile(copy_engine=engine)), _decode_trace(make_trace)
+    )
+    assert cost.copy_us() == pytest.approx(50.0) and cost.copy_latency_us == 0.0
+
+
+def test_calibrate_measures_the_runtime(tmp_path) -> None:
+    fast_runtime = [
+        "cost.runtime.repeats=3", "cost.runtime.warmup=1", "cost.runtime.kernel_tokens=[1,4]",
+        "cost.runtime.cpu_tokens_per_expert=[1,4]", "cost.runtime.visit_tokens=[1]",
+        "cost.runtime.prompt_tokens=4", "cost.runtime.decode_steps=3",
+    ]  # fmt: skip
+    result = calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST, *fast_runtime]))
+    data = json.loads((result.artifact / PROFILE_FILE).read_text())
+    rt = data["runtime"]
+    assert data["schema_version"] == 2 and rt["execution"] == {
+        "path": "transformers", "overlap": "serial", "device": "standin"
+    }  # fmt: skip
+    assert rt["model"]["num_experts"] == 32 and rt["model"]["top_k"] == 4 and rt["copy_engine"] is None
+    assert {(r["tokens"], r["entries"]) for r in rt["slot_moe"]} == {(1, 1), (1, 2), (1, 4)} | {
+        (4, n) for n in (1, 2, 4, 8, 16)
+    }
+    assert {(r["tokens_per_expert"], r["experts"]) for r in rt["cpu_path"]} == {
+        (1, 1),
+        (1, 4),
+        (4, 1),
+        (4, 4),
+    }
+    for row in rt["slot_moe"] + rt["cpu_path"] + rt["visit"]:
+        assert 0 < row["p10_us"] <= row["median_us"] <= row["p90_us"]
+    ne = rt["non_expert"]
+    assert ne["moe_layers"] == 4 and ne["decode_us_per_layer"] == pytest.approx(ne["decode"]["median_us"] / 4)
+    profile = CostProfile.load(result.artifact)
+    assert profile.runtime_costs().kernel_row_us(1)[4] > 0
+    assert result.summary["decode ms/token, all hits (model)"] > 0
+    off = calibrate.run(
+        compose(["model=tiny", f"output_root={tmp_path}", *FAST, "cost.runtime.enabled=false"])
+    )
+    assert (
+        off.artifact != result.artifact
+        and json.loads((off.artifact / PROFILE_FILE).read_text())["runtime"] is None
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_calibrate_measures_the_runtime_on_cuda(tmp_path) -> None:
+    """On CUDA: slot_moe timed with events, the copy engine present and priced, the stage end to end."""
+    fast = [
+        "model=tiny", f"output_root={tmp_path}", "device=cuda", "cost.repeats=3", "cost.warmup=1",
+        "cost.tokens_per_call=[1,4]", "cost.num_pool_experts=8", "cost.copy_sizes_bytes=[65536,1048576]",
+        "cost.runtime.repeats=5", "cost.runtime.warmup=2", "cost.runtime.kernel_tokens=[1,8]",
+        "cost.runtime.cpu_tokens_per_expert=[1,4]", "cost.runtime.visit_tokens=[1]",
+        "cost.runtime.prompt_tokens=8", "cost.runtime.decode_steps=5",
+    ]  # fmt: skip
+    result = calibrate.run(compose(fast))
+    data = json.loads((result.artifact / PROFILE_FILE).read_text())
+    rt = data["runtime"]
+    assert rt["execution"]["device"] == "cuda" and rt["copy_engine"]["per_copy_us"] > 0
+    assert rt["copy_engine"]["batch"]["copies"] == 8
+    for row in rt["slot_moe"]:
+        assert row["median_us"] > 0
+    profile = CostProfile.load(result.artifact)
+    from moecache.sim.cost_model import CostModel
+
+    cost = CostModel.for_trace(profile, _decode_trace())
+    ratio = 1_000_000 / rt["model"]["expert_bytes"]  # the test trace's experts are 1 MB
+    assert cost.copy_us() == pytest.approx(rt["copy_engine"]["per_copy_us"] * ratio)

@@ -88,9 +88,14 @@ def _link(target: Path | None, name: str, out_dir: Path) -> str:
 
 
 def render_report(
-    analysis_dir: Path | None, sweep_dir: Path, decision_dir: Path | None, out_dir: Path
+    analysis_dir: Path | None,
+    sweep_dir: Path,
+    decision_dir: Path | None,
+    out_dir: Path,
+    validation_dir: Path | None = None,
 ) -> dict:
-    """Write out_dir/report.md and out_dir/figures/*.png; return {"figures": [paths], "report": path}."""
+    """Write out_dir/report.md and out_dir/figures/*.png; return {"figures": [paths], "report": path}.
+    With `validation_dir` (a validate artifact) the report ends its body with the validation section."""
     out_dir = Path(out_dir)
     figure_dir = out_dir / "figures"
     figure_dir.mkdir(parents=True, exist_ok=True)
@@ -181,6 +186,14 @@ def render_report(
         trace_texts = ["No trace appears in any artifact.", ""]
     body = [decision_text.decision_details(decision), decision_text.extensions_section(decision, None)]
     text = "\n".join(head) + "\n" + "\n".join(body) + "\n" + "\n".join(trace_texts)
+    if validation_dir is not None:
+        from moecache.report.validation import section
+
+        validation_text, validation_figures = section(
+            Path(validation_dir), Path(decision_dir).name if decision_dir else None, figure_dir
+        )
+        text += "\n" + validation_text
+        written += validation_figures
     text += "\n" + _appendix(
         decision, verdicts, cells, data["sweep.parquet"], decision_dir, sweep_dir, out_dir
     )

@@ -17,6 +17,15 @@ Per layer visit (`visit(layer, topk_ids_TK)`, called after the router, before th
 `commit()` (the executor calls it once the layer's GPU work is enqueued; otherwise the next visit does)
 records the compute stream's last-use event for the slots this visit read, and enqueues deferred copies.
 
+`on_miss` says what a miss does: "cpu" (the default, the design above) runs it on the CPU while its copy
+(if admitted) is in flight; "wait" (synchronous on-demand copies, the mixtral-offloading baseline) makes
+the visit wait for its own admissions' copies (host wait on their ready events; at once on the CPU
+stand-in) and publish them, so those entries run on the device. Misses the policy does not admit, and
+admissions whose slot is freed by this visit's own kernels (deferred, see 4.), still run on the CPU. The
+counters (hits, misses) and the logged `cache_hit` are the cache's state when the visit began either way.
+`stats.late_copies` counts copies still in flight at the next use of their expert (that use ran on the
+CPU); `stats.waited_copies` the copies an `on_miss="wait"` visit waited for.
+
 Updates are serialised by one lock. Counters and residency are session state: `reset`, `export_state`
 / `import_state`, `warm_from_trace` (replay a trace through the policy, then load its residents).
 
@@ -45,6 +54,7 @@ from moecache.sim.shape import ModelShape
 from moecache.sim.visit import visit_entry
 
 CAPACITY_KEY = "gpu_expert_capacity"
+ON_MISS = ("cpu", "wait")  # what a miss does (module docstring)
 
 
 @dataclass
@@ -62,6 +72,10 @@ class VisitResult:
     # Filled by the executors (next issues): execution time of the CPU and the GPU part of the layer.
     cpu_duration_ns: int | None = None
     cuda_duration_ns: int | None = None
+    # on_miss="wait" only: the snapshot and hit mask when the visit began, before it waited for its
+    # copies (snapshot_E / hit_TK are then what the device ran). None: the same as snapshot_E / hit_TK.
+    cache_snapshot_E: np.ndarray | None = None
+    cache_hit_TK: np.ndarray | None = None
 
     def cache_fields(self, num_experts: int) -> list[dict]:
         """The routing record's cache columns (moecache/trace/schema.py) for each of the visit's T rows.
@@ -69,16 +83,18 @@ class VisitResult:
         other rows: empty lists, null). copy_ready_ns stays null until every copy has been seen
         complete; copy_duration_ns is null where the device does not time copies."""
         base = self.layer * num_experts
-        resident = (base + np.flatnonzero(self.snapshot_E >= 0)).astype(np.int32).tolist()
+        snapshot_E = self.snapshot_E if self.cache_snapshot_E is None else self.cache_snapshot_E
+        hit_TK = self.hit_TK if self.cache_hit_TK is None else self.cache_hit_TK
+        resident = (base + np.flatnonzero(snapshot_E >= 0)).astype(np.int32).tolist()
         ready = [c.ready_ns for c in self.copies]
         durations = [c.duration_ns for c in self.copies]
         rows = []
-        for t in range(self.hit_TK.shape[0]):
+        for t in range(hit_TK.shape[0]):
             first = t == 0
             rows.append(
                 {
                     "resident_experts": resident,
-                    "cache_hit": self.hit_TK[t].tolist(),
+                    "cache_hit": hit_TK[t].tolist(),
                     "admitted": self.admitted.tolist() if first else [],
                     "evicted": self.evicted.tolist() if first else [],
                     "copy_enqueued_ns": min(c.enqueued_ns for c in self.copies)
@@ -107,6 +123,8 @@ class ManagerStats:
     deferred_copies: int = 0  # copies that had to wait for the visit's own kernels (see commit)
     wasted_copies: int = 0  # keys evicted before their copy was published
     publish_waits: int = 0  # times a mapping row's previous upload had not run yet (see _push_row)
+    late_copies: int = 0  # copies still in flight at their expert's next use (which ran on the CPU)
+    waited_copies: int = 0  # on_miss="wait": copies a visit waited for before running them on the device
 
 
 class CacheManager:
@@ -120,7 +138,9 @@ class CacheManager:
         top_k: int,
         synchronous: bool = False,
         timing: bool = True,
+        on_miss: str = "cpu",
     ):
+        self.on_miss = on_miss
         self.store, self.device = store, device
         self.shape = ModelShape(store.num_layers, store.num_experts, int(top_k), store.expert_bytes)
         self.capacity = parse_capacity(
@@ -169,7 +189,19 @@ class CacheManager:
         self._held_capacity = np.array([0, self.capacity], np.int64)
         self._routing_views: dict = {}  # pinned read-back buffers of device routing, by shape
         self.stats = ManagerStats()
+        self.last_visit: VisitResult | None = None  # the latest visit's result (the routing logger's)
         self._init_session()
+
+    @property
+    def on_miss(self) -> str:
+        """What a miss does: "cpu" or "wait" (module docstring); may be changed between visits."""
+        return self._on_miss
+
+    @on_miss.setter
+    def on_miss(self, mode: str) -> None:
+        if mode not in ON_MISS:
+            raise MoecacheError(f"cache manager: on_miss={mode!r}: expected one of {list(ON_MISS)}")
+        self._on_miss = mode
 
     # ---- construction from the configuration -----------------------------------------------------
 
@@ -209,6 +241,7 @@ class CacheManager:
         self.slot_of_G = np.full(G, -1, np.int32)
         self.free_S = list(range(self.capacity - 1, -1, -1))  # a stack: slot 0 is taken first
         self.loading_L: list[dict[int, Copy]] = [{} for _ in range(self.shape.num_layers)]
+        self._late_G: set[int] = set()  # loading keys whose copy was already counted late
         self.published_LE.fill(-1)
         self._dirty_L[:] = True
         self._held_capacity[0] = 0
@@ -346,7 +379,9 @@ class CacheManager:
             self._last_layer = layer
             self._publish_ready(layer)
             row_E = self.published_LE[layer]
-            self._push_row(layer)
+            wait = self._on_miss == "wait"
+            if not wait:  # with waits, the row this visit runs is known only after its copies
+                self._push_row(layer)
             E = self.shape.num_experts
             hit_TK = np.empty(ids_TK.shape, np.bool_)
             key_U, uses_U, slot_U, miss_U = self._key_U, self._uses_U, self._slot_U, self._miss_U
@@ -357,6 +392,8 @@ class CacheManager:
                 )  # fmt: skip
             except ValueError as exc:
                 raise MoecacheError(f"cache manager: layer {layer} routing: {exc}") from exc
+            if n_miss and self.loading_L[layer]:
+                self._count_late(layer, miss_U[:n_miss])
             try:
                 n_admit, n_evict = self._visit_fn(
                     self.state, key_U[:U], uses_U[:U], self.a0, self.clock, self.request, self.resident_G,
@@ -384,7 +421,10 @@ class CacheManager:
             deferred = []
             for k in result.admitted.tolist():
                 deferred += self._admit(k, freed_busy, result.copies)
+            if wait:
+                self._wait_for_copies(layer, ids_TK, result, busy)
             self._pending = (busy, deferred, result)
+            self.last_visit = result
             s = self.stats
             s.visits += 1
             s.hits += U - n_miss
@@ -428,6 +468,46 @@ class CacheManager:
             if refs[index] == 0:
                 self._use_free.append(index)
 
+    def _count_late(self, layer: int, miss_experts) -> None:
+        """Copies still in flight now that their expert is used again (once per copy)."""
+        loading, base = self.loading_L[layer], layer * self.shape.num_experts
+        for e in miss_experts.tolist():
+            key = base + e
+            if key in loading and key not in self._late_G:
+                self._late_G.add(key)
+                self.stats.late_copies += 1
+
+    def _wait_for_copies(self, layer: int, ids_TK: np.ndarray, result: VisitResult, busy) -> None:
+        """on_miss="wait": wait for this visit's enqueued copies, publish them, and give the visit the
+        row it runs: the snapshot it began with, its evicted experts that it does not read cleared, its
+        waited copies added. That row is uploaded now (the published row, without this visit's
+        evictions of experts it reads, follows at the layer's next visit)."""
+        E = self.shape.num_experts
+        base = layer * E
+        result.cache_snapshot_E = result.snapshot_E.copy()
+        result.cache_hit_TK = result.hit_TK
+        visit_row = result.snapshot_E  # the visit's own copy
+        for key in result.evicted.tolist():
+            slot = visit_row[key - base]
+            if slot >= 0 and slot not in busy:
+                visit_row[key - base] = -1
+        loading = self.loading_L[layer]
+        for copy in list(result.copies):
+            copy.ready_event.synchronize()
+            copy.observe()
+            loading.pop(copy.key, None)
+            self._late_G.discard(copy.key)
+            self._publish(copy)
+            self.engine.release(copy)
+            visit_row[copy.key - base] = copy.slot
+            self.stats.waited_copies += 1
+        result.hit_TK = visit_row[ids_TK] >= 0
+        result.miss_experts = np.array(
+            [e for e in result.miss_experts.tolist() if visit_row[e] < 0], np.int64
+        )
+        self._push_row(layer, visit_row)
+        self._dirty_L[layer] = True  # the next visit uploads the published row
+
     def _last_use(self, slot: int):
         index = self.last_use_S[slot]
         return None if index < 0 else self._use_events[index]
@@ -459,19 +539,21 @@ class CacheManager:
         if loading:
             for key in [k for k, copy in loading.items() if copy.observe()]:
                 copy = loading.pop(key)
+                self._late_G.discard(key)
                 self._publish(copy)
                 self.engine.release(copy)
 
-    def _push_row(self, layer: int) -> None:
-        """Upload the layer's mapping row, ordered on the compute stream before its kernels. Its staging
-        row is rewritten only once the previous upload has run (a token behind at most: else we wait)."""
-        if not self._dirty_L[layer]:
+    def _push_row(self, layer: int, row_E: np.ndarray | None = None) -> None:
+        """Upload the layer's mapping row (or `row_E`), ordered on the compute stream before its kernels.
+        Its staging row is rewritten only once the previous upload has run (a token behind at most: else
+        we wait)."""
+        if row_E is None and not self._dirty_L[layer]:
             return
         event = self._publish_event_L[layer]
         if not event.query():
             self.stats.publish_waits += 1
             event.synchronize()
-        self._staging_np[layer] = self.published_LE[layer]
+        self._staging_np[layer] = self.published_LE[layer] if row_E is None else row_E
         self.device.copy(self._device_rows[layer], self._staging_rows[layer], self.compute)
         event.record(self.compute)
         self._dirty_L[layer] = False
@@ -484,6 +566,7 @@ class CacheManager:
             self.published_LE[layer, expert] = -1
             self._dirty_L[layer] = True
         copy = self.loading_L[layer].pop(key, None)
+        self._late_G.discard(key)
         if copy is not None:
             copy.wasted = True
             self.stats.wasted_copies += 1

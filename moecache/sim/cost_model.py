@@ -30,6 +30,28 @@ Where the numbers come from (a `CostProfile` written by `moecache calibrate`):
 Sensitivity scales multiply the measured values: `bandwidth_scale` the copy bandwidth (the latency
 stays), `cpu_scale` the CPU expert times, `gpu_scale` the GPU expert times (not the non-expert time).
 The replay uses the scaled values: `cpu_table()`, `gpu_table()`, `copy_us()`.
+
+**The runtime's step** (a schema-2 profile with a `runtime` section, `CostProfile.runtime_costs()`;
+`runtime` below, None for schema 1, whose results are unchanged). The runtime's experts module
+(moecache/runtime/experts_module.py) runs one layer step as: the routing read back to the host (it
+waits for the router), the manager's visit, the resident entries' slot-pool operator enqueued, then the
+misses' CPU path, whose first act reads x back to the host (on CUDA behind the operator on the same
+stream), then the sum. So the two halves run one after the other (`overlap` "serial", what calibrate
+records for this execution path; a path that overlaps them records "parallel"):
+
+    step = non-expert(T) + visit(T) + kernel(T, N) + [misses] (cpu_call + sum over missed experts cpu(M))
+
+with T the step's tokens, N the resident (token, k) entries (the sum of the hits' uses), kernel the
+operator's measured time for one call (`kernel_tables`: one row per distinct T of the trace),
+cpu_call the CPU path's fixed cost per call and cpu(M) its cost per missed expert of M tokens;
+"parallel" takes max(kernel, cpu part) instead of their sum. The non-expert time is measured per MoE
+layer (decode) and per token per MoE layer (prefill) on the model with its routed experts replaced by
+zeros; a positive `non_expert_us_per_layer` / `non_expert_us_per_prefill_token` override replaces it
+(0.0, the sim default, means "not set" here). Copies cost the copy engine's measured time per expert
+(back to back: one copy's share), latency 0; a profile measured without CUDA has no copy engine (the
+CPU stand-in runs each copy before the next visit) and its copies are free (a note says so).
+`cpu_us_M` is the runtime CPU path per expert (with the call cost, one expert alone) and `gpu_us_M[M]`
+the operator for one expert of M tokens: what the per-expert consumers (the impact policy) read.
 """
 
 from __future__ import annotations
@@ -42,6 +64,7 @@ from dataclasses import dataclass, field
 import numba as nb
 import numpy as np
 
+from moecache.cost_profile import RuntimeCosts
 from moecache.errors import MoecacheError
 from moecache.sim.trace_arrays import DECODE
 
@@ -69,6 +92,9 @@ class CostModel:
     dtype: str = ""
     source: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)  # about the profile; see all_notes()
+    # The runtime's step (module docstring); None: the per-expert formula of a schema-1 profile.
+    runtime: RuntimeCosts | None = None
+    compute_ratio: float = 1.0  # trace expert bytes / profile expert bytes (scales compute times)
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_scale", "cpu_scale", "gpu_scale"):
@@ -105,6 +131,9 @@ class CostModel:
         max_tokens = int(max_tokens)
         if max_tokens < 1:
             raise MoecacheError(f"cost model: max_tokens must be >= 1, got {max_tokens}")
+        runtime = profile.runtime_costs()
+        if runtime is not None:
+            return cls._from_runtime(profile, runtime, int(expert_bytes), max_tokens, dtype, overrides)
         expert_bytes = int(expert_bytes)
         notes: list[str] = []
         ratio = 1.0
@@ -143,6 +172,58 @@ class CostModel:
             dtype=dtype,
             source=profile.source,
         )
+        fields.update(overrides)
+        fields["notes"] = tuple(notes) + tuple(overrides.get("notes", ()))
+        return cls(**fields)
+
+    @classmethod
+    def _from_runtime(
+        cls, profile, runtime: RuntimeCosts, expert_bytes: int, max_tokens: int, dtype: str, overrides: dict
+    ) -> CostModel:
+        """`from_profile` of a profile with a runtime section (module docstring, "The runtime's step")."""
+        notes: list[str] = [
+            f"runtime step ({runtime.path}, {runtime.overlap}): slot-pool operator per call, runtime CPU"
+            " path, manager visit and non-expert time as calibrated"
+        ]
+        ratio = 1.0
+        if expert_bytes != runtime.expert_bytes:
+            ratio = expert_bytes / runtime.expert_bytes
+            notes.append(
+                f"trace expert_bytes {expert_bytes} != calibrated model's {runtime.expert_bytes}: operator and"
+                f" CPU-path expert times scaled by {ratio:.4g}, copy time by the byte ratio"
+            )
+        m = np.arange(max_tokens + 1, dtype=np.float64)
+        cpu = np.zeros(max_tokens + 1, np.float64)
+        cpu[1:] = runtime.cpu_call_us + runtime.cpu_expert_us(m[1:]) * ratio
+        gpu = np.zeros(max_tokens + 1, np.float64)
+        gpu[1:] = [runtime.kernel_row_us(int(t))[int(t)] * ratio for t in m[1:]]
+        if runtime.copy_us is None:
+            latency, bandwidth = 0.0, math.inf
+            notes.append(
+                "no copy engine timings (calibrated without CUDA: the stand-in copies before the next"
+                " visit): copies free"
+            )
+        else:
+            latency, bandwidth = 0.0, runtime.expert_bytes / runtime.copy_us
+        fields = dict(
+            copy_latency_us=latency,
+            bandwidth_bytes_per_us=bandwidth,
+            expert_bytes=expert_bytes,
+            cpu_us_M=cpu,
+            gpu_us_M=gpu,
+            non_expert_us_per_layer=runtime.non_expert_decode_us_per_layer or 0.0,
+            non_expert_us_per_prefill_token=runtime.non_expert_prefill_us_per_token,
+            cpu_threads=profile.runtime.get("cpu_threads"),
+            dtype=dtype,
+            source=profile.source,
+            runtime=runtime,
+            compute_ratio=ratio,
+        )
+        if runtime.non_expert_decode_us_per_layer is None:
+            notes.append("the profile did not measure the non-expert time (runtime.non_expert is null)")
+        for key in ("non_expert_us_per_layer", "non_expert_us_per_prefill_token"):
+            if not overrides.get(key):  # 0.0 / None: the sim default, "not set": keep the measurement
+                overrides.pop(key, None)
         fields.update(overrides)
         fields["notes"] = tuple(notes) + tuple(overrides.get("notes", ()))
         return cls(**fields)
@@ -197,11 +278,42 @@ class CostModel:
             if self.non_expert_us_per_prefill_token is None
             else self.non_expert_us_per_prefill_token
         )
-        return np.where(
+        non_expert_V = np.where(
             trace.phase_V == DECODE,
             self.non_expert_us_per_layer,
             per_token * trace.tokens_V.astype(np.float64),
         ).astype(np.float64)
+        if self.runtime is not None:  # the manager's visit and commit, per layer step
+            non_expert_V = non_expert_V + self.runtime.visit_us(trace.tokens_V)
+        return non_expert_V
+
+    @property
+    def serial(self) -> bool:
+        """The step's GPU and CPU halves run one after the other (the runtime's step, module docstring)."""
+        return self.runtime is not None and self.runtime.overlap == "serial"
+
+    def cpu_call_us(self) -> float:
+        """Fixed CPU-path cost of a step with misses (scaled); 0.0 without a runtime section."""
+        return 0.0 if self.runtime is None else self.runtime.cpu_call_us * self.cpu_scale
+
+    def cpu_step_table(self) -> np.ndarray:
+        """Per missed expert of M tokens, the CPU cost the step formula sums (scaled): `cpu_table()` less
+        the call cost it includes, which the formula adds once per step."""
+        return self.cpu_table() - np.where(np.arange(len(self.cpu_us_M)) > 0, self.cpu_call_us(), 0.0)
+
+    def kernel_tables(self, trace) -> tuple[np.ndarray, np.ndarray]:
+        """(kernel_off_V int64 [V], kernel_us_X float64): step s's operator time with N resident entries
+        is kernel_us_X[kernel_off_V[s] + N] (scaled); one row per distinct token count of the trace. Both
+        empty without a runtime section (the per-expert formula)."""
+        if self.runtime is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.float64)
+        distinct, inverse = np.unique(trace.tokens_V, return_inverse=True)
+        rows = [self.runtime.kernel_row_us(int(t)) * (self.compute_ratio * self.gpu_scale) for t in distinct]
+        offsets = np.zeros(len(rows), np.int64)
+        if rows:
+            offsets[1:] = np.cumsum([len(r) for r in rows])[:-1]
+        us_X = np.concatenate(rows) if rows else np.zeros(0, np.float64)
+        return offsets[inverse].astype(np.int64), us_X
 
     def check_trace(self, trace) -> None:
         if trace.num_accesses and int(trace.uses_A.max()) > self.max_tokens:
@@ -233,6 +345,15 @@ class CostModel:
             "cpu_threads": self.cpu_threads,
             "dtype": self.dtype,
             "source": self.source,
+            "runtime_step": None
+            if self.runtime is None
+            else {
+                "path": self.runtime.path,
+                "overlap": self.runtime.overlap,
+                "cpu_call_us": self.cpu_call_us(),
+                "kernel_us_T1": [float(v) for v in self.runtime.kernel_row_us(1)],
+                "visit_us_T1": float(self.runtime.visit_us(1)),
+            },
             "notes": list(self.all_notes()),
         }
 
@@ -268,34 +389,46 @@ def _forward_index(request_V, step_V, fwd_V, first_F):
 
 
 def instant_step_us(trace, hit_A: np.ndarray, cost: CostModel) -> np.ndarray:
-    """Layer-step times of a replay whose copies are free (instant mode): non-expert +
-    max(sum over hits of gpu(uses), sum over misses of cpu(uses)) -- the timed formula with
-    infinite bandwidth. float64 [V]: one compiled pass over the steps and their accesses."""
+    """Layer-step times of a replay whose copies are free (instant mode): the timed formula with
+    infinite bandwidth, non-expert + max(sum over hits of gpu(uses), sum over misses of cpu(uses)), or
+    with a runtime section the runtime's step (module docstring). float64 [V]: one compiled pass over
+    the steps and their accesses."""
     cost.check_trace(trace)
     step_us_V = np.empty(trace.num_steps, np.float64)
-    prefill = cost.non_expert_us_per_prefill_token
+    kernel_off_V, kernel_us_X = cost.kernel_tables(trace)
+    cpu = cost.cpu_step_table() if cost.runtime is not None else cost.cpu_table()
     _instant_step_us(
-        trace.start_V, trace.uses_A, hit_A, trace.phase_V, trace.tokens_V, cost.gpu_table(), cost.cpu_table(),
-        float(cost.non_expert_us_per_layer), float(cost.non_expert_us_per_layer if prefill is None else prefill),
-        step_us_V,
+        trace.start_V, trace.uses_A, hit_A, cost.non_expert_V(trace), cost.gpu_table(), cpu,
+        kernel_off_V, kernel_us_X, cost.cpu_call_us(), cost.serial, step_us_V,
     )  # fmt: skip
     return step_us_V
 
 
 @nb.njit(cache=True, nogil=True)
 def _instant_step_us(
-    start_V, uses_A, hit_A, phase_V, tokens_V, gpu_us_M, cpu_us_M, decode_us, prefill_us_per_token, step_us_V
-):
-    """step_us_V[s] = non-expert time (CostModel.non_expert_V) + max(GPU time of step s's hits, CPU
-    time of its misses), each summed in access order from 0.0: the sums np.bincount gives, so the
-    result is bit-identical to the vectorised formula."""
+    start_V, uses_A, hit_A, non_expert_V, gpu_us_M, cpu_us_M, kernel_off_V, kernel_us_X, cpu_call_us, serial,
+    step_us_V,
+):  # fmt: skip
+    """step_us_V[s] = non_expert_V[s] + max(GPU time of step s's hits, CPU time of its misses), each
+    summed in access order from 0.0: the sums np.bincount gives, so the result is bit-identical to the
+    vectorised formula. With kernel rows (kernel_off_V not empty) the GPU time is the operator's row at
+    the step's resident entries, the CPU time gains cpu_call_us when the step has a miss, and `serial`
+    adds the two instead of taking their max."""
+    fused = kernel_off_V.shape[0] > 0
     for s in range(step_us_V.shape[0]):
         gpu = 0.0
         cpu = 0.0
+        entries = 0
+        misses = 0
         for a in range(start_V[s], start_V[s + 1]):  # adding 0.0 leaves a sum unchanged: no branch
             m = uses_A[a]
             h = hit_A[a]
             gpu += gpu_us_M[m] if h else 0.0
             cpu += 0.0 if h else cpu_us_M[m]
-        non_expert = decode_us if phase_V[s] == DECODE else prefill_us_per_token * np.float64(tokens_V[s])
-        step_us_V[s] = non_expert + max(gpu, cpu)
+            entries += m if h else 0
+            misses += 0 if h else 1
+        if fused:
+            gpu = kernel_us_X[kernel_off_V[s] + entries]
+            if misses > 0:
+                cpu += cpu_call_us
+        step_us_V[s] = non_expert_V[s] + (gpu + cpu if serial else max(gpu, cpu))

@@ -100,7 +100,7 @@ class TimedResult(ReplayResult):
 # visit goes through visit.apply_step, as in instant mode.
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
-    cpu_us_M, gpu_us_M, non_expert_V, copy_us,
+    cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, serial,
     hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
     copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G,
@@ -110,7 +110,11 @@ def _replay_timed(
     would cost reference counting on every iteration). Scratch per key: admit_buf, evict_buf (int32),
     ready_G (float64, zeros: copy completion of keys holding a slot), copy_of_G (int64, -1: the key's
     latest copy), gpu_step_G (int64, -1: last step that ran the key on the GPU), seen_G (int64, -1:
-    last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy)."""
+    last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy).
+    With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
+    the operator's row at the step's usable resident entries, a step with a miss adds cpu_call_us to
+    its CPU time, and `serial` adds the two halves instead of taking their max."""
+    fused = kernel_off_V.shape[0] > 0
     num_keys = resident_G.shape[0]
     num_steps = start_V.shape[0] - 1
     cap_C = copy_key_C.shape[0]
@@ -131,6 +135,8 @@ def _replay_timed(
         tr = t + non_expert_V[s]
         gpu = 0.0
         cpu = 0.0
+        entries = 0
+        misses = 0
         for a in range(a0, a1):
             k = key_A[a]
             m = uses_A[a]
@@ -147,13 +153,19 @@ def _replay_timed(
             if held_k and ready_G[k] <= tr:
                 hit_A[a] = True
                 gpu += gpu_us_M[m]
+                entries += m
                 gpu_step_G[k] = s
             else:
                 hit_A[a] = False
                 cpu += cpu_us_M[m]
+                misses += 1
                 cpu_fallback_sel += m
+        if fused:
+            gpu = kernel_us_X[kernel_off_V[s] + entries]
+            if misses > 0:
+                cpu += cpu_call_us
         gpu_end = tr + gpu
-        step_us = non_expert_V[s] + max(gpu, cpu)
+        step_us = non_expert_V[s] + (gpu + cpu if serial else max(gpu, cpu))
         n_admit, n_evict, held = apply_step(
             state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_V[s], request_V[s], resident_G,
             held, capacity, admit_buf, evict_buf,
@@ -245,6 +257,8 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
     step_us_V = np.empty(s, np.float64)
     route_us_V = np.empty(s, np.float64)
     prefetch_V = np.empty(s, np.int32)
+    kernel_off_V, kernel_us_X = cost.kernel_tables(trace)
+    cpu_us_M = cost.cpu_step_table() if cost.runtime is not None else cost.cpu_table()
     cap_C = a + 16  # demand policies admit at most one copy per miss; others may retry longer
     while True:
         key_C, step_C = np.empty(cap_C, np.int32), np.empty(cap_C, np.int64)
@@ -258,8 +272,9 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
         try:
             n_copies, fallback_sel, prefetches, used = bound(_replay_timed, type(policy))(
                 policy.named_state(state), trace.key_A, trace.uses_A, trace.start_V, trace.clock_V,
-                trace.request_V, resident_G, int(capacity), cost.cpu_table(), cost.gpu_table(),
-                cost.non_expert_V(trace), float(cost.copy_us()),
+                trace.request_V, resident_G, int(capacity), cpu_us_M, cost.gpu_table(),
+                cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
+                cost.cpu_call_us(), cost.serial,
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
             )  # fmt: skip

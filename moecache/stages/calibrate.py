@@ -1,12 +1,18 @@
-"""`moecache calibrate`: measure this machine's expert and copy costs; write a cost-profile artifact.
+"""`moecache calibrate`: measure this machine's expert, copy and runtime costs; write a cost-profile artifact.
 
-Reads no model weights: synthetic experts of the model's shape (see `resolve_shape`) are timed on the CPU
-(and on CUDA when the run's device is a GPU), and host-to-device copies are timed from pinned and pageable
-memory. The artifact id covers the cost settings, the shape and the machine (CPU and GPU model, torch
-version, threads), so a profile measured elsewhere never stands in for this machine's.
+Synthetic experts of the model's shape (see `resolve_shape`) are timed on the CPU (and on CUDA when the
+run's device is a GPU), and host-to-device copies from pinned and pageable memory. Then (`cost.runtime`,
+schema 2) what the runtime itself costs, through its own code paths (moecache/runtime/experts_module.py)
+on a synthetic store of the model's shape and on the run's device (CUDA, else the CPU stand-in): the
+slot-pool operator, the CPU path, the manager's visit, the copy engine, and the non-expert time of the
+model itself (built or loaded like `moecache generate` does; without weights, e.g. an `architecture`-only
+model config, that part is null and says why). The artifact id covers the cost settings, the shape, the
+model config (when the runtime is measured) and the machine (CPU and GPU model, torch version, threads),
+so a profile measured elsewhere never stands in for this machine's.
 
-`cost_profile.json` (schema 1; `moecache.cost_profile.CostProfile` loads it):
-    schema_version  1
+`cost_profile.json` (schema 2; `moecache.cost_profile.CostProfile` loads it, and schema 1, which lacks
+`runtime`):
+    schema_version  2
     shape           {hidden_size, moe_intermediate_size, params, expert_bytes (of `dtype`), source}
     dtype           the model's weight dtype (the headline and the one-expert copy use it)
     machine         {cpu_model, cpu_count, gpu_model, torch, cuda, threads, llc_bytes, gpu_l2_bytes, loadavg_1m}
@@ -16,12 +22,34 @@ version, threads), so a profile measured elsewhere never stands in for this mach
     h2d             {pinned: [{bytes, median_us, p10_us, p90_us, repeats, gbps}], pageable: [...],
                      fit: {latency_us, gbps} (pinned), expert_bytes} or null when the run had no GPU
     settings        {repeats, warmup, tokens_per_call, dtypes, copy_sizes_bytes}
+    runtime         null (cost.runtime.enabled=false) or, all times in microseconds, rows {.., median_us,
+                    p10_us, p90_us, repeats}:
+      model         {name, num_layers, num_experts, top_k, hidden_size, moe_intermediate_size, dtype,
+                     expert_bytes}: the shape every runtime row was measured at
+      execution     {path: the step function of the non-expert time ("transformers"), overlap: "serial"
+                     (the runtime's step runs the CPU half after the GPU half; cost_model.py), device:
+                     "cuda" or "standin"}
+      cpu_backend, cpu_threads   the CPU path's executor (CpuExperts) as offload builds it
+      store_experts, slots       the synthetic store's experts and the slot pool's slots
+      slot_moe      [{tokens, entries, ..}]: one `ExpertsRuntime._gpu_part` call (slot_moe on CUDA, CUDA
+                    events; its torch reference on the stand-in, wall time) for `entries` resident entries
+      cpu_path      [{tokens_per_expert, experts, ..}]: one `ExpertsRuntime._cpu_part` call (gather,
+                    CpuExperts.run, result back to x's device), wall time
+      visit         [{tokens, ..}]: one `CacheManager.visit` + `commit` (policy lru, a quarter of E slots)
+      copy_engine   {expert_bytes, single, batch: {copies, ..}, per_copy_us = batch median / copies}:
+                    `TransferEngine.enqueue` from the pinned store to the ready event seen complete, or
+                    null without CUDA
+      non_expert    {moe_layers, prompt_tokens, decode_steps, prefill, decode, decode_us_per_layer =
+                    decode median / moe_layers, prefill_us_per_token_per_layer = prefill median /
+                    (prompt_tokens x moe_layers)}: the model, its routed experts returning zeros (after
+                    reading the routing back, as the runtime does), or null with `non_expert_reason`
     measured_at     UTC time, ISO 8601
     measure_s       wall seconds the measurements took
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -29,18 +57,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from moecache import calibration as cal
 from moecache.artifacts import artifact_id, write_json_atomic
 from moecache.config import to_container
 from moecache.cost_profile import PROFILE_FILE, CostProfile
+from moecache.cost_profile import SCHEMA_VERSION as PROFILE_SCHEMA
 from moecache.env_info import cpu_model
 from moecache.errors import MoecacheError
 from moecache.stages.base import StageResult, prepare, reusable, store_for, torch_device
 
 STAGE = "calibrate"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = PROFILE_SCHEMA  # the artifact's schema is the profile's
+# How the runtime's layer step combines its halves (moecache/runtime/experts_module.py): the GPU half is
+# enqueued, then the CPU half starts by reading x and the routing weights back to the host, which on CUDA
+# waits behind that GPU work on the same stream, then the CPU result is copied back and added: the halves
+# run one after the other. The simulator models exactly that ("serial", moecache/sim/cost_model.py); an
+# execution path that overlaps them records "parallel".
+RUNTIME_OVERLAP = "serial"
 
 
 def _first_set(*candidates: tuple[str, object]) -> tuple[str, object] | None:
@@ -92,6 +127,11 @@ def resolve_shape(cfg: DictConfig) -> tuple[cal.ExpertShape, str, str]:
 def _settings(cfg: DictConfig) -> dict:
     settings = to_container(cfg.cost)
     settings.pop("shape", None)
+    runtime = settings.get("runtime") or {}
+    if runtime.get("enabled") and runtime.get("step") not in cal.STEP_FUNCTIONS:
+        raise MoecacheError(
+            f"calibrate: cost.runtime.step={runtime.get('step')!r}: expected one of {sorted(cal.STEP_FUNCTIONS)}"
+        )
     if not settings["tokens_per_call"] or not settings["dtypes"]:
         raise MoecacheError("calibrate: cost.tokens_per_call and cost.dtypes must not be empty")
     if int(settings["repeats"]) < 1:
@@ -142,7 +182,7 @@ def _pool_size(settings: dict, expert_bytes: int, cache_bytes: int) -> int:
 class _Progress:
     """A rich progress bar on stderr when it is a terminal; silent otherwise."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int | None):
         from rich.console import Console
         from rich.progress import Progress
 
@@ -198,8 +238,167 @@ def _h2d(settings: dict, expert_bytes: int, device: torch.device, bar) -> dict:
     return result
 
 
-def measure(settings: dict, shape: cal.ExpertShape, dtype: str, device: str, machine: dict) -> dict:
-    """Run every measurement; the cost-profile dict (see the module docstring)."""
+# ---- the runtime's own costs (schema 2) -------------------------------------------------------------
+
+
+def _model_weights(cfg: DictConfig) -> str | None:
+    """Why the model group gives no model to run (None: it does: a checkpoint path or a tiny build)."""
+    model = cfg.get("model") or {}
+    if OmegaConf.is_missing(model, "path") or (model.get("path") is None and not model.get("build")):
+        return (
+            "model.path is not set (an architecture-only model config): the non-expert time needs the model"
+        )
+    return None
+
+
+def _architecture_shape(cfg: DictConfig) -> dict:
+    """The runtime shape from model.architecture (no weights to load)."""
+    arch = (cfg.get("model") or {}).get("architecture") or {}
+    need = ("num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size")
+    missing = [k for k in need if arch.get(k) is None]
+    if missing:
+        raise MoecacheError(
+            f"calibrate: the runtime costs need the model's shape: model.architecture lacks {missing} and"
+            " model.path is not set (set them, or cost.runtime.enabled=false)"
+        )
+    return {k: int(arch[k]) for k in need}
+
+
+def _runtime_device(device: str):
+    from moecache.runtime.device import CudaDevice, StandinDevice
+
+    if device.startswith("cuda"):
+        return CudaDevice(torch.device(device).index)
+    return StandinDevice("before_visit")
+
+
+def _timing_rows(keys: dict, timing: cal.Timing) -> dict:
+    return {**keys, **timing.as_dict()}
+
+
+def measure_runtime(
+    cfg: DictConfig, rs: dict, device: str, cache_bytes: int, max_pool_bytes: int, bar, step=None
+) -> dict:
+    """The profile's `runtime` section (module docstring). `step`: the non-expert time's step function
+    (default: cost.runtime.step from calibration.STEP_FUNCTIONS)."""
+    from moecache.models import load_model
+
+    step = step or cal.STEP_FUNCTIONS[rs["step"]]
+    repeats, warmup = int(rs["repeats"]), int(rs["warmup"])
+    reason = _model_weights(cfg)
+    non_expert = None
+    if reason is None:
+        loaded = load_model(cfg.model, cfg.output_root, device)
+        arch = loaded.adapter.describe()
+        dtype = loaded.adapter.dtype
+        bar.step("runtime non-expert time")
+        layers = cal.zero_experts(loaded.adapter)
+        prefill, decode = cal.time_model_steps(
+            loaded.model, prompt_tokens=int(rs["prompt_tokens"]), decode_steps=int(rs["decode_steps"]),
+            repeats=max(3, repeats // 4), warmup=min(warmup, 1), vocab_size=int(loaded.model.config.get_text_config().vocab_size),
+            step=step,
+        )  # fmt: skip
+        non_expert = {
+            "moe_layers": layers,
+            "prompt_tokens": int(rs["prompt_tokens"]),
+            "decode_steps": int(rs["decode_steps"]),
+            "prefill": prefill.as_dict(),
+            "decode": decode.as_dict(),
+            "decode_us_per_layer": decode.median_us / layers,
+            "prefill_us_per_token_per_layer": prefill.median_us / (int(rs["prompt_tokens"]) * layers),
+        }
+        del loaded
+        gc.collect()
+    else:
+        arch = _architecture_shape(cfg)
+        model_dtype = (cfg.get("model") or {}).get("dtype")
+        dtype = cal.dtype_of(model_dtype if model_dtype not in (None, "auto") else "bfloat16")
+    shape = cal.RuntimeShape(
+        int(arch["num_experts"]), int(arch["top_k"]), int(arch["hidden_size"]),
+        int(arch["moe_intermediate_size"]), dtype,
+    )  # fmt: skip
+    rdev = _runtime_device(device)
+    e, k = shape.num_experts, shape.top_k
+    if e < 2 * k:
+        raise MoecacheError(f"calibrate: the runtime costs need num_experts >= 2 x top_k, got E={e}, K={k}")
+    slots = e // 2
+    # The run's own store when it is small (its cache behaviour), else a pool larger than the cache.
+    cold = cal.pool_experts(shape.expert_bytes(), cache_bytes, max_pool_bytes)
+    store_experts = max(e, min(int(arch["num_layers"]) * e, cold))
+    runtime = cal.synthetic_runtime(
+        shape, store_experts, slots, rdev, cpu_threads=rs.get("cpu_threads"), cpu_backend=rs["cpu_backend"]
+    )
+    kernel_rows = []
+    for tokens in rs["kernel_tokens"]:
+        for entries in cal.entries_grid(int(tokens), k, slots):
+            bar.step(f"runtime slot_moe T={tokens} N={entries}")
+            timing = cal.time_slot_moe(runtime, shape, int(tokens), entries, repeats, warmup)
+            kernel_rows.append(_timing_rows({"tokens": int(tokens), "entries": entries}, timing))
+    cpu_rows = []
+    for m in rs["cpu_tokens_per_expert"]:
+        for u in sorted({1, k}):
+            bar.step(f"runtime cpu path M={m} U={u}")
+            timing = cal.time_cpu_path(runtime, shape, int(m), u, repeats, warmup)
+            cpu_rows.append(_timing_rows({"tokens_per_expert": int(m), "experts": u}, timing))
+    copy_engine = None
+    if rdev.is_cuda:
+        bar.step("runtime copy engine")
+        copies = min(int(rs["copy_batch"]), slots)
+        single, batch = cal.time_copy_engine(runtime, copies, repeats, warmup)
+        copy_engine = {
+            "expert_bytes": shape.expert_bytes(),
+            "single": single.as_dict(),
+            "batch": {"copies": copies, **batch.as_dict()},
+            "per_copy_us": batch.median_us / copies,
+        }
+    visiting = cal.synthetic_runtime(shape, e, max(1, e // 4), rdev, cpu_backend="torch")
+    visit_rows = []
+    for tokens in rs["visit_tokens"]:
+        bar.step(f"runtime visit T={tokens}")
+        timing = cal.time_visit(visiting.manager, shape, int(tokens), repeats, warmup)
+        visit_rows.append(_timing_rows({"tokens": int(tokens)}, timing))
+    section = {
+        "model": {
+            "name": (cfg.get("model") or {}).get("name"),
+            "num_layers": int(arch["num_layers"]),
+            **{
+                f: getattr(shape, f) for f in ("num_experts", "top_k", "hidden_size", "moe_intermediate_size")
+            },
+            "dtype": str(dtype).removeprefix("torch."),
+            "expert_bytes": shape.expert_bytes(),
+        },
+        "execution": {"path": rs["step"], "overlap": RUNTIME_OVERLAP, "device": rdev.name},
+        "cpu_backend": runtime.cpu.backend,
+        "cpu_threads": runtime.cpu.threads,
+        "store_experts": store_experts,
+        "slots": slots,
+        "slot_moe": kernel_rows,
+        "cpu_path": cpu_rows,
+        "visit": visit_rows,
+        "copy_engine": copy_engine,
+        "non_expert": non_expert,
+    }
+    if non_expert is None:
+        section["non_expert_reason"] = reason
+    return section
+
+
+def _runtime_points(rs: dict, top_k: int, slots: int, on_gpu: bool) -> int:
+    kernel = sum(len(cal.entries_grid(int(t), top_k, slots)) for t in rs["kernel_tokens"])
+    return 1 + kernel + 2 * len(rs["cpu_tokens_per_expert"]) + len(rs["visit_tokens"]) + int(on_gpu)
+
+
+def measure(
+    settings: dict,
+    shape: cal.ExpertShape,
+    dtype: str,
+    device: str,
+    machine: dict,
+    cfg: DictConfig | None = None,
+) -> dict:
+    """Run every measurement; the cost-profile dict (see the module docstring). The runtime section
+    needs the run's config `cfg` (its model group); without it, or with cost.runtime.enabled=false, it is
+    null."""
     started = time.perf_counter()
     on_gpu = device.startswith("cuda")
     n_expert_points = len(settings["dtypes"]) * len(settings["tokens_per_call"])
@@ -220,6 +419,14 @@ def measure(settings: dict, shape: cal.ExpertShape, dtype: str, device: str, mac
                 settings, shape, device, machine["gpu_l2_bytes"], threads, cal.time_cuda_expert, bar
             )
             h2d = _h2d(settings, expert_bytes, gpu, bar)
+    runtime = None
+    rs = settings.get("runtime") or {}
+    if cfg is not None and rs.get("enabled"):
+        with _Progress(None) as bar:
+            runtime = measure_runtime(
+                cfg, rs, device, machine["gpu_l2_bytes"] if on_gpu else llc or int(settings["fallback_llc_bytes"]),
+                int(settings["max_pool_bytes"]), bar,
+            )  # fmt: skip
     return {
         "schema_version": SCHEMA_VERSION,
         "shape": {
@@ -233,8 +440,11 @@ def measure(settings: dict, shape: cal.ExpertShape, dtype: str, device: str, mac
         "cpu": cpu_rows,
         "cuda": cuda_rows,
         "h2d": h2d,
+        "runtime": runtime,
         "settings": {
-            k: settings[k] for k in ("repeats", "warmup", "tokens_per_call", "dtypes", "copy_sizes_bytes")
+            k: settings[k]
+            for k in ("repeats", "warmup", "tokens_per_call", "dtypes", "copy_sizes_bytes", "runtime")
+            if k in settings
         },
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "measure_s": time.perf_counter() - started,
@@ -265,7 +475,44 @@ def summary(profile: CostProfile) -> dict:
         rows["h2d pinned us per expert"] = at_expert["median_us"]
         rows["h2d fit latency us"] = profile.h2d["fit"]["latency_us"]
         rows["h2d fit GB/s"] = profile.h2d["fit"]["gbps"]
+    rows.update(runtime_summary(profile))
     rows["measure s"] = profile.measure_s
+    return rows
+
+
+def runtime_summary(profile: CostProfile) -> dict:
+    """The runtime section's headline numbers (its medians, and the decode step they add up to)."""
+    rt = profile.runtime
+    if rt is None:
+        return {}
+    costs = profile.runtime_costs()
+    k, m = costs.top_k, rt["model"]
+    rows: dict = {
+        "runtime model": f"{m['name']}: {m['num_layers']} x {m['num_experts']} experts, top-{k}, {m['dtype']}",
+        "runtime device / cpu backend": f"{rt['execution']['device']} / {rt['cpu_backend']} x{rt['cpu_threads']}",
+    }
+    for r in rt["slot_moe"]:
+        if r["tokens"] == 1:
+            rows[f"slot_moe us T=1 N={r['entries']}"] = r["median_us"]
+    rows["cpu path us per call (fit)"] = costs.cpu_call_us
+    rows["cpu path us per expert M=1 (fit)"] = float(costs.cpu_expert_us(1))
+    for r in rt["visit"]:
+        rows[f"visit+commit us T={r['tokens']}"] = r["median_us"]
+    if rt["copy_engine"] is not None:
+        rows["copy engine us per expert (batch)"] = rt["copy_engine"]["per_copy_us"]
+        rows["copy engine us single"] = rt["copy_engine"]["single"]["median_us"]
+    ne = rt["non_expert"]
+    if ne is None:
+        rows["non-expert"] = rt.get("non_expert_reason", "not measured")
+        return rows
+    rows[f"non-expert us/layer decode ({rt['execution']['path']})"] = ne["decode_us_per_layer"]
+    rows["non-expert us/token/layer prefill"] = ne["prefill_us_per_token_per_layer"]
+    # The decode step the simulator's runtime formula gives (serial halves), all hits and all misses.
+    layer = ne["decode_us_per_layer"] + float(costs.visit_us(1))
+    all_hit = layer + float(costs.kernel_row_us(1)[k])
+    all_miss = layer + costs.cpu_call_us + k * float(costs.cpu_expert_us(1))
+    rows["decode ms/token, all hits (model)"] = all_hit * m["num_layers"] / 1e3
+    rows["decode ms/token, all misses (model)"] = all_miss * m["num_layers"] / 1e3
     return rows
 
 
@@ -287,10 +534,12 @@ def run(cfg: DictConfig) -> StageResult:
         "device": "cuda" if device.startswith("cuda") else "cpu",
         "machine": identity,
     }
+    if (settings.get("runtime") or {}).get("enabled"):  # the runtime rows are the model's
+        config["model"] = to_container(cfg.model) if "model" in cfg else None
     found = reusable(cfg, STAGE, SCHEMA_VERSION, config, [])
     if found is not None:
         return StageResult(found, reused=True, summary=summary(CostProfile.load(found / PROFILE_FILE)))
-    profile = measure(settings, shape, dtype, device, machine)
+    profile = measure(settings, shape, dtype, device, machine, cfg)
     profile["shape"]["source"] = source
     store = store_for(cfg)
     with store.create(STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=[], seed=None) as tmp:

@@ -102,7 +102,8 @@ def test_tiny_bandwidth_no_copy_is_ever_ready(make_trace):
             assert not timed.hit_A.any(), policy.name
         if policy.name.startswith("static"):  # resident from the start, free: every instant hit stays
             assert np.array_equal(timed.hit_A, inst.hit_A)
-            assert inst.hit_A.any()
+            # static_layers holds whole layers only: 6 slots hold no layer of 8 experts
+            assert inst.hit_A.any() == (policy.name != "static_layers" or 6 >= trace.num_experts)
 
 
 # ---- hand examples ---------------------------------------------------------------------------

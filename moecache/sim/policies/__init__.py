@@ -12,4 +12,5 @@ import moecache.sim.policies.lru  # noqa: F401
 import moecache.sim.policies.lru_per_layer  # noqa: F401
 import moecache.sim.policies.static_cold  # noqa: F401
 import moecache.sim.policies.static_hindsight  # noqa: F401
+import moecache.sim.policies.static_layers  # noqa: F401
 import moecache.sim.policies.transition_prefetch  # noqa: F401

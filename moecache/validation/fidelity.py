@@ -1,0 +1,110 @@
+"""Simulator fidelity: replay a run's own recorded routing trace through the simulator, and compare.
+
+    predicted = predict_run(trace_path, policy=PolicySpec.of("lru"), capacity=32, profile_path=profile)
+    compare(predicted, {"hit_rate": stats["hit_rate"], "time_per_token_ms": measured_itl_ms})
+
+`predict_run` replays the trace (the parquet the routing logger wrote during the run) with the run's
+policy and capacity:
+- instant mode gives `hit_rate`: the hit rate as the runtime's CPU stand-in in `before_visit` mode sees it
+  (every copy complete before the next visit; docs/runtime.md): the manager's measured hit rate equals it
+  exactly (tests/validation/test_fidelity.py);
+- timed mode with the cost profile (`moecache calibrate`; a schema-2 profile prices the runtime's own
+  step, moecache/sim/cost_model.py) gives `time_per_token_ms`: the time of every forward step of the
+  trace over its routed tokens (prompt and generated tokens less one per request: what `moecache
+  validate` measures as generate's wall time over the routed tokens), plus `decode_ms_per_token` (the
+  mean inter-token latency), `prefill_ms_per_token`, `total_ms` and the timed hit rate (a resident
+  expert counts only once its copy has landed, as on CUDA). None of them without a profile.
+
+`compare` gives the errors against what the run measured and whether each is within the issue's
+targets: 15% on time per token, one percentage point on hit rate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from moecache.cost_profile import CostProfile
+from moecache.errors import MoecacheError
+from moecache.sim.cost_model import CostModel, forward_index, forward_tokens
+from moecache.sim.metrics import summarize
+from moecache.sim.policy import make_policy
+from moecache.sim.policy_spec import PolicySpec
+from moecache.sim.replay import check_capacity, replay_instant
+from moecache.sim.timed import replay_timed
+from moecache.sim.trace_arrays import load_trace
+
+TIME_TARGET_PCT = 15.0  # |predicted - measured| / measured time per token
+HIT_RATE_TARGET_PP = 1.0  # |predicted - measured| hit rate, percentage points
+
+
+def predict_run(trace_path, *, policy: PolicySpec, capacity: int, profile_path: str | None) -> dict:
+    """What the simulator predicts for the run that recorded `trace_path` (module docstring). Keys:
+    hit_rate, time_per_token_ms (None without a profile), tokens, accesses, decode_ms_per_token,
+    prefill_ms_per_token, total_ms, timed_hit_rate, cost_notes."""
+    path = Path(trace_path)
+    if not path.is_file():
+        raise MoecacheError(f"fidelity: {path}: no such trace file")
+    if not isinstance(policy, PolicySpec):
+        raise MoecacheError(f"fidelity: policy must be a PolicySpec, got {type(policy).__name__}")
+    trace = load_trace(path)
+    check_capacity(trace, int(capacity))
+    cost = None
+    if profile_path is not None:
+        cost = CostModel.for_trace(CostProfile.load(profile_path), trace)
+    instant = replay_instant(trace, _policy(policy, cost), int(capacity))
+    _, first_F = forward_index(trace)
+    accesses = trace.num_accesses
+    out = {
+        "hit_rate": int(np.count_nonzero(instant.hit_A)) / accesses if accesses else None,
+        "time_per_token_ms": None,
+        "tokens": int(forward_tokens(trace, first_F).sum()),
+        "accesses": int(accesses),
+        "decode_ms_per_token": None,
+        "prefill_ms_per_token": None,
+        "total_ms": None,
+        "timed_hit_rate": None,
+        "cost_notes": [],
+    }
+    if cost is None:
+        return out
+    timed = replay_timed(trace, _policy(policy, cost), int(capacity), cost)
+    metrics = summarize(trace, timed, cost)
+    out.update(
+        time_per_token_ms=metrics["est_ms_per_token"],
+        decode_ms_per_token=metrics["est_ms_per_token_decode"],
+        prefill_ms_per_token=metrics["est_ms_prefill_per_token"],
+        total_ms=metrics["est_total_ms"],
+        timed_hit_rate=metrics["hit_rate"],
+        cost_notes=list(cost.all_notes()),
+    )
+    return out
+
+
+def _policy(spec: PolicySpec, cost: CostModel | None):
+    policy = make_policy(spec.name, **spec.params)
+    return policy.bind_cost(cost) if cost is not None else policy
+
+
+def compare(predicted: dict, measured: dict) -> dict:
+    """Errors of `predicted` (predict_run's dict) against `measured` ({hit_rate, time_per_token_ms}):
+    time_per_token_error_pct = 100 x (predicted - measured) / measured, hit_rate_error_pp = 100 x
+    (predicted - measured); each None where either side is None, and `*_within_target` (15%, 1 pp;
+    None likewise) says whether its magnitude is within the target."""
+    t_pred, t_meas = predicted.get("time_per_token_ms"), measured.get("time_per_token_ms")
+    h_pred, h_meas = predicted.get("hit_rate"), measured.get("hit_rate")
+    time_err = None
+    if t_pred is not None and t_meas is not None:
+        if not t_meas > 0:
+            raise MoecacheError(f"fidelity: measured time_per_token_ms={t_meas} must be > 0")
+        time_err = 100.0 * (float(t_pred) - float(t_meas)) / float(t_meas)
+    hit_err = None if h_pred is None or h_meas is None else 100.0 * (float(h_pred) - float(h_meas))
+    return {
+        "time_per_token_error_pct": time_err,
+        "hit_rate_error_pp": hit_err,
+        "time_within_target": None if time_err is None else abs(time_err) <= TIME_TARGET_PCT,
+        "hit_rate_within_target": None if hit_err is None else abs(hit_err) <= HIT_RATE_TARGET_PP,
+        "time_target_pct": TIME_TARGET_PCT,
+        "hit_rate_target_pp": HIT_RATE_TARGET_PP,
+    }

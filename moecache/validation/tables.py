@@ -1,0 +1,65 @@
+"""The validation artifact's tables: `runs.parquet` (one row per workload x strategy x capacity, and
+one per workload for the unmodified model) and `latency.parquet` (every generated token's latency)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+RUNS_SCHEMA = pa.schema(
+    [
+        ("workload", pa.string()),
+        ("strategy", pa.string()),
+        ("policy", pa.string()),
+        ("on_miss", pa.string()),
+        ("capacity", pa.string()),
+        ("slots", pa.int64()),
+        ("capacity_fraction", pa.float64()),
+        ("requests", pa.int64()),
+        ("prompt_tokens", pa.int64()),
+        ("generated_tokens", pa.int64()),
+        ("ttft_ms", pa.float64()),
+        ("itl_p50_ms", pa.float64()),
+        ("itl_p90_ms", pa.float64()),
+        ("itl_p99_ms", pa.float64()),
+        ("decode_tokens_per_s", pa.float64()),
+        ("prefill_tokens_per_s", pa.float64()),
+        ("time_per_token_ms", pa.float64()),
+        ("peak_cpu_rss_bytes", pa.int64()),
+        ("peak_cuda_bytes", pa.int64()),
+        ("hit_rate", pa.float64()),
+        ("accesses", pa.int64()),
+        ("hits", pa.int64()),
+        ("misses", pa.int64()),
+        ("copies", pa.int64()),
+        ("copy_bytes", pa.int64()),
+        ("late_copies", pa.int64()),
+        ("waited_copies", pa.int64()),
+        ("cpu_fallbacks", pa.int64()),
+        ("gpu_entries", pa.int64()),
+        ("token_match_rate", pa.float64()),
+        ("max_logit_error", pa.float64()),
+        ("trace", pa.string()),
+        ("predicted_hit_rate", pa.float64()),
+        ("predicted_time_per_token_ms", pa.float64()),
+        ("fidelity_errors", pa.string()),
+    ]
+)
+LATENCY_SCHEMA = pa.schema(
+    [
+        ("workload", pa.string()),
+        ("strategy", pa.string()),
+        ("capacity", pa.string()),
+        ("slots", pa.int64()),
+        ("request_id", pa.string()),
+        ("token_index", pa.int32()),  # 0: time to first token; later: the gap since the previous token
+        ("latency_ms", pa.float64()),
+    ]
+)
+
+
+def write(folder: Path, runs: list[dict], latencies: list[dict]) -> None:
+    pq.write_table(pa.Table.from_pylist(runs, schema=RUNS_SCHEMA), folder / "runs.parquet")
+    pq.write_table(pa.Table.from_pylist(latencies, schema=LATENCY_SCHEMA), folder / "latency.parquet")

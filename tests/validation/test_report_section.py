@@ -1,0 +1,52 @@
+"""The report's validation section: one table per workload with every run, the predicted-vs-measured
+figure only where predictions exist, and a sentence (not a crash) without an artifact."""
+
+from __future__ import annotations
+
+import json
+
+from moecache.report.validation import section
+from moecache.validation.tables import RUNS_SCHEMA, write
+
+
+def run_row(workload: str, strategy: str, capacity: str | None, predicted: float | None) -> dict:
+    row = dict.fromkeys(RUNS_SCHEMA.names)
+    row.update(
+        workload=workload, strategy=strategy, capacity=capacity, slots=None if capacity is None else 32,
+        decode_tokens_per_s=123.4, ttft_ms=5.0, itl_p50_ms=1.0, itl_p90_ms=2.0, itl_p99_ms=3.0,
+        prefill_tokens_per_s=1000.0, hit_rate=0.25, time_per_token_ms=2.5, predicted_hit_rate=predicted,
+        predicted_time_per_token_ms=None if predicted is None else 2.0, trace="traces/x/trace.parquet",
+    )  # fmt: skip
+    return row
+
+
+def artifact(folder, predicted):
+    folder.mkdir()
+    runs = [run_row(w, s, c, predicted) for w in ("multi_request", "long_single") for s, c in
+            (("unmodified", None), ("selected", "25%"))]  # fmt: skip
+    write(folder, runs, [])
+    result = {
+        "decision": "decide-abc", "selected": {"label": "lfu"}, "model": "tiny", "device": "cpu",
+        "execution": "transformers generate (eager)", "workloads": ["multi_request", "long_single"],
+        "fidelity": None if predicted is None else "moecache.validation.fidelity", "runs": runs,
+    }  # fmt: skip
+    (folder / "validation.json").write_text(json.dumps(result))
+    return folder
+
+
+def test_a_table_per_workload_and_no_figure_without_predictions(tmp_path):
+    text, figures = section(artifact(tmp_path / "validate-1", None), "decide-abc", tmp_path / "figures")
+    assert text.count("### ") == 2 and "### multi_request" in text and "### long_single" in text
+    assert text.count("| selected | 25% | 32 | 123.4 |") == 2 and "| unmodified | - |" in text
+    assert figures == [] and "fidelity.py was absent" in text and "another decision" not in text
+
+
+def test_predictions_give_the_figure_and_another_decision_is_named(tmp_path):
+    text, figures = section(artifact(tmp_path / "validate-2", 0.3), "decide-other", tmp_path / "figures")
+    assert [f.name for f in figures] == ["validation_predicted_vs_measured.png"] and figures[0].is_file()
+    assert "figures/validation_predicted_vs_measured.png" in text and "`decide-other`" in text
+
+
+def test_no_artifact_is_a_sentence(tmp_path):
+    text, figures = section(None, None, tmp_path)
+    assert "No validation artifact" in text and figures == []

@@ -1,0 +1,151 @@
+"""`moecache validate` end to end through the CLI on the tiny model (CPU, fp32, the CPU stand-in device),
+composing the real conf: every strategy's run, the all-resident run's tokens equal to the unmodified
+model's, capacity 0 without a hit, the n-cpu-moe placement holding exactly the last layer, traces with
+the cache columns filled, a reproducible artifact id; bad input is one line, exit 2, no artifact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from moecache.artifacts import ArtifactStore
+from moecache.cli import app
+from moecache.trace.schema import read_trace
+from moecache.validation import predict
+
+SMALL = [
+    "validate.workloads=[multi_request]",
+    "validate.requests=2",
+    "validate.max_new_tokens=4",
+    "validate.capacities=[25%]",
+]
+L, E = 4, 32  # the tiny model: 4 MoE layers x 32 experts; 25% = 32 slots = one whole layer
+
+
+def decision(root: Path, policy: str = "lru") -> str:
+    """A decide artifact whose decision.json selects `policy` (what validate reads of it)."""
+    store = ArtifactStore(root)
+    with store.create("decide", schema_version=2, config={"test": policy}, inputs=[], seed=0) as tmp:
+        (tmp / "decision.json").write_text(json.dumps({"selected": {"policy": policy, "params": {}}}))
+    return store.latest("decide").id
+
+
+def validate(root: Path, *overrides: str):
+    return CliRunner().invoke(app, ["validate", f"output_root={root}", *SMALL, *overrides])
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    root = tmp_path_factory.mktemp("validate-out")
+    decision(root)
+    res = validate(root)
+    assert res.exit_code == 0, res.output
+    folder = Path(res.stdout.strip().splitlines()[-1])
+    runs = pq.read_table(folder / "runs.parquet").to_pylist()
+    return root, folder, {(r["strategy"], r["capacity"]): r for r in runs}, res
+
+
+def test_every_strategy_runs_once_per_capacity_and_the_files_are_there(done):
+    _, folder, runs, _ = done
+    assert set(runs) == {
+        ("unmodified", None), ("all_resident", "all"), ("all_cpu", "0"), ("n_cpu_moe", "25%"),
+        ("lru_sync", "25%"), ("hindsight_static", "25%"), ("selected", "25%"),
+    }  # fmt: skip
+    result = json.loads((folder / "validation.json").read_text())
+    assert result["selected"]["policy"] == "lru" and len(result["runs"]) == 7
+    assert result["fidelity"] == (predict.MODULE if predict.available() else None)
+    latency = pq.read_table(folder / "latency.parquet")
+    assert latency.num_rows == sum(r["generated_tokens"] for r in runs.values()) == 7 * 2 * 4
+    for r in runs.values():
+        assert r["generated_tokens"] == 8 and r["ttft_ms"] > 0 and r["itl_p50_ms"] <= r["itl_p99_ms"]
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
+        assert r["peak_cuda_bytes"] is None  # CPU run
+        assert (folder / r["trace"]).is_file()
+        if not predict.available():
+            assert r["predicted_hit_rate"] is None and r["predicted_time_per_token_ms"] is None
+
+
+def test_all_resident_tokens_equal_the_unmodified_model(done):
+    _, _, runs, _ = done
+    r = runs[("all_resident", "all")]
+    assert r["token_match_rate"] == 1.0 and r["max_logit_error"] < 1e-4
+    assert r["hit_rate"] == 1.0 and r["copies"] == 0 and r["cpu_fallbacks"] == 0
+    assert runs[("unmodified", None)]["token_match_rate"] is None  # the reference itself
+
+
+def test_capacity_zero_never_hits_and_runs_every_entry_on_the_cpu(done):
+    _, _, runs, _ = done
+    r = runs[("all_cpu", "0")]
+    routed = r["prompt_tokens"] + r["generated_tokens"] - r["requests"]
+    assert r["hit_rate"] == 0.0 and r["copies"] == 0 and r["gpu_entries"] == 0
+    assert r["cpu_fallbacks"] == routed * L * 4  # top-4
+    assert r["token_match_rate"] == 1.0
+
+
+def test_n_cpu_moe_holds_exactly_the_last_layer_and_the_trace_says_so(done):
+    _, folder, runs, _ = done
+    r = runs[("n_cpu_moe", "25%")]
+    table, _ = read_trace(folder / r["trace"])
+    hits = table["cache_hit"].to_pylist()
+    layers = table["layer_id"].to_pylist()
+    last = list(range((L - 1) * E, L * E))  # a row lists its own layer's residents: the last layer's all
+    resident = table["resident_experts"].to_pylist()
+    assert all(keys == (last if layer == L - 1 else []) for keys, layer in zip(resident, layers, strict=True))
+    assert all(
+        all(h) == (layer == L - 1) and any(h) == (layer == L - 1)
+        for h, layer in zip(hits, layers, strict=True)
+    )
+    assert r["hit_rate"] == pytest.approx(0.25, abs=0.01) and r["copies"] == 0
+
+
+def test_runs_agree_with_the_unmodified_model_and_their_traces_route_alike(done):
+    _, folder, runs, _ = done
+    ref, _ = read_trace(folder / runs[("unmodified", None)]["trace"])
+    assert ref["cache_hit"].null_count == ref.num_rows  # no cache ran
+    for key, r in runs.items():
+        if key[0] == "unmodified":
+            continue
+        assert r["token_match_rate"] == 1.0, key  # fp32: the same greedy tokens at every placement
+        table, meta = read_trace(folder / r["trace"])
+        assert table["expert_ids"].to_pylist() == ref["expert_ids"].to_pylist(), key
+        assert table["cache_hit"].null_count == 0 and meta.run["strategy"] == key[0]
+    sync = runs[("lru_sync", "25%")]
+    assert sync["waited_copies"] > 0 and sync["waited_copies"] <= sync["copies"]
+    assert sync["cpu_fallbacks"] < runs[("selected", "25%")]["cpu_fallbacks"]  # waits instead of the CPU
+    assert runs[("hindsight_static", "25%")]["copies"] == 0
+
+
+def test_the_same_config_gives_the_same_id_and_reuses_the_artifact(done):
+    root, folder, _, _ = done
+    again = validate(root)
+    assert again.exit_code == 0, again.output
+    assert again.stdout.strip().splitlines()[-1] == str(folder) and "reused" in again.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("validate.decision=decide-000000000000", "no artifact 'decide-000000000000'"),
+        ("validate.capacities=[abc]", "validate.capacities[0]"),
+        ("validate.capacities=[200%]", "validate.capacities[0]"),
+        ("validate.workloads=[nope]", "no workload 'nope'"),
+        ("validate.strategies=[selected,oracle]", "unknown strategy 'oracle'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_no_artifact(tmp_path, override, message):
+    decision(tmp_path)
+    res = validate(tmp_path, override)
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moecache validate: error:") and message in lines[0]
+    assert not (tmp_path / "validate").exists() or not list((tmp_path / "validate").iterdir())
+
+
+def test_an_offline_selection_is_refused_before_any_run(tmp_path):
+    decision(tmp_path, "belady")
+    res = validate(tmp_path)
+    assert res.exit_code == 2 and "offline" in res.stderr and not (tmp_path / "validate").exists()
