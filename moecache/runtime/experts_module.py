@@ -106,17 +106,24 @@ class ExpertsRuntime:
 
 class OffloadedExperts(nn.Module):
     """`forward(hidden_states, top_k_index, top_k_weights)`: the replaced experts module's signature and
-    result, computed by the runtime for MoE layer `layer_id` (module docstring). No parameters."""
+    result, computed by the runtime for MoE layer `layer_id` (module docstring). No parameters.
+
+    `tap`: None (a whole layer visit per call), or, while the fast decode loop steps, its callable
+    `tap(layer_id, hidden_states, top_k_index, top_k_weights)` (moecache/runtime/segments.py), which cuts
+    the step at the layer's host points."""
 
     def __init__(self, layer_id: int, runtime: ExpertsRuntime):
         super().__init__()
         self.layer_id = layer_id
         self.num_experts = runtime.num_experts
         self._runtime = runtime  # a plain attribute: not a submodule, not in the state dict
+        self.tap = None
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.tap is not None:
+            return self.tap(self.layer_id, hidden_states, top_k_index, top_k_weights)
         return self._runtime.run(self.layer_id, hidden_states, top_k_index, top_k_weights)
 
     def extra_repr(self) -> str:

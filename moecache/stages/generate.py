@@ -2,7 +2,9 @@
 
 The generated text streams to stdout as it is decoded; the cache statistics (`model.moecache.stats()`)
 and the generation speed go to stderr. `runtime.enabled=false` runs the unmodified model (every expert
-on the compute device) on the same prompt, for comparison. No artifact is written.
+on the compute device) on the same prompt, for comparison. `runtime.loop` picks the decode loop: `fast`
+(moecache's own greedy loop, moecache/runtime/decode_loop.py: StaticCache, CUDA graphs between the expert
+path's host points) or `transformers` (`model.generate`, which also samples). No artifact is written.
 
 The model is loaded on the CPU and offloaded there (its dense experts dropped, the expert store filled
 from the checkpoint's safetensors) before the rest of it goes to `device`.
@@ -19,6 +21,7 @@ from moecache.errors import MoecacheError
 from moecache.stages.base import prepare, torch_device
 
 STAGE = "generate"
+LOOPS = ("fast", "transformers")
 
 
 def _check(c: dict, device: str) -> None:
@@ -28,6 +31,13 @@ def _check(c: dict, device: str) -> None:
     if c["generation"]["max_new_tokens"] is None:
         raise MoecacheError("generation.max_new_tokens is required here: e.g. generation.max_new_tokens=64")
     runtime = c["runtime"]
+    loop = runtime.get("loop", "fast")
+    if loop not in LOOPS:
+        raise MoecacheError(f"runtime.loop={loop!r}: expected one of {', '.join(LOOPS)}")
+    if loop == "fast" and c["generation"]["do_sample"]:
+        raise MoecacheError(
+            "runtime.loop=fast decodes greedily: set generation.do_sample=false, or runtime.loop=transformers"
+        )
     if not runtime["enabled"]:
         return
     if c["capacity"] is None:
@@ -65,23 +75,39 @@ def _encode(tokenizer, prompt: str, device: str):
     return torch.tensor([ids], device=device)
 
 
-def _generate(model, tokenizer, input_ids, gen: dict, seed: int, out) -> int:
-    """Generate with the text streamed to `out`; returns the number of new tokens."""
-    import torch
+def _streamer(tokenizer, out):
     from transformers import TextStreamer
-
-    from moecache.stages.collect import sampling_kwargs
 
     class _Streamer(TextStreamer):
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
             print(text, end="\n" if stream_end else "", file=out, flush=True)
+
+    return _Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def _generate_fast(model, tokenizer, input_ids, gen: dict, out) -> int:
+    """Greedy, through moecache's fast decode loop, the text streamed to `out`; returns the new tokens."""
+    from moecache.runtime.decode_loop import FastDecoder
+
+    new = int(gen["max_new_tokens"])
+    eos = None if gen["ignore_eos"] else model.generation_config.eos_token_id
+    decoder = FastDecoder(model, max_cache_len=int(input_ids.shape[1]) + new)
+    result = decoder.generate(input_ids, new, eos_token_id=eos, streamer=_streamer(tokenizer, out))
+    return result.new_tokens
+
+
+def _generate(model, tokenizer, input_ids, gen: dict, seed: int, out) -> int:
+    """Generate with the text streamed to `out`; returns the number of new tokens."""
+    import torch
+
+    from moecache.stages.collect import sampling_kwargs
 
     kwargs = dict(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=int(gen["max_new_tokens"]),
         do_sample=bool(gen["do_sample"]),
-        streamer=_Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+        streamer=_streamer(tokenizer, out),
         pad_token_id=model.generation_config.pad_token_id,
     )
     if gen["do_sample"]:
@@ -128,7 +154,10 @@ def run(cfg: DictConfig, out=None, err=None) -> dict | None:
         )  # fmt: skip
     input_ids = _encode(loaded.tokenizer, c["prompt"], device)
     start = time.perf_counter()
-    tokens = _generate(model, loaded.tokenizer, input_ids, c["generation"], int(c["seed"]), out)
+    if runtime.get("loop", "fast") == "fast":
+        tokens = _generate_fast(model, loaded.tokenizer, input_ids, c["generation"], out)
+    else:
+        tokens = _generate(model, loaded.tokenizer, input_ids, c["generation"], int(c["seed"]), out)
     seconds = time.perf_counter() - start
     stats = model.moecache.stats() if enabled else None
     _print_stats(stats, tokens, seconds, err)

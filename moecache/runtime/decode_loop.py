@@ -1,0 +1,366 @@
+"""moecache's own greedy decode loop (batch 1): a StaticCache, static buffers, CUDA graphs between the
+expert path's host points, over the Hugging Face model's own modules and forward.
+
+    decoder = FastDecoder(model, max_cache_len=prompt_len + 64)   # a moecache.offload'ed model or not
+    result = decoder.generate(input_ids, max_new_tokens=64)       # result.tokens [1, prompt + 64]
+    fast_generate(model, input_ids, 64)                           # the same, one shot
+
+What runs (docs/runtime.md, "Fast decode loop"):
+1. Prefill, eagerly, by transformers' own forward on the whole prompt into a `transformers.StaticCache`
+   sized `max_cache_len` (its lazy buffers, the linear-attention conv/recurrent states of qwen3_5_moe
+   included, are allocated there), the experts modules doing whole layer visits (the batched path).
+2. Decode steps: the same forward on static input buffers (token id, position ids, and `cache_position`
+   where the installed transformers still takes one), then the epilogue: greedy argmax into the static
+   token buffer, which is the next step's input, and the positions advanced in place, on the device.
+   The cache advances its own device-side length counter in place.
+   - An offloaded model's experts modules are tapped (moecache/runtime/segments.py): "split" cuts the
+     step at two host points per MoE layer (routing read-back + `manager.visit`; then commit + the CPU
+     misses), "fused" (every expert resident, the mapping frozen) runs the slot-pool kernel inline with
+     no host point. An unmodified model runs its own experts, no host point.
+   - On CUDA (graphs on by default) the first decode step of a mode runs eagerly (warm-up: kernel
+     compilation, cuBLAS), then the step is captured once as CUDA graphs (one per segment, one private
+     memory pool) and replayed for every later step, the host points between the replays. Capture
+     happens once per decoder and mode; later `generate` calls replay at once. On the CPU the same
+     segmented step runs eagerly.
+
+The transformers seams it relies on (present in 5.17 and 5.24): the CausalLM forward with `input_ids`,
+`position_ids`, `use_cache`, `logits_to_keep` and the cache under `cache` (5.24) or `past_key_values`
+(older), chosen by the forward's signature, `cache_position` passed only where the signature has it;
+`StaticCache(config=, max_cache_len=)` and `Cache.reset()` (in place: the graphs' addresses stay).
+
+Legend: T prompt tokens, N generated tokens (the token buffer holds max_cache_len), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moecache.errors import MoecacheError
+from moecache.runtime.segments import Segments
+
+GRAPHS = ("auto", "on", "off")
+HOST_POINTS = ("auto", "always")
+MODES = ("dense", "split", "fused")  # an unmodified model; offloaded with host points; offloaded, frozen
+
+
+@dataclass
+class DecodeResult:
+    """One `generate` call. Times in seconds; `decode_s` covers the `timed_steps` decode steps after the
+    warm-up (eager steps before a capture, and the capture itself, are `warmup_s`)."""
+
+    tokens: torch.Tensor  # int64 [1, T + N] on the CPU: the prompt, then the generated tokens
+    logits: torch.Tensor | None  # float32 [N, V] on the CPU (keep_logits=True), else None
+    prompt_tokens: int  # T
+    mode: str  # dense | split | fused
+    graphs_per_step: int  # CUDA graphs replayed per decode step (0: eager)
+    prefill_s: float  # the prompt's forward, the first token included
+    warmup_s: float
+    decode_s: float
+    timed_steps: int
+
+    @property
+    def new_tokens(self) -> int:
+        return int(self.tokens.shape[1]) - self.prompt_tokens
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return 1e3 * self.decode_s / self.timed_steps if self.timed_steps else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.timed_steps / self.decode_s if self.timed_steps and self.decode_s > 0 else None
+
+
+class FastDecoder:
+    """The decode loop of one model (module docstring). `graphs`: "auto" (on for CUDA), "on", "off";
+    `host_points`: "auto" (none when the mapping is frozen) or "always" (split mode even then);
+    `keep_logits`: keep every step's logits (float32, in the result); `warmup_steps`: eager decode
+    steps of a mode before its capture; `compile`: `torch.compile` the step (off by default; the
+    expert taps stay outside the compiled regions)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_cache_len: int,
+        *,
+        graphs: str = "auto",
+        host_points: str = "auto",
+        keep_logits: bool = False,
+        warmup_steps: int = 1,
+        compile: bool = False,
+    ):
+        from transformers import StaticCache
+
+        if graphs not in GRAPHS:
+            raise MoecacheError(f"fast decode: graphs={graphs!r}: expected one of {list(GRAPHS)}")
+        if host_points not in HOST_POINTS:
+            raise MoecacheError(
+                f"fast decode: host_points={host_points!r}: expected one of {list(HOST_POINTS)}"
+            )
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 2:
+            raise MoecacheError(f"fast decode: max_cache_len={max_cache_len!r}: expected an integer >= 2")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise MoecacheError(f"fast decode: warmup_steps={warmup_steps!r}: expected an integer >= 1")
+        self.model = model
+        self.device = _model_device(model)
+        on_cuda = self.device.type == "cuda"
+        if graphs == "on" and not on_cuda:
+            raise MoecacheError(f"fast decode: graphs=on needs a CUDA model; this one is on {self.device}")
+        self.use_graphs = on_cuda and graphs != "off"
+        self.host_points = host_points
+        self.keep_logits = keep_logits
+        self.warmup_steps = warmup_steps
+        self.max_cache_len = max_cache_len
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._takes_cache_position = "cache_position" in params
+        self._takes_logits_to_keep = "logits_to_keep" in params
+        session = getattr(model, "moecache", None)
+        self._experts = _offloaded_experts(model) if session is not None else []
+        self._taps = None
+        if self._experts:
+            from moecache.runtime.segments import ExpertsTaps
+
+            self._taps = ExpertsTaps(session.runtime, Segments())
+        self._segments = {mode: Segments() for mode in MODES}
+        self._eager_steps = dict.fromkeys(MODES, 0)
+        dev = self.device
+        with torch.inference_mode():
+            self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+            self.ids_11 = torch.zeros((1, 1), dtype=torch.long, device=dev)
+            self.pos_11 = torch.zeros((1, 1), dtype=torch.long, device=dev)
+            self.cache_pos_1 = torch.zeros(1, dtype=torch.long, device=dev)
+            self.step_1 = torch.zeros(1, dtype=torch.long, device=dev)
+            self.tokens_N = torch.zeros(max_cache_len, dtype=torch.long, device=dev)
+        self.logits_NV: torch.Tensor | None = None  # allocated at the first prefill (vocabulary known)
+        self._used = False
+        # torch.compile of the step: the taps are left out of it (torch.compiler.disable), so each
+        # compiled region is one segment; compiled at the first (warm-up) step of each mode.
+        self._run_step = torch.compile(self._step, dynamic=False) if compile else self._step
+
+    # ---- public ------------------------------------------------------------------------------------
+
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id=None, streamer=None
+    ) -> DecodeResult:
+        """Greedy continuation of `input_ids` ([1, T] or [T]): `max_new_tokens` tokens, fewer when
+        `eos_token_id` (an id or a list) is generated (it is kept). `streamer`: transformers' streamer
+        interface (`put` the prompt, then each token; `end`)."""
+        prompt_T = self._check_prompt(input_ids, max_new_tokens)
+        eos = _eos_set(eos_token_id)
+        with torch.inference_mode(), _on_device(self.device):
+            if streamer is not None:
+                streamer.put(prompt_T.view(1, -1).cpu())
+            t0 = time.perf_counter()
+            first = self._prefill(prompt_T)
+            self._sync()
+            prefill_s = time.perf_counter() - t0
+            if streamer is not None:
+                streamer.put(torch.tensor([first]))
+            # chosen after the prefill: its visits have uploaded every layer's mapping row
+            mode = self._mode_for_this_call()
+            budget = 0 if first in eos else max_new_tokens - 1
+            self._install_taps(mode)
+            try:
+                steps, warmup_s, decode_s, timed = self._decode(mode, budget, eos, streamer)
+            finally:
+                self._install_taps(None)
+            if streamer is not None:
+                streamer.end()
+            n = 1 + steps
+            tokens = torch.cat([prompt_T.cpu(), self.tokens_N[:n].cpu()]).view(1, -1)
+            logits = self.logits_NV[:n].cpu() if self.keep_logits else None
+        return DecodeResult(
+            tokens=tokens, logits=logits, prompt_tokens=int(prompt_T.numel()), mode=mode,
+            graphs_per_step=len(self._segments[mode].graphs), prefill_s=prefill_s, warmup_s=warmup_s,
+            decode_s=decode_s, timed_steps=timed,
+        )  # fmt: skip
+
+    def static_buffers(self) -> dict[str, torch.Tensor]:
+        """The tensors a captured step reads and writes (their addresses never change)."""
+        out = {
+            "ids_11": self.ids_11, "pos_11": self.pos_11, "cache_pos_1": self.cache_pos_1,
+            "step_1": self.step_1, "tokens_N": self.tokens_N,
+        }  # fmt: skip
+        if self.logits_NV is not None:
+            out["logits_NV"] = self.logits_NV
+        if self._taps is not None:
+            t = self._taps
+            out.update(tap_B=t.tap_B, y_TH=t.y_TH, cpu_TH=t.cpu_TH)
+        return out
+
+    # ---- the steps ---------------------------------------------------------------------------------
+
+    def _mode_for_this_call(self) -> str:
+        if self._taps is None:
+            return "dense"
+        if self.host_points == "always":
+            return "split"
+        return "fused" if self._taps.frozen() else "split"
+
+    def _decode(self, mode: str, budget: int, eos: set[int], streamer) -> tuple[int, float, float, int]:
+        """Up to `budget` decode steps (stopping after an `eos` token): eager warm-up steps, the capture,
+        then replays (graphs on); eager steps otherwise. Returns (steps, warmup_s, decode_s, timed)."""
+        segments = self._segments[mode]
+        warmup_s = 0.0
+        timed, t_start = 0, None
+        for step in range(budget):
+            t0 = time.perf_counter()
+            warming = not segments.graphs and self._eager_steps[mode] < self.warmup_steps
+            if warming:
+                self._run_step()
+                self._eager_steps[mode] += 1
+                self._sync()
+                warmup_s += time.perf_counter() - t0
+            else:
+                if self.use_graphs and not segments.graphs:
+                    segments.capture(self._run_step)
+                    warmup_s += time.perf_counter() - t0
+                if t_start is None:  # the timed stretch: every step from here on
+                    self._sync()
+                    t_start = time.perf_counter()
+                segments.replay() if segments.graphs else self._run_step()
+                timed += 1
+            if eos or streamer is not None:
+                token = int(self.ids_11.item())
+                if streamer is not None:
+                    streamer.put(torch.tensor([token]))
+                if token in eos:
+                    budget = step + 1
+                    break
+        decode_s = 0.0
+        if t_start is not None:
+            self._sync()
+            decode_s = time.perf_counter() - t_start
+        return budget, warmup_s, decode_s, timed
+
+    def _forward(self, input_ids, position_ids=None, cache_position=None, last_only=False):
+        kwargs = {self._cache_kw: self.cache, "use_cache": True}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if cache_position is not None and self._takes_cache_position:
+            kwargs["cache_position"] = cache_position
+        if last_only and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        return self.model(input_ids=input_ids, **kwargs).logits[:, -1]
+
+    def _prefill(self, prompt_T: torch.Tensor) -> int:
+        """The prompt through transformers' own forward (eager, batched), into the reset cache; the
+        static buffers set for the first decode step. Returns the first generated token."""
+        if self._used:
+            self.cache.reset()
+        self._used = True
+        T = prompt_T.numel()
+        logits_1V = self._forward(prompt_T.view(1, -1), last_only=True)
+        if self.keep_logits and self.logits_NV is None:
+            self.logits_NV = torch.zeros(
+                (self.max_cache_len, logits_1V.shape[-1]), dtype=torch.float32, device=self.device
+            )
+        next_1 = logits_1V.argmax(-1)
+        self.tokens_N[0] = next_1[0]
+        if self.logits_NV is not None:
+            self.logits_NV[0] = logits_1V[0].float()
+        self.ids_11.copy_(next_1.view(1, 1))
+        self.pos_11.fill_(T)
+        self.cache_pos_1.fill_(T)
+        self.step_1.fill_(1)
+        return int(next_1.item())
+
+    def _step(self) -> None:
+        """One decode step on the static buffers: the forward (cut by the taps), then the epilogue."""
+        logits_1V = self._forward(self.ids_11, self.pos_11, self.cache_pos_1)
+        next_1 = logits_1V.argmax(-1)
+        self.ids_11.copy_(next_1.view(1, 1))
+        self.tokens_N.index_copy_(0, self.step_1, next_1)
+        if self.logits_NV is not None:
+            self.logits_NV.index_copy_(0, self.step_1, logits_1V.float())
+        self.step_1.add_(1)
+        self.pos_11.add_(1)
+        self.cache_pos_1.add_(1)
+
+    def _install_taps(self, mode: str | None) -> None:
+        """Tap the offloaded experts for `mode`'s decode steps; None: back to whole layer visits."""
+        taps = self._taps
+        if taps is not None and mode is not None:
+            taps.mode = "fused" if mode == "fused" else "split"
+            taps.segments = self._segments[mode]
+        for module in self._experts:
+            module.tap = taps if mode is not None else None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _check_prompt(self, input_ids, max_new_tokens) -> torch.Tensor:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise MoecacheError(f"fast decode: max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise MoecacheError(
+                f"fast decode: input_ids of shape {tuple(torch.as_tensor(input_ids).shape)}: expected one "
+                "non-empty prompt ([1, T] or [T]; the loop decodes batch 1)"
+            )
+        if ids.numel() + max_new_tokens > self.max_cache_len:
+            raise MoecacheError(
+                f"fast decode: {ids.numel()} prompt tokens + max_new_tokens={max_new_tokens} exceed the "
+                f"decoder's max_cache_len={self.max_cache_len}"
+            )
+        return ids.to(self.device, torch.long)
+
+
+def fast_generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
+    """Greedy tokens [1, T + N] of `model` through a FastDecoder sized for this call (`options` go to
+    FastDecoder and to its generate: graphs, host_points, eos_token_id, streamer)."""
+    run_keys = ("eos_token_id", "streamer")
+    run = {k: options.pop(k) for k in run_keys if k in options}
+    prompt = torch.as_tensor(input_ids)
+    decoder = FastDecoder(model, max_cache_len=int(prompt.shape[-1]) + int(max_new_tokens), **options)
+    return decoder.generate(input_ids, max_new_tokens, **run).tokens
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    raise MoecacheError(f"fast decode: {type(model).__name__} has no parameters")
+
+
+def _offloaded_experts(model: nn.Module) -> list:
+    from moecache.runtime.experts_module import OffloadedExperts
+
+    found = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+    if not found:
+        raise MoecacheError("fast decode: the model has model.moecache but no OffloadedExperts module")
+    return found
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int | torch.Tensor):
+        return {int(t) for t in torch.as_tensor(eos_token_id).view(-1).tolist()}
+    return {int(t) for t in eos_token_id}
+
+
+class _on_device:
+    """`torch.cuda.device(d)` for a CUDA device, nothing otherwise."""
+
+    def __init__(self, device: torch.device):
+        self._ctx = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)

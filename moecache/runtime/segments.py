@@ -1,0 +1,235 @@
+"""One decode step cut into segments at the expert path's host points, and the taps that cut it.
+
+The fast decode loop (moecache/runtime/decode_loop.py) runs the Hugging Face model's own forward; only the
+experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to one of two tap modes:
+
+- "split" (any mapping that may still change): the experts call of MoE layer l becomes
+      copy (x_TH, ids_TK, weights_TK) into static buffers       | segment A(l): the end of the forward so far
+      host point `_route(l)`: read them back (one device-to-host copy), `manager.visit` publishes the
+          layer's mapping in place into its fixed-address device row `slot_of_LE[l]`
+      y_TH = slot_moe(static buffers, slot_of_LE[l], pool)       | segment B(l): the resident experts
+      host point `_combine(l)`: `manager.commit()`, the CPU misses computed while B(l) runs, copied into
+          a static buffer (zeroed where nothing missed)
+      return y_TH + cpu_TH                                       | the next segment: the rest of the model
+  With no slots (capacity 0) segment B is empty and both host points are one.
+- "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
+  experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
+
+`Segments` does the cutting. Eager (`cut` runs the host point at once: the CPU path of CI, the warm-up
+step) or capturing (`cut` ends the CUDA graph being captured and begins the next one, in one private
+memory pool; the host point is kept to run between the replays). `replay()` then replays the graphs in
+capture order with the host points between them. A graph reads the mapping from its fixed-address row,
+so whatever `visit` publishes between replays is what the next kernel sees.
+
+Legend: T tokens, H hidden, K top-k, E experts, M (token, k) entries run on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from moecache.errors import MoecacheError
+
+class Segments:
+    """The cut points of one step: eager, or capturing CUDA graphs (module docstring)."""
+
+    def __init__(self):
+        self.capturing = False
+        self.graphs: list[tuple[torch.cuda.CUDAGraph, Callable[[], None] | None]] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._pool = None
+
+    def cut(self, host_point: Callable[[], None]) -> None:
+        """End the segment here: eager, run `host_point` now; capturing, close the graph and open the next."""
+        if not self.capturing:
+            host_point()
+            return
+        self._graph.capture_end()
+        self.graphs.append((self._graph, host_point))
+        self._begin()
+
+    def capture(self, step: Callable[[], None], pool=None) -> None:
+        """Capture `step` (one decode step, cut by the taps) as graphs on a side stream. The caller has
+        run it eagerly at least once (warm-up: lazy buffers, kernel compilation)."""
+        self.graphs = []
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.capturing = True
+            try:
+                self._begin()
+                step()
+                self._graph.capture_end()
+                self.graphs.append((self._graph, None))
+            except RuntimeError as exc:
+                self._abandon()
+                raise MoecacheError(
+                    f"fast decode: the decode step could not be captured as CUDA graphs ({_one_line(exc)}); "
+                    "every kernel of the step must be capturable (an unmodified model's experts: "
+                    "experts_implementation=batched_mm or grouped_mm), or decode with graphs=off"
+                ) from exc
+            finally:
+                self.capturing = False
+                self._graph = None
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def replay(self) -> None:
+        for graph, host_point in self.graphs:
+            graph.replay()
+            if host_point is not None:
+                host_point()
+
+    def _abandon(self) -> None:
+        """A failed capture: end the open capture if any, drop every graph of this step."""
+        if self._graph is not None:
+            try:
+                self._graph.capture_end()
+            except RuntimeError:
+                pass  # the capture was already invalidated by the failure
+        self.graphs = []
+
+    def _begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self._pool)
+
+
+class ExpertsTaps:
+    """The offloaded experts' side of the fast loop: static buffers, host points, the tap function.
+
+    One instance serves every MoE layer of one offloaded model (layers run one after the other, so the
+    buffers are shared). `runtime` is the model's `ExpertsRuntime` (manager, CPU executor, counters)."""
+
+    def __init__(self, runtime, segments: Segments, num_tokens: int = 1):
+        from moecache_kernels import slot_moe, slot_moe_reference
+
+        self.runtime, self.segments = runtime, segments
+        self.manager, self.cpu, self.device = runtime.manager, runtime.cpu, runtime.device
+        self.pool = runtime.pool
+        self.num_experts = runtime.num_experts
+        self.num_slots = self.pool.capacity
+        self.is_cuda = self.device.is_cuda
+        self._kernel = slot_moe if self.is_cuda else slot_moe_reference
+        store, top_k = self.manager.store, self.manager.shape.top_k
+        T, K, H = num_tokens, top_k, store.hidden_size
+        dtype, where = store.dtype, self.device.torch_device
+        # Routing, weights and x in ONE byte buffer: the host point reads them back with one copy.
+        ids_bytes, w_bytes, x_bytes = 8 * T * K, 4 * T * K, T * H * dtype.itemsize
+        w_at = ids_bytes
+        x_at = -(-(w_at + w_bytes) // 8) * 8
+        total = x_at + x_bytes
+        self.tap_B = torch.zeros(total, dtype=torch.uint8, device=where)
+        self.host_B = torch.zeros(total, dtype=torch.uint8, pin_memory=True) if self.is_cuda else self.tap_B
+
+        def views(buf):
+            return (
+                buf[:ids_bytes].view(torch.int64).view(T, K),
+                buf[w_at : w_at + w_bytes].view(torch.float32).view(T, K),
+                buf[x_at:total].view(dtype).view(T, H),
+            )
+
+        self.ids_TK, self.weights_TK, self.x_TH = views(self.tap_B)
+        self.host_ids_TK, self.host_weights_TK, self.host_x_TH = views(self.host_B)
+        self.y_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the resident experts' part
+        self.cpu_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the CPU misses' part
+        self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
+        self._cpu_dirty = False
+        self._visit = None
+        self._ids_host_TK: np.ndarray | None = None
+        self.mode = "split"
+
+    # ---- the experts call ------------------------------------------------------------------------
+
+    @torch.compiler.disable  # a compiled step breaks here: the cuts and host points stay Python
+    def __call__(self, layer: int, x_TH, ids_TK, weights_TK) -> torch.Tensor:
+        if self.mode == "fused":
+            return self._resident(x_TH, ids_TK, weights_TK, layer)
+        self.ids_TK.copy_(ids_TK)
+        self.weights_TK.copy_(weights_TK)
+        self.x_TH.copy_(x_TH)
+        if self.num_slots == 0:  # nothing can be resident: the CPU computes every entry
+            self.segments.cut(lambda: self._route_and_combine(layer))
+            return self.cpu_TH.clone()
+        self.segments.cut(lambda: self._route(layer))
+        if self.is_cuda:
+            self._kernel(*self._operands(layer), out=self.y_TH)
+        else:
+            self.y_TH.copy_(self._kernel(*self._operands(layer)))
+        self.segments.cut(lambda: self._combine(layer))
+        return self.y_TH + self.cpu_TH
+
+    def frozen(self) -> bool:
+        """Every expert resident and published, nothing loading: the mapping can no longer change."""
+        m = self.manager
+        if m.capacity < m.shape.num_keys or any(m.loading_L):
+            return False
+        m.device.synchronize()  # the device rows' uploads have landed
+        return bool((m.published_LE >= 0).all()) and np.array_equal(
+            m.slot_of_LE.cpu().numpy(), m.published_LE
+        )
+
+    def _operands(self, layer: int):
+        pool = self.pool
+        return (
+            self.x_TH,
+            self.ids_TK,
+            self.weights_TK,
+            self.manager.slot_of_LE[layer],
+            pool.w13_SIH,
+            pool.w2_SHI,
+        )
+
+    def _resident(self, x_TH, ids_TK, weights_TK, layer: int) -> torch.Tensor:
+        pool, slot_of_E = self.pool, self.manager.slot_of_LE[layer]
+        return self._kernel(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI)
+
+    # ---- host points -----------------------------------------------------------------------------
+
+    def _route(self, layer: int) -> None:
+        """Read the routing back (segment A has run), visit: the layer's mapping row is published."""
+        if self.is_cuda:
+            self.host_B.copy_(self.tap_B, non_blocking=True)
+            torch.cuda.current_stream(self.device.torch_device).synchronize()
+        ids_TK = self.host_ids_TK.numpy()
+        visit = self.manager.visit(layer, ids_TK)
+        if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
+            self.device.run(self.manager.compute)
+        n_hit = int(visit.hit_TK.sum())
+        stats = self.runtime.stats
+        stats.gpu_entries += n_hit
+        stats.cpu_entries += visit.hit_TK.size - n_hit
+        stats.kernel_calls += n_hit > 0
+        self._visit, self._ids_host_TK = visit, ids_TK
+
+    def _combine(self, layer: int) -> None:
+        """Segment B is enqueued: commit, then the CPU misses (computed meanwhile) into `cpu_TH`."""
+        self.manager.commit()
+        miss_TK = ~self._visit.hit_TK
+        if miss_TK.any():
+            token_M, k_M = np.nonzero(miss_TK)
+            keys_M = torch.from_numpy(layer * self.num_experts + self._ids_host_TK[token_M, k_M])
+            token_t = torch.from_numpy(token_M.astype(np.int64))
+            weights_M = self.host_weights_TK[token_t, torch.from_numpy(k_M.astype(np.int64))]
+            if self.is_cuda:
+                self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self._staging_TH)
+                self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
+            else:
+                self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self.cpu_TH)
+            self._cpu_dirty = True
+        elif self._cpu_dirty:
+            self.cpu_TH.zero_()
+            self._cpu_dirty = False
+        self._visit = None
+
+    def _route_and_combine(self, layer: int) -> None:
+        self._route(layer)
+        self._combine(layer)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]

@@ -1,0 +1,323 @@
+"""moecache's fast decode loop (moecache/runtime/decode_loop.py, segments.py) on the tiny model of every
+adapter, float32 on the CPU: greedy tokens (and logits, to fp32 rounding) equal to transformers'
+`model.generate` on the same weights, for the unmodified model and offloaded at capacity 0, a quarter
+and all experts; the frozen mapping decoded with no host point; the static buffers and the cache
+reused in place across steps and calls; EOS and the streamer; the `runtime.loop` switch of `moecache
+generate`. GPU marker: CUDA graph replay equals eager decode while experts are published and evicted
+between steps (a mapping baked into a graph would not).
+
+Legend: T prompt tokens, N generated tokens, L MoE layers, K top-k, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+import moecache
+from moecache.cli import app
+from moecache.errors import MoecacheError
+from moecache.models import ADAPTERS, adapter_for
+from moecache.runtime.decode_loop import FastDecoder, fast_generate
+from moecache.runtime.segments import ExpertsTaps
+
+MODEL_TYPES = ["qwen3_5_moe", "deepseek_v2", "mixtral", "qwen3_moe", "olmoe"]
+PROMPT_T = [5, 17, 99, 42, 7, 250, 3]
+NEW = 6
+GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
+
+
+def tiny(model_type: str):
+    config = ADAPTERS[model_type].tiny_config()
+    torch.manual_seed(0)
+    if model_type == "qwen3_5_moe":  # the text-only CausalLM, as AutoModelForCausalLM loads it
+        return transformers.Qwen3_5MoeForCausalLM(config.text_config).eval()
+    return getattr(transformers, config.architectures[0])(config).eval()
+
+
+def hf_greedy(model, prompt=PROMPT_T, new=NEW, eos=None):
+    """transformers' greedy tokens [1, T + N] and the logits of each generated position [N, V]."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt], device=model.device), max_new_tokens=new, eos_token_id=eos,
+            output_logits=True, return_dict_in_generate=True, **GREEDY,
+        )  # fmt: skip
+    return out.sequences.cpu(), torch.cat(out.logits).float().cpu()
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def reference(request):
+    """(model_type, the unmodified model, its transformers greedy tokens and logits, L, K)."""
+    model = tiny(request.param)
+    adapter = adapter_for(model)
+    return request.param, model, hf_greedy(model), adapter.num_layers, adapter.top_k
+
+
+@pytest.mark.parametrize("capacity", [None, 0, "25%", "100%"], ids=["unmodified", "cap0", "quarter", "all"])
+def test_fast_loop_equals_transformers_generate(reference, capacity):
+    model_type, plain, (want_tokens, want_logits), L, K = reference
+    model = (
+        plain if capacity is None else moecache.offload(copy.deepcopy(plain), capacity=capacity, policy="lru")
+    )
+    decoder = FastDecoder(model, max_cache_len=len(PROMPT_T) + NEW, keep_logits=True)
+    result = decoder.generate(torch.tensor([PROMPT_T]), NEW)
+    assert torch.equal(result.tokens, want_tokens), f"{model_type} at capacity {capacity}"
+    torch.testing.assert_close(result.logits, want_logits, rtol=1e-4, atol=1e-5)
+    assert result.mode == ("dense" if capacity is None else "split")
+    # the CPU: eager steps, the first decode step is the warm-up, the others are timed
+    assert result.graphs_per_step == 0 and result.timed_steps == NEW - 2 and result.new_tokens == NEW
+    if capacity is None:
+        return
+    s = model.moecache.stats()
+    assert s["visits"] == NEW * L  # the prefill, then one visit per MoE layer per decode step
+    assert s["gpu_entries"] + s["fallback_entries"] == (len(PROMPT_T) + NEW - 1) * L * K
+    assert s["hits"] + s["misses"] == s["accesses"]
+    if capacity == 0:
+        assert s["gpu_entries"] == 0 and s["hit_rate"] == 0.0
+    if capacity == "100%":  # copies admitted at the prefill land before the decode steps (stand-in)
+        assert s["evictions"] == 0 and s["gpu_entries"] > 0
+
+
+def test_a_frozen_mapping_decodes_with_no_host_point():
+    """Every expert resident (static_cold at 100%): the experts call is the slot-pool kernel inline,
+    no visit during decode; host_points=always still splits, with the same tokens."""
+    plain = tiny("qwen3_5_moe")
+    want, _ = hf_greedy(plain)
+    L = adapter_for(plain).num_layers
+    fused_model = moecache.offload(copy.deepcopy(plain), capacity="100%", policy="static_cold")
+    fused = FastDecoder(fused_model, max_cache_len=len(PROMPT_T) + NEW).generate(
+        torch.tensor([PROMPT_T]), NEW
+    )
+    assert fused.mode == "fused" and torch.equal(fused.tokens, want)
+    assert fused_model.moecache.stats()["visits"] == L  # the prefill's only
+    split_model = moecache.offload(copy.deepcopy(plain), capacity="100%", policy="static_cold")
+    split = FastDecoder(split_model, len(PROMPT_T) + NEW, host_points="always")
+    result = split.generate(torch.tensor([PROMPT_T]), NEW)
+    assert result.mode == "split" and torch.equal(result.tokens, want)
+    stats = split_model.moecache.stats()
+    assert stats["visits"] == NEW * L and stats["hit_rate"] == 1.0 and stats["copies"] == 0
+
+
+def test_static_buffers_and_the_cache_keep_their_addresses(monkeypatch):
+    """Every decode step reads the same input buffers and taps into the same buffers; a second call
+    (another prompt) resets the cache in place and still equals transformers."""
+    plain = tiny("qwen3_5_moe")
+    model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+    decoder = FastDecoder(model, max_cache_len=32)
+    forward_ids, tapped = [], []
+    real_forward, real_route = decoder._forward, ExpertsTaps._route
+
+    def forward(input_ids, *args, **kw):
+        forward_ids.append((tuple(input_ids.shape), input_ids.data_ptr()))
+        return real_forward(input_ids, *args, **kw)
+
+    def route(self, layer):
+        tapped.append(
+            (self.tap_B.data_ptr(), self.ids_TK.data_ptr(), self.x_TH.data_ptr(), self.y_TH.data_ptr())
+        )
+        return real_route(self, layer)
+
+    monkeypatch.setattr(decoder, "_forward", forward)
+    monkeypatch.setattr(ExpertsTaps, "_route", route)
+    first = decoder.generate(torch.tensor([PROMPT_T]), NEW)
+    buffers = {name: t.data_ptr() for name, t in decoder.static_buffers().items()}
+    cache_ptrs = cache_addresses(decoder.cache)
+    other = [11, 12, 13]
+    second = decoder.generate(torch.tensor([other]), 8)
+    assert torch.equal(first.tokens, hf_greedy(plain)[0])
+    assert torch.equal(second.tokens, hf_greedy(plain, other, 8)[0])
+    assert {name: t.data_ptr() for name, t in decoder.static_buffers().items()} == buffers
+    assert cache_addresses(decoder.cache) == cache_ptrs and len(cache_ptrs) == 2 + 3 * 2  # 1 full + 3 linear
+    steps = [ptr for shape, ptr in forward_ids if shape == (1, 1)]
+    assert len(steps) == (NEW - 1) + (8 - 1) and set(steps) == {decoder.ids_11.data_ptr()}
+    assert len(tapped) == len(steps) * adapter_for(plain).num_layers and len(set(tapped)) == 1
+
+
+def cache_addresses(cache) -> list[int]:
+    """data_ptr of every tensor the StaticCache holds (KV of attention layers, conv/recurrent states)."""
+    ptrs = []
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                ptrs.append(t.data_ptr())
+        for name in ("conv_states", "recurrent_states"):
+            for t in (getattr(layer, name, None) or {}).values():
+                if isinstance(t, torch.Tensor):
+                    ptrs.append(t.data_ptr())
+    return ptrs
+
+
+class Recorder:
+    """A transformers-style streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.view(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_eos_stops_like_transformers_and_the_streamer_sees_every_token():
+    plain = tiny("mixtral")
+    full, _ = hf_greedy(plain, new=NEW)
+    eos = int(full[0, len(PROMPT_T) + 2])  # the third generated token
+    want, _ = hf_greedy(plain, new=NEW, eos=eos)
+    assert want.shape[1] < full.shape[1]  # transformers stopped there
+    model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+    streamer = Recorder()
+    got = fast_generate(model, torch.tensor([PROMPT_T]), NEW, eos_token_id=[eos], streamer=streamer)
+    assert torch.equal(got, want)
+    assert streamer.puts[0] == PROMPT_T and sum(streamer.puts[1:], []) == want[0, len(PROMPT_T) :].tolist()
+    assert streamer.ended
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda m: FastDecoder(m, 16, graphs="on"), "graphs=on needs a CUDA model"),
+        (lambda m: FastDecoder(m, 16, graphs="maybe"), "graphs='maybe'"),
+        (lambda m: FastDecoder(m, 16, host_points="never"), "host_points='never'"),
+        (lambda m: FastDecoder(m, 1), "max_cache_len=1"),
+        (
+            lambda m: FastDecoder(m, 8).generate(torch.tensor([PROMPT_T]), 2),
+            "exceed the decoder's max_cache_len=8",
+        ),
+        (lambda m: FastDecoder(m, 32).generate(torch.tensor([PROMPT_T, PROMPT_T]), 2), "batch 1"),
+        (lambda m: FastDecoder(m, 32).generate(torch.tensor([PROMPT_T]), 0), "max_new_tokens=0"),
+    ],
+)
+def test_bad_arguments_are_one_line(make, message):
+    with pytest.raises(MoecacheError, match=message):
+        make(tiny("olmoe"))
+
+
+# ---- the switch in `moecache generate` ----------------------------------------------------------------
+
+BASE = ["model=tiny", "prompt=Hello there", "generation.max_new_tokens=6", "device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("decode-loop-generate"))
+
+
+def generate(root: str, *overrides: str):
+    return CliRunner().invoke(app, ["generate", *BASE, f"output_root={root}", *overrides])
+
+
+def test_generate_runs_either_loop_with_the_same_text(root):
+    runs = {
+        (loop, enabled): generate(root, f"runtime.loop={loop}", f"runtime.enabled={enabled}", "capacity=25%")
+        for loop in ("fast", "transformers")
+        for enabled in ("true", "false")
+    }
+    for key, res in runs.items():
+        assert res.exit_code == 0, (key, res.output)
+    texts = {res.stdout for res in runs.values()}
+    assert len(texts) == 1 and texts.pop().strip()
+    assert "generated 6 tokens" in runs[("fast", "true")].stderr
+    fast, hf = (dict(line.split(": ", 1) for line in runs[(loop, "true")].stderr.splitlines() if ": " in line)
+                for loop in ("fast", "transformers"))  # fmt: skip
+    assert fast["visits"] == hf["visits"] and fast["accesses"] == hf["accesses"]
+    assert fast["fallback_entries"] == hf["fallback_entries"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["runtime.loop=turbo"], "runtime.loop='turbo': expected one of fast, transformers"),
+        (["generation.do_sample=true"], "runtime.loop=fast decodes greedily"),
+    ],
+)
+def test_generate_refuses_a_bad_loop_in_one_line(root, overrides, message):
+    res = generate(root, "capacity=25%", *overrides)
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.stderr.splitlines() if line.startswith("moecache generate: error:")]
+    assert len(errors) == 1 and message in errors[0], res.stderr
+
+
+# ---- GPU: graph replay against eager decode ------------------------------------------------------------
+
+
+STATS_KEYS = ("visits", "admissions", "evictions", "gpu_entries", "fallback_entries")
+
+
+@pytest.mark.parametrize(("model_type", "capacity"), [("qwen3_5_moe", "25%"), ("deepseek_v2", "50%")])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replay_equals_eager_while_the_mapping_changes(model_type, capacity):
+    """lru, a capacity where experts are both reused and evicted: between the replayed steps experts
+    are published and evicted, and the graphs must read each step's mapping in place: the second call
+    (every step replayed) gives the eager loop's tokens and logits, and transformers' (the unmodified
+    model on the GPU). deepseek_v2's first decoder layer is dense: it rides in the first segment."""
+    new = 16
+    plain = tiny(model_type)
+    L = adapter_for(plain).num_layers
+    runs = {}
+    for graphs in ("off", "on"):
+        model = moecache.offload(copy.deepcopy(plain), capacity=capacity, policy="lru", device="cuda")
+        decoder = FastDecoder(model, max_cache_len=len(PROMPT_T) + new, graphs=graphs, keep_logits=True)
+        decoder.generate(torch.tensor([PROMPT_T]), new)  # warm-up, capture
+        before = model.moecache.stats()
+        result = decoder.generate(torch.tensor([PROMPT_T]), new)
+        after = model.moecache.stats()
+        runs[graphs] = result, {k: after[k] - before[k] for k in STATS_KEYS}
+    (eager, eager_delta), (graph, graph_delta) = runs["off"], runs["on"]
+    assert eager.graphs_per_step == 0 and graph.graphs_per_step == 2 * L + 1
+    assert graph.timed_steps == new - 1  # the second call: every decode step replayed
+    for delta in (eager_delta, graph_delta):
+        assert delta["visits"] == new * L
+        assert delta["evictions"] > 0 and delta["admissions"] > 0  # the mapping changed step to step
+        assert delta["gpu_entries"] > 0 and delta["fallback_entries"] > 0
+    assert torch.equal(graph.tokens, eager.tokens)
+    torch.testing.assert_close(graph.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    reference = copy.deepcopy(plain).cuda()
+    reference.set_experts_implementation("batched_mm")
+    want_tokens, want_logits = hf_greedy(reference, new=new)
+    assert torch.equal(graph.tokens, want_tokens)
+    torch.testing.assert_close(graph.logits, want_logits, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_graph_per_step_for_an_unmodified_model_and_a_frozen_mapping():
+    new = 12
+    plain = tiny("qwen3_5_moe").cuda()
+    plain.set_experts_implementation("batched_mm")
+    want, _ = hf_greedy(plain, new=new)
+    dense = FastDecoder(plain, len(PROMPT_T) + new, graphs="on").generate(torch.tensor([PROMPT_T]), new)
+    assert dense.mode == "dense" and dense.graphs_per_step == 1 and torch.equal(dense.tokens, want)
+    model = moecache.offload(copy.deepcopy(plain).cpu(), capacity="100%", policy="static_cold", device="cuda")
+    decoder = FastDecoder(model, len(PROMPT_T) + new, graphs="on")
+    fused = decoder.generate(torch.tensor([PROMPT_T]), new)
+    again = decoder.generate(torch.tensor([PROMPT_T]), new)  # replayed from the first decode step on
+    assert fused.mode == "fused" and fused.graphs_per_step == 1 and torch.equal(fused.tokens, want)
+    assert torch.equal(again.tokens, want) and again.timed_steps == new - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_graphs_equal_eager_while_the_mapping_changes():
+    """torch.compile of the step (the taps outside the compiled regions), then graphs: the same tokens
+    as the eager loop, lru at a quarter of the experts."""
+    new = 12
+    plain = tiny("qwen3_5_moe")
+    tokens = {}
+    for compiled in (False, True):
+        model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru", device="cuda")
+        graphs = "on" if compiled else "off"
+        decoder = FastDecoder(model, len(PROMPT_T) + new, graphs=graphs, compile=compiled)
+        result = decoder.generate(torch.tensor([PROMPT_T]), new)
+        assert result.graphs_per_step == (2 * adapter_for(plain).num_layers + 1 if compiled else 0)
+        assert model.moecache.stats()["evictions"] > 0
+        tokens[compiled] = result.tokens
+    assert torch.equal(tokens[True], tokens[False])
