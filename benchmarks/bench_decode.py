@@ -23,6 +23,23 @@ only; (a) is (time of N new tokens - time of 1) / (N - 1). Prefill is reported a
     python benchmarks/bench_decode.py                          # tiny model, CPU or GPU
     python benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --capacities 100%,25%
 
+`--strategies` (a comma list of all_resident, all_cpu, lru_sync, policy; or "all") runs, instead, the
+baselines of `moecache validate` (moecache/validation/baselines.py) on the fast loop, one offloaded model
+switched between them by `model.moecache.reconfigure` (the same host store): all_resident (100%
+static_cold), all_cpu (capacity 0), lru_sync (lru_per_layer split equal, on_miss="wait": synchronous
+on-demand copies) and the policy under test (`--policy`) at each of `--capacities`. `--forced-trace PATH`
+(a canonical trace, or a DeepSeek ESFT `.npz` through the importer: step 0 its first `--prompt-tokens`
+tokens) forces the routing of its first `--requests` requests (moecache/runtime/forced_routing.py; the
+fast loop then always runs split, host points at every MoE layer, the forced rows written there), each
+request decoding up to `--new-tokens` tokens; without it, one request of `--prompt-tokens` random ids.
+Per strategy one FastDecoder: one warm-up request (capture), `model.moecache.reset()`, then every
+request timed (decode steps only). Reported: decode tokens/s per strategy, policy / all_cpu and policy /
+lru_sync at each capacity (the issue's targets at 25%: >= 2 and >= 1.5), and whether each strategy's
+tokens equal all_resident's.
+
+    python benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml --strategies all \
+        --capacities 25% --forced-trace ../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz
+
 Prints a table and ends with one JSON line.
 """
 
@@ -33,6 +50,7 @@ import gc
 import importlib.util
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -94,14 +112,30 @@ QWEN3_6_TEXT = {
 }  # fmt: skip
 
 
+# DeepSeek-V2-Lite's config fields (its config.json), for a machine without one: the deepseek_v2 branch.
+DEEPSEEK_V2_LITE_TEXT = {
+    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "first_k_dense_replace": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "num_experts_per_tok": 6, "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False, "max_position_embeddings": 163840, "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6, "hidden_act": "silu", "architectures": ["DeepseekV2ForCausalLM"],
+}  # fmt: skip
+
+
 def full_config(args, cfg: dict):
     """The text config of a full model from its config.json (the yaml names no checkpoint to read); for
-    qwen3_5_moe without one, the yaml's architecture plus QWEN3_6_TEXT."""
+    qwen3_5_moe without one, the yaml's architecture plus QWEN3_6_TEXT; for deepseek_v2 without one,
+    DEEPSEEK_V2_LITE_TEXT."""
     import transformers
 
     from moecache.models import ADAPTERS
 
     path = Path(args.config_json or REPO / f"../shared/reference/{cfg['name']}.config.json")
+    if not path.is_file() and not args.config_json and cfg["model_type"] == "deepseek_v2":
+        args.config_source = "builtin"
+        return transformers.DeepseekV2Config(**DEEPSEEK_V2_LITE_TEXT)
     if not path.is_file():
         if args.config_json or cfg["model_type"] != "qwen3_5_moe":
             raise MoecacheError(f"--config-json {path}: no such file (the full model's config.json)")
@@ -179,44 +213,21 @@ def run_fast(model, prompt, new: int, graphs: str, host_points: str = "auto", co
     }
 
 
-def offload_session(model, capacity, policy: str, device: torch.device):
-    """Offload the model's experts once (moecache.offload); later calls give it a new manager (this
-    capacity and policy) on the same host store, the previous slot pool freed first."""
-    from moecache.capacity import parse_capacity
-    from moecache.offloading import OffloadSession, offload_model
-    from moecache.runtime.device import CudaDevice, StandinDevice
-    from moecache.runtime.experts_module import ExpertsRuntime, OffloadedExperts
-    from moecache.runtime.manager import CacheManager
+def offload_session(model, capacity, policy: str, device: torch.device, params=None, on_miss: str = "cpu"):
+    """Offload the model's experts once (moecache.offload); later calls reconfigure its session
+    (`model.moecache.reconfigure`): a new manager of this capacity, policy and on_miss on the same host
+    store, the previous slot pool freed first."""
+    from moecache.offloading import offload_model
 
-    session = getattr(model, "moecache", None)
     gc.collect()  # earlier runs' decoders and graph pools
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    session = getattr(model, "moecache", None)
     if session is None:
-        return offload_model(model, capacity=capacity, policy=policy, device=str(device))
-    store, cpu, arch = session.manager.store, session.runtime.cpu, session.architecture
-    top_k = session.manager.shape.top_k
-    parents = [
-        (p, name)
-        for p in model.modules()
-        for name, c in p.named_children()
-        if isinstance(c, OffloadedExperts)
-    ]
-    model.moecache = None
-    for parent, name in parents:
-        setattr(parent, name, torch.nn.Identity())
-    del session
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    slots = parse_capacity(capacity, key="capacity", num_keys=store.num_layers * store.num_experts,
-                           expert_bytes=store.expert_bytes)  # fmt: skip
-    runtime_device = CudaDevice(device.index) if device.type == "cuda" else StandinDevice("before_visit")
-    manager = CacheManager.from_policy(store, runtime_device, slots, policy, {}, top_k=top_k)
-    runtime = ExpertsRuntime(manager, cpu)
-    for layer_id, (parent, name) in enumerate(parents):
-        setattr(parent, name, OffloadedExperts(layer_id, runtime))
-    model.moecache = OffloadSession(manager, runtime, slots, arch)
+        return offload_model(
+            model, capacity=capacity, policy=policy, params=params, device=str(device), on_miss=on_miss
+        )
+    session.reconfigure(capacity=capacity, policy=policy, params=params, on_miss=on_miss)
     return model
 
 
@@ -228,6 +239,205 @@ def agree(tokens: list[int], reference: list[int]) -> int:
             break
         n += 1
     return n
+
+
+# ---- strategies: the validate baselines on the fast loop -------------------------------------------------
+
+STRATEGIES = ("all_resident", "all_cpu", "lru_sync", "policy")
+TARGETS = {"all_cpu": 2.0, "lru_sync": 1.5}  # policy / baseline decode tokens/s the issue asks for
+TARGET_CAPACITY = "25%"
+
+
+def strategy_names(value: str) -> list[str]:
+    names = list(STRATEGIES) if value.strip() == "all" else [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in STRATEGIES]
+    if bad or not names or len(set(names)) != len(names):
+        raise MoecacheError(
+            f"--strategies {value!r}: expected a comma list of distinct {', '.join(STRATEGIES)}, or all"
+        )
+    return [n for n in STRATEGIES if n in names]
+
+
+def strategy_plan(names: list[str], capacities: list[str], policy: str) -> list[dict]:
+    """One run per (strategy, capacity): what the manager is reconfigured to."""
+    plan = []
+    for name in names:
+        if name == "all_resident":
+            plan.append(dict(strategy=name, capacity="100%", policy="static_cold", params={}, on_miss="cpu"))
+        elif name == "all_cpu":
+            plan.append(dict(strategy=name, capacity="0", policy="static_cold", params={}, on_miss="cpu"))
+        elif name == "lru_sync":
+            plan += [
+                dict(strategy=name, capacity=c, policy="lru_per_layer", params={"split": "equal"}, on_miss="wait")
+                for c in capacities
+            ]  # fmt: skip
+        else:
+            plan += [
+                dict(strategy=name, capacity=c, policy=policy, params={}, on_miss="cpu") for c in capacities
+            ]
+    return plan
+
+
+def forced_workload(args, described: dict):
+    """(forced routing, [(request id, prompt [1, P], new tokens)], description) of `--forced-trace`."""
+    from moecache.runtime.forced_routing import ForcedRouting
+    from moecache.trace.esft_import import EsftArrays, esft_to_table, load_esft_npz
+    from moecache.trace.schema import TraceMeta
+
+    path = Path(args.forced_trace)
+    shape = {k: described[k] for k in ("num_layers", "num_experts", "top_k")}
+    if path.suffix == ".npz":
+        arrays = load_esft_npz(path, **shape)
+        n = min(args.requests, arrays.num_sequences)
+        end = int(arrays.seq_offsets[n])
+        arrays = EsftArrays(arrays.expert_ids[:end], arrays.gate_weights[:end], arrays.seq_offsets[: n + 1])
+        meta = TraceMeta(**shape, expert_bytes=described["expert_bytes"], model=described["name"])
+        table = esft_to_table(
+            arrays, name=path.stem, run_id="bench_decode", tokens_per_step=args.prompt_tokens, meta=meta
+        )
+        forced = ForcedRouting.from_trace(table, **shape, max_tokens=args.prompt_tokens + args.new_tokens - 1)
+    else:
+        forced = ForcedRouting.from_trace(path, **shape)
+    requests = []
+    for rid in forced.request_ids[: args.requests]:
+        new = min(args.new_tokens, forced.decode_steps(rid) + 1)
+        if new < 2:
+            raise MoecacheError(
+                f"--forced-trace {path}: request {rid!r} has {forced.decode_steps(rid)} decode steps; the "
+                "benchmark times decode steps (at least 1 after the first token)"
+            )
+        requests.append((rid, forced.input_ids(rid, described["vocab"]), new))
+    about = {
+        "path": str(path), "requests": [r for r, _, _ in requests],
+        "prompt_tokens": [int(p.shape[1]) for _, p, _ in requests], "new_tokens": [n for _, _, n in requests],
+    }  # fmt: skip
+    return forced, requests, about
+
+
+def run_strategy(model, spec: dict, requests, forced, device: torch.device) -> dict:
+    """One strategy: reconfigure, one FastDecoder, a warm-up request, reset, every request timed."""
+    from moecache.runtime.decode_loop import FastDecoder
+
+    t0 = time.perf_counter()
+    offload_session(model, spec["capacity"], spec["policy"], device, spec["params"], spec["on_miss"])
+    reconfigure_s = time.perf_counter() - t0
+    max_len = max(int(p.shape[-1]) + n for _, p, n in requests)
+    decoder = FastDecoder(model, max_cache_len=max_len, forced=forced)
+
+    def one(rid, prompt, new):
+        if forced is not None:
+            forced.start_request(rid)
+        model.moecache.begin_request()
+        return decoder.generate(prompt, new)
+
+    t0 = time.perf_counter()
+    one(*requests[0])  # warm-up: kernels, capture
+    warmup_s = time.perf_counter() - t0
+    model.moecache.reset()
+    results = [one(*r) for r in requests]
+    stats = model.moecache.stats()
+    timed, decode_s = sum(r.timed_steps for r in results), sum(r.decode_s for r in results)
+    ms = 1e3 * decode_s / timed
+    return {
+        **{k: spec[k] for k in ("strategy", "capacity", "on_miss")},
+        "policy": stats["policy"], "slots": stats["capacity"], "loop": "fast-graphs" if results[0].graphs_per_step
+        else "fast-eager", "mode": results[0].mode, "graphs_per_step": results[0].graphs_per_step,
+        "timed_steps": timed, "ms_per_token": ms, "tokens_per_s": 1e3 / ms,
+        "prefill_ms": 1e3 * statistics.median(r.prefill_s for r in results), "warmup_s": warmup_s,
+        "reconfigure_s": reconfigure_s, "hit_rate": stats["hit_rate"], "copies": stats["copies"],
+        "waited_copies": stats["waited_copies"], "fallback_entries": stats["fallback_entries"],
+        "gpu_entries": stats["gpu_entries"],
+        "tokens": [r.tokens[0, r.prompt_tokens :].tolist() for r in results],
+    }  # fmt: skip
+
+
+def strategy_ratios(runs: list[dict], capacities: list[str]) -> dict:
+    """Per capacity: policy / all_cpu and policy / lru_sync decode tokens/s (the targets at 25%)."""
+
+    def at(strategy, capacity=None):
+        found = [
+            r for r in runs if r["strategy"] == strategy and (capacity is None or r["capacity"] == capacity)
+        ]
+        return found[0]["tokens_per_s"] if found else None
+
+    out = {}
+    for cap in capacities:
+        policy = at("policy", cap)
+        if policy is None:
+            continue
+        row = {}
+        for base, baseline in (("all_cpu", at("all_cpu")), ("lru_sync", at("lru_sync", cap))):
+            if baseline:
+                ratio = policy / baseline
+                row[f"policy_over_{base}"] = ratio
+                if cap == TARGET_CAPACITY:
+                    row[f"meets_{base}_target"] = ratio >= TARGETS[base]
+        out[cap] = row
+    return out
+
+
+def strategies_bench(args, model, described: dict, device: torch.device, prompt: torch.Tensor) -> dict:
+    names = strategy_names(args.strategies)
+    capacities = [c.strip() for c in args.capacities.split(",") if c.strip()]
+    if args.forced_trace:
+        forced, requests, about = forced_workload(args, described)
+    else:
+        forced, requests, about = None, [("random", prompt.view(1, -1).cpu(), args.new_tokens)], None
+    runs = []
+    for spec in strategy_plan(names, capacities, args.policy):
+        run = run_strategy(model, spec, requests, forced, device)
+        runs.append(run)
+        print(f"  {run['strategy']:<12} {run['capacity']:>5} {run['ms_per_token']:9.3f} ms/token", flush=True)
+    reference = next((r["tokens"] for r in runs if r["strategy"] == "all_resident"), None)
+    for run in runs:
+        if reference is not None:
+            run["equal_all_resident"] = run["tokens"] == reference
+            run["agree_all_resident"] = sum(
+                agree(a, b) for a, b in zip(run["tokens"], reference, strict=True)
+            )
+    return {
+        "bench": "decode-strategies",
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "kernels": optional_kernels(),
+        "model": described,
+        "args": vars(args),
+        "forced": about,
+        "runs": runs,
+        "ratios": strategy_ratios(runs, capacities),
+        "targets": {"capacity": TARGET_CAPACITY, **{f"policy_over_{k}": v for k, v in TARGETS.items()}},
+    }
+
+
+def print_strategies(r: dict) -> None:
+    m = r["model"]
+    forced = r["forced"]
+    how = f"forced by {forced['path']} ({len(forced['requests'])} requests)" if forced else "natural routing"
+    print(
+        f"strategies on {r['gpu'] or r['device']}: {m['name']} ({m['num_layers']} MoE layers, "
+        f"{m['num_experts']} experts, top-{m['top_k']}, {m['dtype']}), {how}"
+    )
+    print(
+        f"{'strategy':<12} | {'capacity':>8} | {'policy':<26} | {'on_miss':<7} | {'mode':<5} | {'graphs':>6} | "
+        f"{'ms/token':>9} | {'tokens/s':>9} | {'hit rate':>8} | {'= all_resident':>14}"
+    )
+    for run in r["runs"]:
+        hit = run["hit_rate"]
+        same = run.get("equal_all_resident")
+        print(
+            f"{run['strategy']:<12} | {run['capacity']:>8} | {run['policy']:<26} | {run['on_miss']:<7} | "
+            f"{run['mode']:<5} | {run['graphs_per_step']:>6} | {run['ms_per_token']:>9.3f} | "
+            f"{run['tokens_per_s']:>9.1f} | {'-' if hit is None else f'{hit:.3f}':>8} | "
+            f"{'-' if same is None else ('yes' if same else 'no'):>14}"
+        )
+    for cap, row in r["ratios"].items():
+        parts = [
+            f"{k.replace('_', ' ')} = {v:.2f}" if isinstance(v, float) else f"{k}: {v}"
+            for k, v in row.items()
+        ]
+        print(f"at {cap}: " + "; ".join(parts))
 
 
 def main() -> None:
@@ -252,7 +462,18 @@ def main() -> None:
     ap.add_argument(
         "--compile", action="store_true", help="also the fast loop with torch.compile (slow to build)"
     )
+    ap.add_argument(
+        "--strategies", default=None, help=f"comma list of {', '.join(STRATEGIES)} or all (module docstring)"
+    )
+    ap.add_argument(
+        "--forced-trace", default=None, help="a canonical trace or an ESFT .npz forcing the routing"
+    )
+    ap.add_argument("--requests", type=int, default=2, help="with --forced-trace: its first N requests")
     args = ap.parse_args()
+    if args.forced_trace and args.strategies is None:
+        args.strategies = "all"
+    if args.requests < 1:
+        raise SystemExit("--requests must be >= 1")
     if args.new_tokens < 3 or args.hf_new_tokens < 2:
         raise SystemExit("--new-tokens must be >= 3 and --hf-new-tokens >= 2 (decode steps to time)")
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -273,6 +494,12 @@ def main() -> None:
     model.set_experts_implementation(args.experts_impl)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, described["vocab"], (args.prompt_tokens,), generator=gen).to(device)
+    if args.strategies is not None:
+        result = strategies_bench(args, model, described, device, prompt)
+        result["build_s"] = build_s
+        print_strategies(result)
+        print(json.dumps(result))
+        return
     graphs = ["off", "on"] if device.type == "cuda" else ["off"]
     variants = [(g, False) for g in graphs] + (
         [("on" if device.type == "cuda" else "off", True)] if args.compile else []
@@ -377,4 +604,8 @@ def print_table(r: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MoecacheError as exc:
+        print(f"bench_decode: error: {exc}", file=sys.stderr)
+        sys.exit(2)

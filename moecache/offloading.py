@@ -5,6 +5,7 @@ them cached on the compute device, run by the runtime (docs/runtime.md, "Using i
     model.generate(input_ids, max_new_tokens=64)       # as usual
     model.moecache.stats()                              # hit rate, copies, bytes, fallbacks, residents
     model.moecache.reset()
+    model.moecache.reconfigure(capacity="100%", policy="static_cold")   # a new cache, the same host store
 
 What happens: every sparse MoE block's `.experts` is replaced by an `OffloadedExperts` module
 (moecache/runtime/experts_module.py) with the same call signature; the router, the shared expert and
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -41,14 +43,17 @@ SWIGLU_ACTS = ("silu", "swish")  # the activation the slot-pool operator and the
 
 
 class OffloadSession:
-    """`model.moecache`: the offloaded model's runtime state and its statistics."""
+    """`model.moecache`: the offloaded model's runtime state and its statistics. `reconfigure` replaces
+    it (a new cache on the same host store); a replaced session refuses every call in one line."""
 
-    def __init__(self, manager, runtime, capacity: int, architecture: dict):
+    def __init__(self, manager, runtime, capacity: int, architecture: dict, model: nn.Module | None = None):
         self.manager = manager
         self.runtime = runtime
         self.capacity = capacity
         self.architecture = architecture
+        self._model = weakref.ref(model) if model is not None else None  # no cycle through model.moecache
         self._baseline = dataclasses.replace(manager.stats)
+        self._replaced = False
 
     def stats(self) -> dict:
         """Counters since `offload` or the last `reset`. An access is one distinct expert of one layer
@@ -56,12 +61,14 @@ class OffloadSession:
         `copy_bytes` count the copies the policy asked for (a static policy's initial residents are
         loaded before the counters start); `fallback_entries` the (token, k) entries computed on the
         CPU; `residents_per_layer` the experts each layer's published mapping holds now."""
+        self._check_live("stats")
         now, base = self.manager.stats, self._baseline
         delta = {f.name: getattr(now, f.name) - getattr(base, f.name) for f in dataclasses.fields(now)}
         accesses = delta["hits"] + delta["misses"]
         exec_stats = self.runtime.stats
         return {
             "policy": self.manager.policy.label(),
+            "on_miss": self.manager.on_miss,
             "capacity": self.capacity,
             "num_experts_total": self.manager.shape.num_keys,
             "visits": delta["visits"],
@@ -75,6 +82,7 @@ class OffloadSession:
             "copy_bytes": delta["copies"] * self.manager.store.expert_bytes,
             "deferred_copies": delta["deferred_copies"],
             "wasted_copies": delta["wasted_copies"],
+            "waited_copies": delta["waited_copies"],
             "fallback_entries": exec_stats.cpu_entries,
             "gpu_entries": exec_stats.gpu_entries,
             "residents_per_layer": (self.manager.published_LE >= 0).sum(axis=1).astype(np.int64).tolist(),
@@ -82,13 +90,83 @@ class OffloadSession:
 
     def reset(self) -> None:
         """Counters and residency back to the start (the manager's `reset`), statistics from zero."""
+        self._check_live("reset")
         self.manager.reset()
         self._baseline = dataclasses.replace(self.manager.stats)
         self.runtime.stats = type(self.runtime.stats)()
 
     def begin_request(self) -> None:
         """The next forward passes belong to a new request (policies with per-request state read it)."""
+        self._check_live("begin_request")
         self.manager.begin_request()
+
+    def reconfigure(
+        self,
+        *,
+        capacity,
+        policy: str | None = None,
+        params: dict | None = None,
+        decision: str | Path | None = None,
+        on_miss: str = "cpu",
+    ) -> OffloadSession:
+        """A new cache for the same offloaded model: a new CacheManager (policy + params, or a
+        decision.json's `selected`; default lfu) with a new slot pool of `capacity` (the one syntax), on
+        the SAME host store and CPU executor (nothing is copied from the model again), `on_miss` "cpu"
+        or "wait" (moecache/runtime/manager.py). Every argument is checked first (one line, the session
+        untouched); then this session's manager and slot pool are released (gc, and the CUDA caching
+        allocator's free blocks returned) before the new pool is allocated, every `OffloadedExperts` of
+        the model is pointed at the new runtime, and `model.moecache` is the returned new session, its
+        statistics from zero. This session is dead afterwards (every call refused in one line).
+
+        The old pool's memory is returned only once nothing else holds the old manager: a FastDecoder
+        built on the old session (its taps, its captured graphs) does; such a decoder refuses to decode
+        after a reconfigure (one line): drop it and build a new FastDecoder."""
+        from moecache.runtime.device import CudaDevice, StandinDevice
+        from moecache.runtime.experts_module import ExpertsRuntime, OffloadedExperts
+        from moecache.runtime.manager import ON_MISS, CacheManager
+
+        who = "moecache reconfigure"
+        self._check_live("reconfigure")
+        model = self._model() if self._model is not None else None
+        if model is None or getattr(model, "moecache", None) is not self:
+            raise MoecacheError(f"{who}: this session is not the model.moecache of a live offloaded model")
+        store, old = self.manager.store, self.manager
+        capacity_spec(capacity, key="capacity")
+        slots = parse_capacity(
+            capacity, key="capacity", num_keys=store.num_layers * store.num_experts,
+            expert_bytes=store.expert_bytes,
+        )  # fmt: skip
+        made = _policy_of(policy, params, decision, who)
+        if on_miss not in ON_MISS:
+            raise MoecacheError(f"{who}: on_miss={on_miss!r}: expected one of {list(ON_MISS)}")
+        modules = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+        cpu, top_k, old_device = self.runtime.cpu, old.shape.top_k, old.device
+        is_cuda = old_device.is_cuda
+        new_device = CudaDevice(old_device.torch_device.index) if is_cuda else StandinDevice(old_device.mode)
+        # Release the old cache before the new pool exists (at 100% two pools may not fit).
+        old.commit()
+        old_device.synchronize()
+        for module in modules:
+            module._runtime = None
+        self.manager = self.runtime = None
+        self._replaced = True
+        del old, old_device
+        gc.collect()
+        if is_cuda:
+            torch.cuda.empty_cache()
+        manager = CacheManager(store, new_device, slots, made, top_k=top_k, on_miss=on_miss)
+        runtime = ExpertsRuntime(manager, cpu)
+        for module in modules:
+            module._runtime = runtime
+        session = OffloadSession(manager, runtime, slots, self.architecture, model=model)
+        model.moecache = session
+        return session
+
+    def _check_live(self, what: str) -> None:
+        if self._replaced:
+            raise MoecacheError(
+                f"moecache session: {what}() on a session replaced by reconfigure(); use model.moecache"
+            )
 
 
 def offload(
@@ -104,10 +182,13 @@ def offload(
     cpu_backend: str = "auto",
     cpu_threads: int | None = None,
     output_root: str | Path | None = None,
+    on_miss: str = "cpu",
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
     local checkpoint folder (loaded through moecache/models/loading.py, `dtype` as model.dtype there;
-    `output_root` holds its revision cache, default $MOECACHE_OUTPUT_ROOT or outputs)."""
+    `output_root` holds its revision cache, default $MOECACHE_OUTPUT_ROOT or outputs). `on_miss`: "cpu"
+    (a miss runs on the CPU while its copy flies) or "wait" (the visit waits for its admissions' copies;
+    moecache/runtime/manager.py)."""
     capacity_spec(capacity, key="capacity")  # the syntax, before anything is loaded
     if isinstance(model_or_path, str | Path):
         from moecache.models.loading import load_model
@@ -117,7 +198,7 @@ def offload(
         return offload_model(
             loaded.model, capacity=capacity, policy=policy, params=params, decision=decision,
             device=device, checkpoint=loaded.path, standin_mode=standin_mode,
-            cpu_backend=cpu_backend, cpu_threads=cpu_threads,
+            cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss,
         )  # fmt: skip
     if not isinstance(model_or_path, nn.Module):
         raise MoecacheError(
@@ -126,7 +207,7 @@ def offload(
         )
     return offload_model(
         model_or_path, capacity=capacity, policy=policy, params=params, decision=decision, device=device,
-        standin_mode=standin_mode, cpu_backend=cpu_backend, cpu_threads=cpu_threads,
+        standin_mode=standin_mode, cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss,
     )  # fmt: skip
 
 
@@ -142,6 +223,7 @@ def offload_model(
     standin_mode: str = "before_visit",
     cpu_backend: str = "auto",
     cpu_threads: int | None = None,
+    on_miss: str = "cpu",
 ) -> nn.Module:
     """`offload` of a model in memory; with `checkpoint` (the folder it was loaded from) the store is
     filled from the safetensors after the model's dense experts are dropped."""
@@ -149,12 +231,14 @@ def offload_model(
     from moecache.runtime.cpu_experts import CpuExperts
     from moecache.runtime.device import CudaDevice, StandinDevice
     from moecache.runtime.experts_module import ExpertsRuntime, OffloadedExperts
+    from moecache.runtime.manager import ON_MISS, CacheManager
 
     capacity_spec(capacity, key="capacity")
     if getattr(model, "moecache", None) is not None:
         raise MoecacheError("moecache.offload: this model is already offloaded (it has model.moecache)")
-    if policy is not None and decision is not None:
-        raise MoecacheError("moecache.offload: give policy= or decision=, not both")
+    made = _policy_of(policy, params, decision, "moecache.offload")
+    if on_miss not in ON_MISS:
+        raise MoecacheError(f"moecache.offload: on_miss={on_miss!r}: expected one of {list(ON_MISS)}")
     target = _target_device(device)
     runtime_device = CudaDevice(target.index) if target.type == "cuda" else StandinDevice(standin_mode)
     _check_activation(model)
@@ -171,11 +255,11 @@ def offload_model(
         del adapter
         _drop_experts(blocks)
         store = _checkpoint_store(checkpoint, dtype, architecture, target)
-        manager = _manager(store, runtime_device, slots, policy, params, decision, top_k)
+        manager = CacheManager(store, runtime_device, slots, made, top_k=top_k, on_miss=on_miss)
         cpu = CpuExperts(store.w13_GIH, store.w2_GHI, threads=cpu_threads, backend=cpu_backend)
     else:  # the caller's model: nothing of it changes until the store and the manager exist
         store = _store_from_model(adapter, target)
-        manager = _manager(store, runtime_device, slots, policy, params, decision, top_k)
+        manager = CacheManager(store, runtime_device, slots, made, top_k=top_k, on_miss=on_miss)
         cpu = CpuExperts(store.w13_GIH, store.w2_GHI, threads=cpu_threads, backend=cpu_backend)
         del adapter
         _drop_experts(blocks)
@@ -185,7 +269,7 @@ def offload_model(
     runtime = ExpertsRuntime(manager, cpu)
     for layer_id, block in enumerate(blocks):
         block.experts = OffloadedExperts(layer_id, runtime)
-    model.moecache = OffloadSession(manager, runtime, slots, architecture)
+    model.moecache = OffloadSession(manager, runtime, slots, architecture, model=model)
     return model
 
 
@@ -266,15 +350,44 @@ def _drop_experts(blocks: list[nn.Module]) -> None:
     gc.collect()
 
 
-def _manager(store, runtime_device, slots: int, policy, params, decision, top_k: int):
-    from moecache.runtime.manager import CacheManager
+def _policy_of(policy, params, decision, who: str):
+    """The online placement policy (a sim Policy) of `policy` + `params`, or of a decision.json's
+    `selected` (moecache/runtime/manager.py's `from_decision` reads the same file); default lfu. Checked
+    before anything is built or freed."""
+    from moecache.sim.policy import make_policy
 
+    if policy is not None and decision is not None:
+        raise MoecacheError(f"{who}: give policy= or decision=, not both")
     if decision is not None:
         if params:
-            raise MoecacheError("moecache.offload: params= goes with policy=, not with decision=")
-        return CacheManager.from_decision(decision, store, runtime_device, slots, top_k=top_k)
-    if policy is not None and not isinstance(policy, str):
-        raise MoecacheError(f"moecache.offload: policy must be a policy name (conf/policy/), got {policy!r}")
-    return CacheManager.from_policy(
-        store, runtime_device, slots, policy or DEFAULT_POLICY, params, top_k=top_k
-    )
+            raise MoecacheError(f"{who}: params= goes with policy=, not with decision=")
+        spec = _selected(Path(decision))
+        name, params = spec.name, spec.params
+    else:
+        if policy is not None and not isinstance(policy, str):
+            raise MoecacheError(f"{who}: policy must be a policy name (conf/policy/), got {policy!r}")
+        name = policy or DEFAULT_POLICY
+    if params is not None and not isinstance(params, dict):
+        raise MoecacheError(f"{who}: params={params!r}: expected a mapping of the policy's parameters")
+    made = make_policy(name, **dict(params or {}))
+    if made.offline:
+        raise MoecacheError(
+            f"policy {name} is offline (it reads the whole future trace) and exists only in the simulator; "
+            "the runtime takes an online policy (e.g. lfu, lru, static_cold)"
+        )
+    return made
+
+
+def _selected(path: Path):
+    """A decide stage's decision.json: its `selected: {policy, params}` (docs/decision.md)."""
+    import json
+
+    from moecache.sim.policy_spec import PolicySpec
+
+    try:
+        decision = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise MoecacheError(f"{path}: cannot read the decision ({' '.join(str(exc).split())})") from exc
+    if not isinstance(decision, dict) or not isinstance(decision.get("selected"), dict):
+        raise MoecacheError(f"{path}: no `selected: {{policy, params}}` object (not a decision.json?)")
+    return PolicySpec.from_dict(decision["selected"], f"{path}: selected")

@@ -22,6 +22,15 @@ What runs (docs/runtime.md, "Fast decode loop"):
      memory pool) and replayed for every later step, the host points between the replays. Capture
      happens once per decoder and mode; later `generate` calls replay at once. On the CPU the same
      segmented step runs eagerly.
+3. Trace-forced routing (`forced=`, a ForcedRouting with the trace's router_weights; an offloaded model):
+   the prefill is forced by the router hooks (attached for the call where the caller has not attached
+   them); every decode step runs in split mode under `forced.supplied_by_caller()`: the hooks pass the
+   router output through, and each MoE layer's host point writes the layer's next forced rows into the
+   tap's static ids/weights buffers in place (segments.py) before the visit and the resident experts.
+
+A decoder belongs to the `model.moecache` session it was built on: after `model.moecache.reconfigure`
+it refuses to decode (one line); build a new FastDecoder (and drop the old one: it holds the old slot
+pool and its graphs).
 
 The transformers seams it relies on (present in 5.17 and 5.24): the CausalLM forward with `input_ids`,
 `position_ids`, `use_cache`, `logits_to_keep` and the cache under `cache` (5.24) or `past_key_values`
@@ -33,6 +42,7 @@ Legend: T prompt tokens, N generated tokens (the token buffer holds max_cache_le
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -81,7 +91,7 @@ class FastDecoder:
     `host_points`: "auto" (none when the mapping is frozen) or "always" (split mode even then);
     `keep_logits`: keep every step's logits (float32, in the result); `warmup_steps`: eager decode
     steps of a mode before its capture; `compile`: `torch.compile` the step (off by default; the
-    expert taps stay outside the compiled regions)."""
+    expert taps stay outside the compiled regions); `forced`: a ForcedRouting (module docstring, 3.)."""
 
     def __init__(
         self,
@@ -93,6 +103,7 @@ class FastDecoder:
         keep_logits: bool = False,
         warmup_steps: int = 1,
         compile: bool = False,
+        forced=None,
     ):
         from transformers import StaticCache
 
@@ -121,7 +132,11 @@ class FastDecoder:
         self._takes_cache_position = "cache_position" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
         session = getattr(model, "moecache", None)
+        self._session = session
         self._experts = _offloaded_experts(model) if session is not None else []
+        self.forced = forced
+        if forced is not None:
+            _check_forced(forced, session, len(self._experts))
         self._taps = None
         if self._experts:
             from moecache.runtime.segments import ExpertsTaps
@@ -151,9 +166,14 @@ class FastDecoder:
         """Greedy continuation of `input_ids` ([1, T] or [T]): `max_new_tokens` tokens, fewer when
         `eos_token_id` (an id or a list) is generated (it is kept). `streamer`: transformers' streamer
         interface (`put` the prompt, then each token; `end`)."""
+        if getattr(self.model, "moecache", None) is not self._session:
+            raise MoecacheError(
+                "fast decode: model.moecache is not the session this decoder was built on (reconfigure() "
+                "or offload since): build a new FastDecoder"
+            )
         prompt_T = self._check_prompt(input_ids, max_new_tokens)
         eos = _eos_set(eos_token_id)
-        with torch.inference_mode(), _on_device(self.device):
+        with torch.inference_mode(), _on_device(self.device), self._forcing(prompt_T, max_new_tokens):
             if streamer is not None:
                 streamer.put(prompt_T.view(1, -1).cpu())
             t0 = time.perf_counter()
@@ -167,14 +187,16 @@ class FastDecoder:
             budget = 0 if first in eos else max_new_tokens - 1
             self._install_taps(mode)
             try:
-                steps, warmup_s, decode_s, timed = self._decode(mode, budget, eos, streamer)
+                with self._supplied():
+                    steps, warmup_s, decode_s, timed = self._decode(mode, budget, eos, streamer)
             finally:
                 self._install_taps(None)
             if streamer is not None:
                 streamer.end()
             n = 1 + steps
             tokens = torch.cat([prompt_T.cpu(), self.tokens_N[:n].cpu()]).view(1, -1)
-            logits = self.logits_NV[:n].cpu() if self.keep_logits else None
+            # a copy: on the CPU .cpu() would alias the buffer the next call overwrites
+            logits = self.logits_NV[:n].to("cpu", copy=True) if self.keep_logits else None
         return DecodeResult(
             tokens=tokens, logits=logits, prompt_tokens=int(prompt_T.numel()), mode=mode,
             graphs_per_step=len(self._segments[mode].graphs), prefill_s=prefill_s, warmup_s=warmup_s,
@@ -199,7 +221,7 @@ class FastDecoder:
     def _mode_for_this_call(self) -> str:
         if self._taps is None:
             return "dense"
-        if self.host_points == "always":
+        if self.host_points == "always" or self.forced is not None:
             return "split"
         return "fused" if self._taps.frozen() else "split"
 
@@ -289,8 +311,38 @@ class FastDecoder:
         if taps is not None and mode is not None:
             taps.mode = "fused" if mode == "fused" else "split"
             taps.segments = self._segments[mode]
+        if taps is not None:
+            taps.forced = self.forced if mode is not None else None
         for module in self._experts:
             module.tap = taps if mode is not None else None
+
+    @contextlib.contextmanager
+    def _forcing(self, prompt_T: torch.Tensor, max_new_tokens: int):
+        """Forced routing for one call: the trace rows it needs checked, the hooks attached for the
+        call unless the caller attached them (to this model)."""
+        forced = self.forced
+        if forced is None:
+            yield
+            return
+        needed = int(prompt_T.numel()) + max_new_tokens - 1
+        left = forced.rows_left()
+        if left < needed:
+            raise MoecacheError(
+                f"fast decode: forced routing has {left} rows left in the current request, this call needs "
+                f"{needed} ({prompt_T.numel()} prompt tokens + max_new_tokens={max_new_tokens} - 1)"
+            )
+        attached = forced.attached_to
+        if attached is not None and attached is not self.model:
+            raise MoecacheError("fast decode: forced routing is attached to another model; detach() it first")
+        if attached is None:
+            with forced.attach(self.model):
+                yield
+        else:
+            yield
+
+    def _supplied(self):
+        """The decode steps: the host points supply the forced rows, the hooks pass through."""
+        return self.forced.supplied_by_caller() if self.forced is not None else contextlib.nullcontext()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -341,6 +393,27 @@ def _offloaded_experts(model: nn.Module) -> list:
     if not found:
         raise MoecacheError("fast decode: the model has model.moecache but no OffloadedExperts module")
     return found
+
+
+def _check_forced(forced, session, num_moe_layers: int) -> None:
+    from moecache.runtime.forced_routing import ForcedRouting
+
+    if not isinstance(forced, ForcedRouting):
+        raise MoecacheError(f"fast decode: forced={type(forced).__name__}: expected a ForcedRouting")
+    if session is None:
+        raise MoecacheError(
+            "fast decode: forced= needs a moecache.offload'ed model (the forced rows are written at its "
+            "experts' host points); force an unmodified model through model.generate"
+        )
+    if not forced.has_weights:
+        raise MoecacheError(
+            "fast decode: forced= needs a trace with router_weights (the host points write the trace's "
+            "weights; the router's own probabilities are not read back); force through model.generate"
+        )
+    if forced.num_layers != num_moe_layers:
+        raise MoecacheError(
+            f"fast decode: the model has {num_moe_layers} MoE layers, the forced trace {forced.num_layers}"
+        )
 
 
 def _eos_set(eos_token_id) -> set[int]:

@@ -19,6 +19,12 @@ layer advances by T per call, so any loop that calls the router modules works: H
 prompt_len, then 1) or another decode loop. The hook is prepended, so a hook registered on the router
 before or after (the RoutingRecorder) sees the forced routing.
 
+A decode loop that substitutes the routing itself (moecache/runtime/decode_loop.py's FastDecoder with
+`forced=`: inside CUDA graphs a router hook would replay its capture-time ids) takes the rows with
+`take(layer, T)` (the same cursors) inside `with forced.supplied_by_caller():`, during which the hooks
+pass the router's output through unchanged and advance nothing. Outside it, a hook refuses to run while
+the current CUDA stream is capturing: its host-to-device copy would be baked into the graph.
+
 Weights: the trace's `router_weights` where it has the column; otherwise the model router's own
 probabilities (softmax of its logits) gathered at the forced ids, renormalised over the K ids when the
 model's router renormalises (Mixtral, Qwen3.5-MoE always; Qwen3-MoE and OLMoE per `norm_topk_prob`;
@@ -71,6 +77,8 @@ class ForcedRouting:
         self._rules: list[_WeightRule | None] = []
         self._current: str | None = None
         self._cursor_L = [0] * num_layers
+        self._supplied = 0  # depth of supplied_by_caller(): the hooks pass the router output through
+        self._attached: nn.Module | None = None
         self._host: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # request -> (ids, weights)
 
     # ---- building ---------------------------------------------------------------------------------
@@ -164,6 +172,61 @@ class ForcedRouting:
         """Per MoE layer, how many rows of the current request its router has been given."""
         return list(self._cursor_L)
 
+    def rows_left(self) -> int:
+        """Rows of the current request every MoE layer still has: min over layers of (tokens - cursor)."""
+        ids_LNK, _ = self._current_rows()
+        return int(ids_LNK.shape[1]) - max(self._cursor_L)
+
+    def take(self, layer_id: int, T: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The next T rows of MoE layer `layer_id` in the current request, advancing its cursor: (ids
+        int64 [T, K], weights float32 [T, K] or None without trace weights), read-only host views of the
+        trace (on CUDA of its pinned copy). What the router hook forces; a decode loop that substitutes
+        the routing itself calls it under `supplied_by_caller()`."""
+        ids, w = self._rows(layer_id, T)
+        out = ids.numpy(), None if w is None else w.numpy()
+        for a in out:
+            if a is not None:
+                a.flags.writeable = False
+        return out
+
+    def supplied_by_caller(self) -> _Supplied:
+        """`with forced.supplied_by_caller():` the caller substitutes the rows (with `take`); meanwhile
+        every hook passes its router's output through unchanged and advances no cursor."""
+        return _Supplied(self)
+
+    @property
+    def attached_to(self) -> nn.Module | None:
+        """The model whose routers are hooked now (None: detached)."""
+        return self._attached
+
+    def _current_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._current is None:
+            raise MoecacheError(
+                "forced routing: a router ran before start_request(): the request to force is unknown"
+            )
+        return self._host[self._current]
+
+    def _rows(self, layer_id: int, T: int, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Host slices [T, K] of the next T rows of `layer_id` (its cursor advanced); `pin`: from the
+        request's pinned copy (made once)."""
+        ids_LNK, w_LNK = self._current_rows()
+        if not 0 <= layer_id < self.num_layers:
+            raise MoecacheError(
+                f"forced routing: MoE layer {layer_id} is out of range (the trace has {self.num_layers})"
+            )
+        start, n = self._cursor_L[layer_id], ids_LNK.shape[1]
+        if start + T > n:
+            raise MoecacheError(
+                f"forced routing: request {self._current!r} has {n} tokens in the trace; MoE layer "
+                f"{layer_id} was asked for tokens {start}..{start + T - 1}"
+            )
+        if pin and not ids_LNK.is_pinned():
+            ids_LNK, w_LNK = ids_LNK.pin_memory(), None if w_LNK is None else w_LNK.pin_memory()
+            self._host[self._current] = (ids_LNK, w_LNK)
+        self._cursor_L[layer_id] = start + T
+        rows = slice(start, start + T)
+        return ids_LNK[layer_id, rows], None if w_LNK is None else w_LNK[layer_id, rows]
+
     # ---- attaching ---------------------------------------------------------------------------------
 
     def attach(self, model: nn.Module, adapter=None) -> ForcedRouting:
@@ -189,12 +252,14 @@ class ForcedRouting:
         self._rules = [None if self.has_weights else _weight_rule(r, model_type) for r in routers]
         for layer_id, router in enumerate(routers):
             self._handles.append(router.register_forward_hook(self._hook(layer_id), prepend=True))
+        self._attached = model
         return self
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._attached = None
 
     def __enter__(self) -> ForcedRouting:
         return self
@@ -209,6 +274,14 @@ class ForcedRouting:
                     f"forced routing: MoE layer {layer_id}'s router returned {type(output).__name__}, "
                     "expected (router_logits, weights_TK, ids_TK)"
                 )
+            if self._supplied:
+                return None  # the caller substitutes the rows itself (take): the output unchanged
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise MoecacheError(
+                    f"forced routing: MoE layer {layer_id}'s router hook ran inside a CUDA graph capture "
+                    "(its rows would be baked into the graph); decode with FastDecoder(..., forced=) or "
+                    "graphs=off"
+                )
             logits_TE, own_w_TK, own_ids_TK = output
             return logits_TE, *self._forced(layer_id, logits_TE, own_w_TK, own_ids_TK)
 
@@ -216,30 +289,17 @@ class ForcedRouting:
 
     def _forced(self, layer_id, logits_TE, own_w_TK, own_ids_TK) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights_TK, ids_TK) of the next T rows of `layer_id`, in the router's dtypes and device."""
-        if self._current is None:
-            raise MoecacheError(
-                "forced routing: a router ran before start_request(): the request to force is unknown"
-            )
+        self._current_rows()  # before start_request: one line
         T, K = own_ids_TK.shape
         if K != self.top_k:
             raise MoecacheError(
                 f"forced routing: MoE layer {layer_id}'s router chose {K} experts, top_k {self.top_k}"
             )
-        ids_LNK, w_LNK = self._host[self._current]
-        start, n = self._cursor_L[layer_id], ids_LNK.shape[1]
-        if start + T > n:
-            raise MoecacheError(
-                f"forced routing: request {self._current!r} has {n} tokens in the trace; MoE layer "
-                f"{layer_id} was asked for tokens {start}..{start + T - 1}"
-            )
-        self._cursor_L[layer_id] = start + T
         device = own_ids_TK.device
-        if device.type == "cuda" and not ids_LNK.is_pinned():
-            ids_LNK, w_LNK = ids_LNK.pin_memory(), None if w_LNK is None else w_LNK.pin_memory()
-            self._host[self._current] = (ids_LNK, w_LNK)
-        ids_TK = _to(ids_LNK[layer_id, start : start + T], device).to(own_ids_TK.dtype)
-        if w_LNK is not None:
-            w_TK = _to(w_LNK[layer_id, start : start + T], device)
+        host_ids_TK, host_w_TK = self._rows(layer_id, T, pin=device.type == "cuda")
+        ids_TK = _to(host_ids_TK, device).to(own_ids_TK.dtype)
+        if host_w_TK is not None:
+            w_TK = _to(host_w_TK, device)
         else:
             rule = self._rules[layer_id]
             probs_TE = torch.softmax(logits_TE.detach().reshape(T, -1).float(), dim=-1)
@@ -249,6 +309,20 @@ class ForcedRouting:
             if rule.scale != 1.0:
                 w_TK = w_TK * rule.scale
         return w_TK.to(own_w_TK.dtype), ids_TK
+
+
+class _Supplied:
+    """The context of `ForcedRouting.supplied_by_caller` (nestable)."""
+
+    def __init__(self, forced: ForcedRouting):
+        self._forced = forced
+
+    def __enter__(self) -> ForcedRouting:
+        self._forced._supplied += 1
+        return self._forced
+
+    def __exit__(self, *exc) -> None:
+        self._forced._supplied -= 1
 
 
 def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,13 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
 
+Trace-forced routing (`ExpertsTaps.forced`, a ForcedRouting, split mode only): at `_route(l)`, after the
+read-back, the layer's next forced rows (`forced.take(l, T)`, weights rounded to the dtype the router
+gave the experts call) overwrite the host ids/weights and, on CUDA, are copied back into the device
+buffer in place (one host-to-device copy on the compute stream), before `manager.visit` and before B(l)
+is replayed: the manager, the resident experts and the CPU misses all see the forced ids. Segment A's
+own router output is only overwritten, so nothing of the trace is baked into a graph.
+
 `Segments` does the cutting. Eager (`cut` runs the host point at once: the CPU path of CI, the warm-up
 step) or capturing (`cut` ends the CUDA graph being captured and begins the next one, in one private
 memory pool; the host point is kept to run between the replays). `replay()` then replays the graphs in
@@ -32,6 +39,7 @@ import numpy as np
 import torch
 
 from moecache.errors import MoecacheError
+
 
 class Segments:
     """The cut points of one step: eager, or capturing CUDA graphs (module docstring)."""
@@ -66,6 +74,9 @@ class Segments:
                 step()
                 self._graph.capture_end()
                 self.graphs.append((self._graph, None))
+            except MoecacheError:
+                self._abandon()  # e.g. a router hook refusing to run inside the capture
+                raise
             except RuntimeError as exc:
                 self._abandon()
                 raise MoecacheError(
@@ -142,6 +153,11 @@ class ExpertsTaps:
         self._visit = None
         self._ids_host_TK: np.ndarray | None = None
         self.mode = "split"
+        # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
+        # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
+        self.forced = None
+        self._routing_bytes = w_at + w_bytes
+        self._weights_dtype_L: dict[int, torch.dtype] = {}
 
     # ---- the experts call ------------------------------------------------------------------------
 
@@ -149,6 +165,7 @@ class ExpertsTaps:
     def __call__(self, layer: int, x_TH, ids_TK, weights_TK) -> torch.Tensor:
         if self.mode == "fused":
             return self._resident(x_TH, ids_TK, weights_TK, layer)
+        self._weights_dtype_L[layer] = weights_TK.dtype  # what forced weights are rounded to
         self.ids_TK.copy_(ids_TK)
         self.weights_TK.copy_(weights_TK)
         self.x_TH.copy_(x_TH)
@@ -195,6 +212,8 @@ class ExpertsTaps:
         if self.is_cuda:
             self.host_B.copy_(self.tap_B, non_blocking=True)
             torch.cuda.current_stream(self.device.torch_device).synchronize()
+        if self.forced is not None:
+            self._substitute(layer)
         ids_TK = self.host_ids_TK.numpy()
         visit = self.manager.visit(layer, ids_TK)
         if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
@@ -205,6 +224,22 @@ class ExpertsTaps:
         stats.cpu_entries += visit.hit_TK.size - n_hit
         stats.kernel_calls += n_hit > 0
         self._visit, self._ids_host_TK = visit, ids_TK
+
+    def _substitute(self, layer: int) -> None:
+        """The layer's forced rows into the host buffer and (CUDA) back into the device buffer, in place,
+        on the compute stream: ordered before B(l)'s replay (module docstring)."""
+        T = self.host_ids_TK.shape[0]
+        ids_TK, w_TK = self.forced.take(layer, T)
+        if w_TK is None:
+            raise MoecacheError(
+                "fast decode: forced routing at a host point needs the trace's router_weights"
+            )
+        self.host_ids_TK.copy_(torch.as_tensor(np.array(ids_TK)))  # the trace's views are read-only
+        dtype = self._weights_dtype_L.get(layer, torch.float32)
+        self.host_weights_TK.copy_(torch.as_tensor(np.array(w_TK)).to(dtype))
+        if self.is_cuda:  # pinned source, rewritten only after the next read-back's sync: safe
+            n = self._routing_bytes
+            self.tap_B[:n].copy_(self.host_B[:n], non_blocking=True)
 
     def _combine(self, layer: int) -> None:
         """Segment B is enqueued: commit, then the CPU misses (computed meanwhile) into `cpu_TH`."""

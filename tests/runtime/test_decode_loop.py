@@ -12,7 +12,9 @@ Legend: T prompt tokens, N generated tokens, L MoE layers, K top-k, V vocabulary
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -23,7 +25,10 @@ from moecache.cli import app
 from moecache.errors import MoecacheError
 from moecache.models import ADAPTERS, adapter_for
 from moecache.runtime.decode_loop import FastDecoder, fast_generate
+from moecache.runtime.forced_routing import ForcedRouting
 from moecache.runtime.segments import ExpertsTaps
+from moecache.trace.esft_import import EsftArrays, esft_to_table
+from moecache.trace.schema import TraceMeta
 
 MODEL_TYPES = ["qwen3_5_moe", "deepseek_v2", "mixtral", "qwen3_moe", "olmoe"]
 PROMPT_T = [5, 17, 99, 42, 7, 250, 3]
@@ -321,3 +326,197 @@ def test_compiled_graphs_equal_eager_while_the_mapping_changes():
         assert model.moecache.stats()["evictions"] > 0
         tokens[compiled] = result.tokens
     assert torch.equal(tokens[True], tokens[False])
+
+
+# ---- trace-forced routing in the fast loop ---------------------------------------------------------------
+
+FORCED_PROMPT = 7  # the trace's prefill step; every later token of a request is one decode step
+FORCED_NEW = {"forced/seq-0000": 6, "forced/seq-0001": 4}  # generated tokens per request
+
+
+def random_forcing(adapter, seed: int = 7) -> ForcedRouting:
+    """A trace of random routing (distinct experts per row, positive weights) for two requests, as the
+    ESFT importer builds one: step 0 the 7-token prefill, every later token one decode step."""
+    L, E, K = adapter.num_layers, adapter.num_experts, adapter.top_k
+    lengths = [FORCED_PROMPT + n - 1 for n in FORCED_NEW.values()]
+    rng = np.random.default_rng(seed)
+    n = sum(lengths)
+    ids_NLK = np.argsort(rng.random((n, L, E)), axis=-1)[..., :K].astype(np.int64)
+    w_NLK = rng.random((n, L, K)).astype(np.float32) + 0.1
+    arrays = EsftArrays(ids_NLK, w_NLK / w_NLK.sum(-1, keepdims=True), np.cumsum([0, *lengths]))
+    meta = TraceMeta(L, E, K, adapter.expert_bytes)
+    table = esft_to_table(arrays, name="forced", run_id="r", tokens_per_step=FORCED_PROMPT, meta=meta)
+    forced = ForcedRouting.from_trace(table, num_layers=L, num_experts=E, top_k=K)
+    assert list(forced.request_ids) == list(FORCED_NEW)
+    return forced
+
+
+def spy_visits(manager) -> dict[int, list[np.ndarray]]:
+    """Every visit's routing, per MoE layer, as the manager was given it."""
+    seen, visit = defaultdict(list), manager.visit
+
+    def spy(layer, ids_TK, *args, **kwargs):
+        seen[layer].append(np.array(ids_TK, dtype=np.int64, copy=True))
+        return visit(layer, ids_TK, *args, **kwargs)
+
+    manager.visit = spy
+    return seen
+
+
+def forced_runs(model, forced, decode):
+    """Every request of the trace through `decode(model, input_ids, new)`: (outputs, the manager's ids
+    per layer [N, K] over all requests)."""
+    seen = spy_visits(model.moecache.manager)
+    outputs = []
+    for rid, new in FORCED_NEW.items():
+        forced.start_request(rid)
+        model.moecache.begin_request()
+        outputs.append(decode(model, forced.input_ids(rid, 320), new))
+    return outputs, {layer: np.concatenate(rows) for layer, rows in seen.items()}
+
+
+def hf_decode(model, input_ids, new):
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids.to(model.device), max_new_tokens=new, eos_token_id=None, output_logits=True,
+            return_dict_in_generate=True, **GREEDY,
+        )  # fmt: skip
+    return out.sequences.cpu(), torch.cat(out.logits).float().cpu()
+
+
+def trace_ids(forced, layer) -> np.ndarray:
+    return np.concatenate([forced.expert_ids(r)[layer] for r in forced.request_ids])
+
+
+def check_forced_fast_loop(model_type, capacity, policy, device="cpu", graphs="off"):
+    plain = tiny(model_type)
+    adapter = adapter_for(plain)
+    forced = random_forcing(adapter)
+    offload = dict(capacity=capacity, policy=policy, device=device)
+    hf_model = moecache.offload(copy.deepcopy(plain), **offload)
+    with forced.attach(hf_model):  # transformers' generate, forced by the router hooks
+        want, want_ids = forced_runs(hf_model, forced, hf_decode)
+    fast_model = moecache.offload(copy.deepcopy(plain), **offload)
+    max_len = FORCED_PROMPT + max(FORCED_NEW.values())
+    decoder = FastDecoder(fast_model, max_len, graphs=graphs, keep_logits=True, forced=forced)
+    results = []
+
+    def fast(model, input_ids, new):
+        result = decoder.generate(input_ids, new)  # attaches the hooks for the prefill itself
+        results.append(result)
+        return result.tokens, result.logits
+
+    got, got_ids = forced_runs(fast_model, forced, fast)
+    assert forced.attached_to is None  # detached after each call
+    L = adapter.num_layers
+    for (tokens, logits), (want_tokens, want_logits) in zip(got, want, strict=True):
+        assert torch.equal(tokens, want_tokens), f"{model_type} at {capacity}"
+        tol = 1e-4 if device == "cpu" else 1e-3
+        torch.testing.assert_close(logits, want_logits, rtol=tol, atol=tol)
+    for layer in range(L):  # the manager saw exactly the forced ids, in both loops
+        assert np.array_equal(got_ids[layer], trace_ids(forced, layer))
+        assert np.array_equal(want_ids[layer], trace_ids(forced, layer))
+    assert all(r.mode == "split" for r in results)  # host points always, even with every expert resident
+    return plain, fast_model, results
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_5_moe"])
+@pytest.mark.parametrize(("capacity", "policy"), [("25%", "lru"), ("100%", "static_cold")])
+def test_forced_fast_loop_equals_forced_transformers_generate(model_type, capacity, policy):
+    plain, model, results = check_forced_fast_loop(model_type, capacity, policy)
+    s = model.moecache.stats()
+    if capacity == "25%":
+        assert s["hits"] > 0 and s["misses"] > 0  # both halves ran on forced ids
+    else:
+        assert s["hit_rate"] == 1.0 and s["fallback_entries"] == 0
+    # the forcing has something to change: unforced, the same model routes otherwise
+    adapter = adapter_for(plain)
+    natural = moecache.offload(copy.deepcopy(plain), capacity=capacity, policy=policy)
+    seen = spy_visits(natural.moecache.manager)
+    rid = next(iter(FORCED_NEW))
+    forced = random_forcing(adapter)
+    FastDecoder(natural, 16).generate(forced.input_ids(rid, 320), FORCED_NEW[rid])
+    assert not np.array_equal(np.concatenate(seen[0]), forced.expert_ids(rid)[0])
+
+
+def test_forced_fast_loop_refuses_what_it_cannot_force():
+    plain = tiny("deepseek_v2")
+    adapter = adapter_for(plain)
+    forced = random_forcing(adapter)
+    model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+
+    def refused(match, call, *args, **kwargs):
+        with pytest.raises(MoecacheError, match=match) as info:
+            call(*args, **kwargs)
+        assert "\n" not in str(info.value)
+
+    refused("forced= needs a moecache.offload'ed model", FastDecoder, plain, 16, forced=forced)
+    table_no_w = ForcedRouting.from_trace(
+        forced_table(adapter).drop_columns(["router_weights"]),
+        num_layers=adapter.num_layers, num_experts=adapter.num_experts, top_k=adapter.top_k,
+    )  # fmt: skip
+    refused("forced= needs a trace with router_weights", FastDecoder, model, 16, forced=table_no_w)
+    refused("forced=str: expected a ForcedRouting", FastDecoder, model, 16, forced="trace.parquet")
+    decoder = FastDecoder(model, 32, forced=forced)
+    rid = forced.request_ids[1]  # 7 + 3 tokens
+    refused(r"a router ran before start_request\(\)", decoder.generate, forced.input_ids(rid, 320), 4)
+    forced.start_request(rid)
+    refused("10 rows left in the current request, this call needs 11", decoder.generate,
+            forced.input_ids(rid, 320), 5)  # fmt: skip
+    other = copy.deepcopy(plain)
+    with forced.attach(other):
+        refused("attached to another model", decoder.generate, forced.input_ids(rid, 320), 4)
+    assert decoder.generate(forced.input_ids(rid, 320), 4).new_tokens == 4
+    model.moecache.reconfigure(capacity="100%", policy="static_cold")
+    refused("not the session this decoder was built on", decoder.generate, forced.input_ids(rid, 320), 4)
+
+
+def forced_table(adapter):
+    """The canonical table behind random_forcing (with its router_weights)."""
+    L, E, K = adapter.num_layers, adapter.num_experts, adapter.top_k
+    forced = random_forcing(adapter)
+    ids = np.concatenate([forced.expert_ids(r).transpose(1, 0, 2) for r in forced.request_ids])
+    w = np.ones(ids.shape, np.float32) / K
+    lengths = [forced.num_tokens(r) for r in forced.request_ids]
+    arrays = EsftArrays(ids, w, np.cumsum([0, *lengths]))
+    meta = TraceMeta(L, E, K, adapter.expert_bytes)
+    return esft_to_table(arrays, name="forced", run_id="r", tokens_per_step=FORCED_PROMPT, meta=meta)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_5_moe"])
+@pytest.mark.parametrize(("capacity", "policy"), [("25%", "lru"), ("100%", "static_cold")])
+def test_forced_graph_replay_equals_forced_transformers_generate(model_type, capacity, policy):
+    """CUDA graphs on: each replayed step's host points write that step's forced rows into the tap
+    buffers (a router hook inside a graph would replay its capture-time rows): tokens as transformers'
+    forced generate, and the manager saw exactly the trace's ids."""
+    plain, model, results = check_forced_fast_loop(model_type, capacity, policy, device="cuda", graphs="on")
+    L = adapter_for(plain).num_layers
+    assert all(r.graphs_per_step == 2 * L + 1 for r in results)
+    assert results[1].timed_steps == FORCED_NEW["forced/seq-0001"] - 1  # every step of the 2nd replayed
+    if capacity == "25%":
+        s = model.moecache.stats()
+        assert s["evictions"] > 0 and s["hits"] > 0 and s["misses"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_forcing_hook_inside_a_capture_is_refused_and_forced_decoding_still_works():
+    """Forcing hooks attached but no forced= (graphs on): the capture reaches a router hook, which refuses
+    in one line instead of baking its rows into the graph; the aborted capture leaves the device usable."""
+    plain = tiny("deepseek_v2")
+    adapter = adapter_for(plain)
+    forced = random_forcing(adapter)
+    model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru", device="cuda")
+    rid = forced.request_ids[0]
+    decoder = FastDecoder(model, 16, graphs="on")
+    with forced.attach(model):
+        forced.start_request(rid)
+        with pytest.raises(MoecacheError, match="router hook ran inside a CUDA graph capture") as info:
+            decoder.generate(forced.input_ids(rid, 320), FORCED_NEW[rid])
+    assert "\n" not in str(info.value)
+    del decoder
+    forced.start_request(rid)
+    result = FastDecoder(model, 16, forced=forced).generate(forced.input_ids(rid, 320), FORCED_NEW[rid])
+    assert result.graphs_per_step == 2 * adapter.num_layers + 1 and result.new_tokens == FORCED_NEW[rid]

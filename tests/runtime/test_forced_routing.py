@@ -304,3 +304,39 @@ def test_forced_on_cuda_pinned_copies_and_an_offloaded_manager(model_type, tmp_p
     for layer in range(adapter.num_layers):
         want_NK = np.concatenate([forced.expert_ids(r)[layer] for r in forced.request_ids])
         assert np.array_equal(np.concatenate(seen[layer]), want_NK)
+
+
+def test_take_shares_the_hooks_cursors_and_supplied_by_caller_passes_the_router_through(
+    tmp_path, monkeypatch
+):
+    model, adapter, table = natural_trace("olmoe", tmp_path)
+    forced = ForcedRouting.from_trace(table, **shape_of(adapter))
+    other = tiny("olmoe", seed=1)
+    L, K = adapter.num_layers, adapter.top_k
+    forced.start_request("req-a")
+    ids_TK, w_TK = forced.take(1, 3)  # layer 1, tokens 0..2
+    assert ids_TK.dtype == np.int64 and w_TK.dtype == np.float32 and ids_TK.shape == w_TK.shape == (3, K)
+    assert not ids_TK.flags.writeable and not w_TK.flags.writeable
+    assert np.array_equal(ids_TK, forced.expert_ids("req-a")[1, :3])
+    assert forced.positions == [0, 3] + [0] * (L - 2) and forced.rows_left() == 10 - 3
+    with pytest.raises(MoecacheError, match="was asked for tokens 3..10"):
+        forced.take(1, 8)
+    prompt = torch.tensor([PROMPTS["req-a"]])
+    with torch.inference_mode(), forced.attach(other, adapter_for(other)):
+        assert forced.attached_to is other
+        forced.start_request("req-a")
+        with forced.supplied_by_caller():  # the router's own choices, no cursor moves
+            own, _ = collect(other, adapter_for(other), tmp_path / "own", [("req-a", prompt, 1)])
+        assert forced.positions == [0] * L
+        fresh = tiny("olmoe", seed=1)  # the same weights, never forced
+        natural, _ = collect(fresh, adapter_for(fresh), tmp_path / "nat", [("req-a", prompt, 1)])
+        assert rows(own)["expert_ids"] == rows(natural)["expert_ids"] != rows(table)["expert_ids"][: 7 * L]
+        # a hook that would run inside a CUDA graph capture refuses (its copy would be baked in)...
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(MoecacheError, match="router hook ran inside a CUDA graph capture") as info:
+            other(prompt)
+        assert "\n" not in str(info.value) and forced.positions == [0] * L
+        with forced.supplied_by_caller():  # ...unless the caller supplies the rows
+            other(prompt)
+    assert forced.attached_to is None

@@ -181,3 +181,73 @@ def test_import_moecache_stays_light_and_offload_is_the_function():
         "assert moecache.offload is moecache.offloading.offload\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- reconfigure: a new cache on the same host store ---------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_5_moe"])
+def test_reconfigure_switches_the_cache_and_keeps_the_models_tokens(model_type):
+    import gc
+    import weakref
+
+    plain = tiny(model_type)
+    want = greedy_logits(plain)
+    model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+    first = model.moecache
+    assert torch.equal(greedy(model), want[0]) and first.stats()["visits"] > 0
+    store, cpu = first.manager.store, first.runtime.cpu
+    old_pool = weakref.ref(first.manager.pool.flat_SB)
+    L, E = store.num_layers, store.num_experts
+    full = first.reconfigure(capacity="100%", policy="static_cold")
+    gc.collect()
+    assert old_pool() is None  # the previous slot pool is gone (nothing else held it)
+    assert model.moecache is full and full is not first
+    assert full.manager.store is store and full.runtime.cpu is cpu  # nothing copied from the model again
+    modules = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+    assert len(modules) == L and all(m._runtime is full.runtime for m in modules)
+    s = full.stats()  # from zero: the static residents were loaded before the counters start
+    assert s["visits"] == s["copies"] == s["fallback_entries"] == 0 and s["hit_rate"] is None
+    assert s["policy"] == "static_cold" and s["capacity"] == L * E and s["residents_per_layer"] == [E] * L
+    tokens, logits = greedy_logits(model)
+    assert torch.equal(tokens, want[0])
+    torch.testing.assert_close(logits, want[1], rtol=1e-4, atol=1e-5)
+    s = full.stats()
+    assert s["hit_rate"] == 1.0 and s["fallback_entries"] == 0 and s["copies"] == 0
+    with pytest.raises(MoecacheError, match=r"stats\(\) on a session replaced by reconfigure"):
+        first.stats()
+
+    none = full.reconfigure(capacity=0, policy="lru", on_miss="wait")
+    assert model.moecache is none and none.manager.pool.capacity == 0 and none.manager.on_miss == "wait"
+    assert none.stats()["visits"] == 0
+    tokens, logits = greedy_logits(model)
+    assert torch.equal(tokens, want[0])
+    torch.testing.assert_close(logits, want[1], rtol=1e-4, atol=1e-5)
+    s = none.stats()
+    assert s["hit_rate"] == 0.0 and s["gpu_entries"] == 0 and s["fallback_entries"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(capacity="abc"), "capacity='abc': expected an integer slot count"),
+        (dict(capacity=10**6), "more slots than experts"),
+        (dict(capacity=4, policy="belady"), "belady is offline"),
+        (dict(capacity=4, policy="nope"), "unknown policy 'nope'"),
+        (
+            dict(capacity=4, policy="lru", decision="d.json"),
+            "moecache reconfigure: give policy= or decision=",
+        ),
+        (dict(capacity=4, decision="absent.json"), "absent.json: cannot read the decision"),
+        (dict(capacity=4, on_miss="later"), r"on_miss='later': expected one of \['cpu', 'wait'\]"),
+    ],
+)
+def test_reconfigure_refuses_bad_arguments_in_one_line_and_keeps_the_session(kwargs, message):
+    model = moecache.offload(tiny("mixtral"), capacity=4, policy="lru")
+    session = model.moecache
+    want = greedy(model)
+    with pytest.raises(MoecacheError, match=message) as info:
+        session.reconfigure(**kwargs)
+    assert "\n" not in str(info.value)
+    assert model.moecache is session and torch.equal(greedy(model), want)  # still the working session
+    assert session.stats()["capacity"] == 4
