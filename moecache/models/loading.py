@@ -311,6 +311,10 @@ def _generation_config(path: Path, model: PreTrainedModel, tokenizer) -> Generat
 def load_model(model_cfg: DictConfig | dict, output_root: str | Path, device: str) -> LoadedModel:
     """Load the model that `model_cfg` (the `model` config group) names, in eval mode on `device`."""
     cfg = _model_dict(model_cfg)
+    from moecache.models import random_full
+
+    if random_full.is_random(cfg):  # random weights in memory, no checkpoint (random_full.py)
+        return random_full.load_random(cfg, _resolve_device(device))
     if cfg.get("path") is None:
         if not cfg.get("build"):
             raise MoecacheError(

@@ -1,7 +1,9 @@
 """`moecache validate`: the decided policy end to end beside the baselines (issue 13, docs/validation.md).
 
-Reads a decision artifact (`validate.decision`, null: the newest), runs on the `model` group's model, for
-every workload of `validate.workloads` (conf/workload/): first the unmodified model (the reference), then
+Reads a decision artifact (`validate.decision`, null: the newest), runs on the `model` group's model (a
+checkpoint, or random weights: moecache/models/random_full.py), for every workload of `validate.workloads`
+(conf/workload/), or the one workload of `validate.forced_trace` (moecache/validation/forcing.py): first
+the unmodified model (the reference, before offloading; moecache/validation/pipeline.py), then
 every strategy of `validate.strategies` (moecache/validation/baselines.py) at every capacity of
 `validate.capacities` (the all_resident and all_cpu baselines once, at every expert / none). Each run's
 routing trace is logged with the cache columns filled; its measurements (moecache/validation/runs.py) and,
@@ -26,8 +28,18 @@ from moecache.errors import MoecacheError
 from moecache.stages.base import StageResult, prepare, reusable, store_for, torch_device
 
 STAGE = "validate"
+# validation.json's `execution` per validate.loop; each run's own path is its row's `loop`:
+# transformers, fast-graphs (CUDA graphs between the host points) or fast-eager (eager steps: the CPU, or an
+# unmodified model forced by its router hooks).
+EXECUTION = {
+    "transformers": "transformers generate (eager)",
+    "fast": "moecache fast decode loop (FastDecoder; per run: the runs' loop column)",
+}
 SCHEMA_VERSION = 1
-KEYS = ("decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile")
+KEYS = (
+    "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
+    "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens",
+)  # fmt: skip
 
 
 def _checked(c: dict) -> dict:
@@ -50,6 +62,22 @@ def _checked(c: dict) -> dict:
     optional(integer(1))("validate.requests", v["requests"])
     optional(integer(1))("validate.max_new_tokens", v["max_new_tokens"])
     optional(string)("validate.cost_profile", v["cost_profile"])
+    from moecache.validation.generation import LOOPS
+    from moecache.validation.pipeline import REFERENCES
+
+    for key, allowed in (("loop", LOOPS), ("reference", REFERENCES)):
+        if v[key] not in allowed:
+            raise MoecacheError(f"validate.{key}={v[key]!r}: expected one of {', '.join(allowed)}")
+    optional(string)("validate.forced_trace", v["forced_trace"])
+    optional(integer(1))("validate.forced_requests", v["forced_requests"])
+    optional(integer(1))("validate.forced_max_tokens", v["forced_max_tokens"])
+    if v["loop"] == "fast" and v["forced_trace"] is None:
+        raise MoecacheError(
+            "validate.loop=fast: needs validate.forced_trace (a replayed CUDA graph runs no routing hook, so "
+            "the fast loop's traces are the forcing trace's rows; docs/validation.md)"
+        )
+    if v["reference"] == "all_resident" and "all_resident" not in v["strategies"]:
+        raise MoecacheError("validate.reference=all_resident: validate.strategies must list all_resident")
     return v
 
 
@@ -112,6 +140,7 @@ def _profile_path(store: ArtifactStore, ref: str | None) -> str | None:
 def run(cfg: DictConfig) -> StageResult:
     from moecache.config import CONF_DIR
     from moecache.validation.baselines import build
+    from moecache.validation.pipeline import Workload
     from moecache.validation.workloads import load_workload
 
     c = prepare(cfg, STAGE)
@@ -120,16 +149,41 @@ def run(cfg: DictConfig) -> StageResult:
     device = torch_device(cfg)
     decision = _decision(store, v["decision"])
     selected = _selected(decision)
-    workloads = {name: load_workload(name, CONF_DIR) for name in v["workloads"]}
+    forced_ref = None
+    if v["forced_trace"] is not None:  # one trace-forced workload instead (moecache/validation/forcing.py)
+        from moecache.sim.inputs import resolve_traces
+
+        forced_ref = resolve_traces(store, [str(v["forced_trace"])])[0].ref
+        workloads = []
+    else:
+        workloads = [Workload(n, wcfg=load_workload(n, CONF_DIR)) for n in v["workloads"]]
     strategies = build(v["strategies"], selected)
     profile = _profile_path(store, v["cost_profile"])
+
+    import torch
 
     from moecache.capacity import parse_capacities
     from moecache.models import load_model
     from moecache.sim.shape import ModelShape
 
-    loaded = load_model(cfg.model, cfg.output_root, "cpu")  # runs copy it; only what stays goes to device
+    loaded = load_model(cfg.model, cfg.output_root, device)  # one model, on the device (pipeline.py)
+    if c["model"].get("experts_implementation") is None and loaded.adapter.dtype != torch.bfloat16:
+        loaded.model.set_experts_implementation("eager")  # grouped_mm (CUDA's default) is for bf16
     arch = loaded.adapter.describe()
+    if v["forced_trace"] is not None:
+        from moecache.validation.forcing import load_forced
+
+        vocab = loaded.model.config.get_text_config().vocab_size
+        forced = load_forced(
+            store, str(v["forced_trace"]), num_requests=v["forced_requests"],
+            max_tokens=v["forced_max_tokens"], arch=arch, vocab_size=int(vocab),
+        )  # fmt: skip
+        if v["loop"] == "fast" and not forced.forced.has_weights:
+            raise MoecacheError(
+                f"validate.loop=fast: the forcing trace {forced.path} has no router_weights (the fast "
+                "loop writes the trace's weights at its host points); use validate.loop=transformers"
+            )
+        workloads = [Workload(forced.name, forced=forced)]
     L, E = arch["num_layers"], arch["num_experts"]
     slots = parse_capacities(
         list(v["capacities"]), key="validate.capacities", num_keys=L * E, expert_bytes=arch["expert_bytes"]
@@ -148,7 +202,7 @@ def run(cfg: DictConfig) -> StageResult:
         "seed": c["seed"],
         "device": device,
     }
-    inputs = [decision.id]
+    inputs = [decision.id] + ([forced_ref] if forced_ref else [])
     existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, inputs)
     if existing is not None:
         return StageResult(
@@ -156,8 +210,7 @@ def run(cfg: DictConfig) -> StageResult:
         )
 
     from moecache.validation import predict
-    from moecache.validation.pipeline import validate_workload
-    from moecache.validation.runs import EXECUTION
+    from moecache.validation.pipeline import Settings, validate_all
     from moecache.validation.tables import write
 
     run_id = artifact_id(STAGE, SCHEMA_VERSION, config, inputs)
@@ -165,15 +218,12 @@ def run(cfg: DictConfig) -> StageResult:
     with store.create(
         STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=int(c["seed"])
     ) as tmp:
-        rows, latencies = [], []
-        for name, wcfg in workloads.items():
-            w_rows, w_lat = validate_workload(
-                loaded, name, wcfg, strategies, grid, device=device, seed=int(c["seed"]),
-                limit=v["requests"], max_new_tokens=v["max_new_tokens"], folder=tmp, run_id=run_id,
-                profile=profile,
-            )  # fmt: skip
-            rows += w_rows
-            latencies += w_lat
+        settings = Settings(
+            device=device, seed=int(c["seed"]), loop=v["loop"], limit=v["requests"],
+            max_new_tokens=v["max_new_tokens"], folder=tmp, run_id=run_id, profile=profile,
+            reference=v["reference"],
+        )  # fmt: skip
+        rows, latencies = validate_all(loaded, arch, workloads, strategies, grid, settings)
         write(tmp, rows, latencies)
         result = {
             "decision": decision.id,
@@ -182,8 +232,20 @@ def run(cfg: DictConfig) -> StageResult:
             "model_revision": loaded.revision,
             "architecture": arch,
             "device": device,
-            "execution": EXECUTION,
-            "workloads": list(workloads),
+            "execution": EXECUTION[v["loop"]],
+            "execution_per_run": {
+                f"{r['workload']}/{r['strategy']}@{r['capacity']}": r["loop"] for r in rows
+            },
+            "reference": (
+                "unmodified: the model as loaded, every expert on the device, run before offloading"
+                if v["reference"] == "unmodified"
+                else "all_resident: the all_resident run (the model is not run unmodified)"
+            ),
+            "model_build": "random weights (model.random)"
+            if loaded.revision.startswith("random:")
+            else "checkpoint",
+            "workloads": [w.name for w in workloads],
+            "forced": _forced_info(workloads[0].forced, forced_ref) if forced_ref else None,
             "capacities": [{"capacity": cap, "slots": n} for cap, n in grid],
             "strategies": [s.name for s in strategies],
             "fidelity": predict.MODULE if predict.available() else None,
@@ -192,6 +254,22 @@ def run(cfg: DictConfig) -> StageResult:
         }
         (tmp / "validation.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return StageResult(store.get(run_id).path, summary=_summary(result))
+
+
+def _forced_info(forced, ref: str) -> dict:
+    return {
+        "trace": ref,
+        "path": str(forced.path),
+        "requests": [
+            {
+                "request_id": r.request_id,
+                "prompt_tokens": len(r.prompt_ids),
+                "max_new_tokens": r.max_new_tokens,
+            }
+            for r in forced.requests
+        ],
+        "has_router_weights": bool(forced.forced.has_weights),
+    }
 
 
 def _summary(result: dict) -> dict:

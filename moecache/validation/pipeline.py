@@ -1,76 +1,166 @@
-"""All runs of one workload: the unmodified model first (it fixes the requests, gives the reference
-outputs and the trace whose counts make the hindsight placement), then every strategy at every capacity.
-Each run's trace goes to `<folder>/traces/<workload>/<strategy>-c<slots>/trace.parquet`; its row names it
-relative to `folder` (the artifact)."""
+"""Every run of `moecache validate` on ONE model, never copied (a 35B model cannot be):
+
+1. the reference of every workload (`validate.reference: unmodified`): the model as loaded, every expert
+   on the compute device, no runtime, BEFORE anything is offloaded. It fixes the requests (a multi-turn
+   conversation's later turns are built from its answers), gives the reference outputs and the trace
+   whose counts make the hindsight placement. (`validate.reference: all_resident`, for a model that
+   cannot be held on the device twice over its experts' host copy: the all_resident run is the
+   reference instead, and runs first.)
+2. the model is offloaded once (`moecache.offload`: its experts go to the host store); then every
+   strategy at every capacity, per workload, on a new cache of the same host store
+   (`model.moecache.reconfigure(capacity=, policy=, params=, on_miss=)`): a fresh manager and slot pool,
+   cold, as a fresh offload would give.
+
+Each run's trace goes to `<folder>/traces/<workload>/<strategy>-c<slots>/trace.parquet` (`unmodified`
+for the reference); its row names it relative to `folder` (the artifact).
+"""
 
 from __future__ import annotations
 
+import gc
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from moecache.errors import MoecacheError
 from moecache.trace.schema import TraceMeta
 from moecache.validation import predict
-from moecache.validation.baselines import Strategy, hindsight_keys
+from moecache.validation.baselines import Strategy, hindsight_keys, install_hindsight
 from moecache.validation.runs import Outputs, Request, RunSpec, measure
 from moecache.validation.workloads import request_stream
 
+REFERENCES = ("unmodified", "all_resident")
 
-def _meta(loaded, workload: str, spec: RunSpec, device: str) -> TraceMeta:
-    a = loaded.adapter
+
+@dataclass
+class Workload:
+    name: str
+    wcfg: object | None = None  # conf/workload/<name>.yaml (None: a forced workload)
+    forced: object | None = None  # moecache/validation/forcing.py ForcedWorkload
+
+
+@dataclass
+class Settings:
+    device: str
+    seed: int
+    loop: str
+    limit: int | None
+    max_new_tokens: int | None
+    folder: Path
+    run_id: str
+    profile: str | None
+    reference: str = "unmodified"
+
+
+def _meta(model_label: str, arch: dict, workload: str, spec: RunSpec, s: Settings) -> TraceMeta:
     return TraceMeta(
-        num_layers=a.num_layers, num_experts=a.num_experts, top_k=a.top_k, expert_bytes=a.expert_bytes,
-        model=loaded.path.name, source=f"validate:{workload}",
+        num_layers=arch["num_layers"], num_experts=arch["num_experts"], top_k=arch["top_k"],
+        expert_bytes=arch["expert_bytes"], model=model_label, source=f"validate:{workload}",
         run={
             "workload": workload, "strategy": spec.label, "capacity": spec.capacity, "slots": spec.slots,
             "policy": spec.strategy.policy.label() if spec.strategy else None,
-            "on_miss": spec.strategy.on_miss if spec.strategy else None, "device": device,
+            "on_miss": spec.strategy.on_miss if spec.strategy else None, "device": s.device,
+            "loop": s.loop,
         },
     )  # fmt: skip
 
 
-def validate_workload(
-    loaded, workload: str, wcfg, strategies: list[Strategy], grid: list[tuple[str, int]], *, device: str,
-    seed: int, limit: int | None, max_new_tokens: int | None, folder: Path, run_id: str, profile: str | None,
+def _configure(model, strategy: Strategy, slots: int, hindsight_G) -> None:
+    """A new cold cache for the run on the model's host store (module docstring, 2.)."""
+    session = model.moecache.reconfigure(
+        capacity=slots, policy=strategy.policy.name, params=dict(strategy.policy.params),
+        on_miss=strategy.on_miss,
+    )  # fmt: skip
+    if strategy.hindsight:
+        if hindsight_G is None:
+            raise MoecacheError(f"validate {strategy.name}: no hindsight placement for this workload")
+        install_hindsight(session.manager, hindsight_G)
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def validate_all(
+    loaded, arch: dict, workloads: list[Workload], strategies: list[Strategy], grid: list[tuple[str, int]],
+    s: Settings,
 ) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """Every run (module docstring): (rows, latency rows), the rows workload by workload, the reference
+    first, then the strategies in order, each at its capacities."""
+    from moecache.offloading import offload_model
     from moecache.sim.policies.lfu import key_counts
     from moecache.sim.trace_arrays import load_trace
 
+    if s.reference not in REFERENCES:
+        raise MoecacheError(f"validate.reference={s.reference!r}: expected one of {', '.join(REFERENCES)}")
+    model, label = loaded.model, loaded.path.name
     tokenizer = loaded.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    new_tokens = int(max_new_tokens or wcfg.max_new_tokens)
-    num_keys = loaded.adapter.num_layers * loaded.adapter.num_experts
-    rows, latencies = [], []
+    num_keys = arch["num_layers"] * arch["num_experts"]
+    rows_of: dict[str, list[dict]] = {w.name: [] for w in workloads}
+    latencies: list[dict] = []
 
-    def one(spec: RunSpec, requests, reference, hindsight=None, outputs=None):
-        trace_dir = (
-            folder
-            / "traces"
-            / workload
-            / ("unmodified" if spec.strategy is None else f"{spec.label}-c{spec.slots}")
-        )
+    def one(w: Workload, spec: RunSpec, requests, reference, outputs=None):
+        trace_dir = s.folder / "traces" / w.name / (
+            "unmodified" if spec.strategy is None else f"{spec.label}-c{spec.slots}"
+        )  # fmt: skip
+        new_tokens = int(s.max_new_tokens or (w.wcfg.max_new_tokens if w.wcfg is not None else 1))
         outcome = measure(
-            loaded.model, spec, requests, device=device, max_new_tokens=new_tokens, pad_id=pad_id,
-            trace_dir=trace_dir, meta=_meta(loaded, workload, spec, device), run_id=run_id,
-            reference=reference, hindsight_G=hindsight, outputs=outputs,
+            model, spec, requests, loop=s.loop, device=s.device, max_new_tokens=new_tokens, pad_id=pad_id,
+            trace_dir=trace_dir, meta=_meta(label, arch, w.name, spec, s), run_id=s.run_id,
+            reference=reference, outputs=outputs, forced=w.forced,
         )  # fmt: skip
         trace = trace_dir / "trace.parquet"
-        row = {**outcome.row, "trace": str(trace.relative_to(folder))}
+        row = {**outcome.row, "trace": str(trace.relative_to(s.folder))}
+        is_reference = reference is None
         if spec.strategy is None:
             row.update(predict.EMPTY)
         else:
-            row.update(predict.predict(trace, spec.strategy.sim_policy, spec.slots, profile, row))
-        rows.append(row)
+            row.update(predict.predict(trace, spec.strategy.sim_policy, spec.slots, s.profile, row))
+        row["reference"] = is_reference
+        rows_of[w.name].append(row)
         latencies.extend(outcome.latencies)
         return outcome, trace
 
-    made: list[Request] = []
-    answers = Outputs()
-    stream = request_stream(wcfg, seed, tokenizer, limit, answers, made)
-    reference, ref_trace = one(RunSpec(workload, None, None, None), stream, None, outputs=answers)
-    count_G = key_counts(load_trace(ref_trace))
-    for strategy in strategies:
-        fixed = strategy.fixed_capacity
-        points = [(fixed, num_keys if fixed == "all" else 0)] if fixed else grid
-        for capacity, slots in points:
-            hindsight = hindsight_keys(count_G, slots) if strategy.hindsight else None
-            one(RunSpec(workload, strategy, capacity, slots), made, reference.outputs, hindsight)
-    return rows, latencies
+    def requests_of(w: Workload, answers: Outputs, made: list[Request]):
+        if w.forced is not None:
+            made.extend(w.forced.requests)
+            return list(w.forced.requests)
+        return request_stream(w.wcfg, s.seed, tokenizer, s.limit, answers, made)
+
+    # 1. the references, before anything is offloaded
+    refs: dict[str, tuple[Outputs, list[Request], object]] = {}
+    if s.reference == "unmodified":
+        for w in workloads:
+            made: list[Request] = []
+            answers = Outputs()
+            outcome, trace = one(w, RunSpec(w.name, None, None, None), requests_of(w, answers, made), None,
+                                 outputs=answers)  # fmt: skip
+            refs[w.name] = (outcome.outputs, made, key_counts(load_trace(trace)))
+    # 2. offloaded once (no expert left in the model: drop every other reference to them first)
+    loaded.adapter = None
+    _release()
+    offload_model(model, capacity=0, policy="static_cold", device=s.device)
+    for w in workloads:
+        if s.reference == "all_resident":
+            first = next(x for x in strategies if x.name == "all_resident")
+            made, answers = [], Outputs()
+            _configure(model, first, num_keys, None)
+            outcome, trace = one(w, RunSpec(w.name, first, "all", num_keys), requests_of(w, answers, made),
+                                 None, outputs=answers)  # fmt: skip
+            refs[w.name] = (outcome.outputs, made, key_counts(load_trace(trace)))
+        reference, made, count_G = refs[w.name]
+        for strategy in strategies:
+            if s.reference == "all_resident" and strategy.name == "all_resident":
+                continue  # it ran first, as the reference
+            fixed = strategy.fixed_capacity
+            points = [(fixed, num_keys if fixed == "all" else 0)] if fixed else grid
+            for capacity, slots in points:
+                hindsight = hindsight_keys(count_G, slots) if strategy.hindsight else None
+                _configure(model, strategy, slots, hindsight)
+                one(w, RunSpec(w.name, strategy, capacity, slots), made, reference)
+        _release()
+    return [r for w in workloads for r in rows_of[w.name]], latencies

@@ -1,56 +1,57 @@
-"""One measured run of `moecache validate`: a model (offloaded with one strategy at one capacity, or the
-unmodified model) greedily continuing a workload's requests, with its routing trace logged.
+"""One measured run of `moecache validate`: a model (offloaded, its session configured with one strategy at
+one capacity, or the unmodified model) greedily continuing a workload's requests, with its routing trace
+logged.
 
-Execution is plain transformers: `model.generate` (greedy, no EOS stop), one request after the other,
-batch size one. The time of every generated token is taken in a logits processor, after a device
-synchronize on CUDA, i.e. when the token's logits exist: the first one gives the time to first token
-(prefill and the first sample), the later ones the inter-token latencies. A run is built from a fresh
-copy of the unmodified CPU model (`moecache.offload` drops its dense experts into the host store; only
-the rest goes to the device), so no run inherits another's cache.
+The model is the caller's, as it is: nothing is copied (a 35B model cannot be); moecache/validation/
+pipeline.py configures it between runs (`model.moecache.reconfigure`). Each request goes through the
+run's loop (moecache/validation/generation.py: transformers' generate or the fast decode loop), batch
+size one, greedy, no EOS stop. The first token's stamp gives the time to first token (prefill and the
+first sample), the later ones the inter-token latencies (the fast loop's warm-up gaps flagged apart).
 
-Per run: TTFT (mean over requests), inter-token latency p50/p90/p99 over every decode interval, decode
-tokens/s (decode intervals / their time), prefill tokens/s (prompt tokens / time to first token),
-time per token (generate wall time / routed tokens: prompt + generated - 1 per request, the simulator's
-unit), peak host RSS and CUDA memory during the run's generation, the cache counters since the model was
-offloaded (a static policy's initial residents are loaded before), and the agreement with the unmodified
-model's tokens and logits (agreement.py).
+Per run: TTFT (mean over requests), inter-token latency p50/p90/p99 over every decode gap but the
+warm-up ones, decode tokens/s (those gaps / their time), prefill tokens/s (prompt tokens / time to first
+token), time per token ((time to first token + those gaps) / (prompt tokens + those gaps): generate's
+time over the routed tokens, the simulator's unit), peak host RSS and CUDA memory during the run, the
+cache counters of the run's session, and the agreement with the reference's tokens and logits
+(agreement.py).
+
+The trace: recorded by hooks (the router's for the unmodified model, the experts module's with the
+cache fields for an offloaded one; moecache/validation/recording.py) with the transformers loop; with
+the fast loop (trace-forced only) written from the forcing trace's rows and checked against every
+manager visit (moecache/validation/forcing.py).
 
 Legend: N generated positions, V vocabulary, G global expert keys.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import gc
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LogitsProcessorList
 
 from moecache.errors import MoecacheError
-from moecache.token_clock import TokenStamps
 from moecache.trace.hooks import RoutingRecorder
 from moecache.trace.logger import LoggerConfig, RoutingLogger
 from moecache.trace.schema import TraceMeta
 from moecache.validation.agreement import Agreement
-from moecache.validation.baselines import Strategy, install_hindsight
+from moecache.validation.baselines import Strategy
 from moecache.validation.memory import PeakMemory
 from moecache.validation.recording import CacheRecorder
 
-EXECUTION = "transformers generate (eager)"
 LOGGER = LoggerConfig(formats=("parquet",), on_overflow="block")
 QUANTILES = (50, 90, 99)
+RECORDED, FORCING = "recorded", "forcing trace"  # where a run's trace comes from
 
 
 @dataclass(frozen=True)
 class Request:
     request_id: str
     prompt_ids: tuple[int, ...]
+    max_new_tokens: int | None = None  # None: the run's default (validate.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -84,38 +85,20 @@ def _percentile(values: list[float], q: int) -> float | None:
     return float(np.percentile(np.asarray(values, np.float64), q)) if values else None
 
 
-def _build(plain_cpu_model, spec: RunSpec, device: str, hindsight_G: np.ndarray | None):
-    """A fresh copy of the model: unmodified on `device`, or offloaded with the spec's strategy."""
-    from moecache.offloading import offload_model
+def _recorder(model, logger: RoutingLogger, offloaded: bool):
+    if offloaded:
+        return CacheRecorder(model, logger)
+    from moecache.models.adapter import adapter_for
 
-    model = copy.deepcopy(plain_cpu_model)
-    if spec.strategy is None:
-        return model.to(device)
-    s = spec.strategy
-    model = offload_model(
-        model, capacity=spec.slots, policy=s.policy.name, params=s.policy.params, device=device
-    )
-    manager = model.moecache.manager
-    manager.on_miss = s.on_miss
-    if s.hindsight:
-        if hindsight_G is None:
-            raise MoecacheError(f"validate {spec.label}: no hindsight placement for this workload")
-        install_hindsight(manager, hindsight_G)
-    return model
-
-
-def _free(model) -> None:
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    return RoutingRecorder(model, adapter_for(model), logger)
 
 
 def measure(
-    plain_cpu_model,
+    model,
     spec: RunSpec,
     requests: Iterable[Request],
     *,
+    loop: str,
     device: str,
     max_new_tokens: int,
     pad_id: int,
@@ -123,66 +106,95 @@ def measure(
     meta: TraceMeta,
     run_id: str,
     reference: Outputs | None,
-    hindsight_G: np.ndarray | None = None,
     outputs: Outputs | None = None,
+    forced=None,
 ) -> RunOutcome:
-    """Run `requests` on the spec's model (module docstring); its trace goes to trace_dir/trace.parquet.
-    `requests` may be a stream that reads `outputs` (filled request by request; a new one by default)."""
-    model = _build(plain_cpu_model, spec, device, hindsight_G)
-    offloaded = spec.strategy is not None
-    manager = model.moecache.manager if offloaded else None
-    before = dataclasses.replace(manager.stats) if offloaded else None
-    logger = RoutingLogger(trace_dir, meta, run_id, LOGGER)
-    if offloaded:
-        recorder = CacheRecorder(model, logger)
-    else:
-        from moecache.models.adapter import adapter_for
+    """Run `requests` on `model` as it is (module docstring); its trace goes to trace_dir/trace.parquet.
+    `requests` may be a stream that reads `outputs` (filled request by request; a new one by default).
+    `forced`: the stage's ForcedWorkload (moecache/validation/forcing.py) or None. `max_new_tokens`: for
+    a request without its own."""
+    import contextlib
 
-        recorder = RoutingRecorder(model, adapter_for(model), logger)
-    cuda = device.startswith("cuda")
+    from moecache.validation.generation import make_loop
+
+    session = getattr(model, "moecache", None)
+    offloaded = session is not None
+    if offloaded != (spec.strategy is not None):
+        raise MoecacheError(f"validate {spec.label}: the model is {'' if offloaded else 'not '}offloaded")
+    if loop == "fast" and forced is None:
+        raise MoecacheError("validate.loop=fast: needs validate.forced_trace (module docstring of runs.py)")
+    before = dataclasses.replace(session.manager.stats) if offloaded else None
+    logger = RoutingLogger(trace_dir, meta, run_id, LOGGER)
+    hooks = loop != "fast"  # the fast loop's traces are the forcing trace's rows (module docstring)
+    longest = 2
+    if not hooks:  # the fast loop's decoder is sized for the run's longest request
+        requests = list(requests)
+        longest = max(len(r.prompt_ids) + int(r.max_new_tokens or max_new_tokens) for r in requests)
+    runner = make_loop(
+        loop, model, device=device, pad_id=pad_id, max_cache_len=longest,
+        forced=forced.forced if forced is not None else None,
+    )  # fmt: skip
     memory = PeakMemory(device)
     outputs = Outputs() if outputs is None else outputs
     latencies: list[dict] = []
-    n_requests = 0
-    ttft_s, decode_s, itl_ms, wall_s = [], 0.0, [], 0.0
+    done: list[Request] = []
+    ttft_s, gaps_s, warm_n, loops = [], [], 0, set()
     prompt_tokens = generated = 0
+    recorder = check = None
+    stack = contextlib.ExitStack()
     memory.start()
     try:
-        with recorder:
+        with stack:
+            if hooks:
+                recorder = stack.enter_context(_recorder(model, logger, offloaded))
+            if forced is not None and (hooks or not offloaded):  # the fast loop forces offloaded itself
+                forced.forced.attach(model)
+                stack.callback(forced.forced.detach)
+            if forced is not None and not hooks and offloaded:
+                from moecache.validation.forcing import VisitCheck
+
+                check = stack.enter_context(VisitCheck(session.manager, forced.forced))
             for req in requests:
                 if offloaded:
                     model.moecache.begin_request()
-                recorder.start_request(req.request_id)
-                stamp = TokenStamps(cuda)
-                input_ids = torch.tensor([list(req.prompt_ids)], device=device)
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    out = model.generate(
-                        input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                        max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
-                        top_k=None, eos_token_id=None, pad_token_id=pad_id, output_logits=True,
-                        return_dict_in_generate=True, logits_processor=LogitsProcessorList([stamp]),
-                    )  # fmt: skip
-                wall_s += time.perf_counter() - start
-                tokens = out.sequences[0, input_ids.shape[1] :].tolist()
-                outputs.tokens[req.request_id] = tokens
-                outputs.logits[req.request_id] = torch.cat(out.logits).to("cpu", torch.float32)
-                times = stamp.times
-                if len(times) != len(tokens):
-                    raise MoecacheError(f"validate: {len(times)} token times for {len(tokens)} tokens")
-                ttft_s.append(times[0] - start)
-                gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
-                itl_ms += gaps
-                decode_s += times[-1] - times[0]
-                n_requests += 1
+                if forced is not None:
+                    forced.forced.start_request(req.request_id)
+                if check is not None:
+                    check.start_request(req.request_id)
+                if recorder is not None:
+                    recorder.start_request(req.request_id)
+                gen = runner.generate(req.prompt_ids, int(req.max_new_tokens or max_new_tokens))
+                outputs.tokens[req.request_id] = gen.tokens
+                outputs.logits[req.request_id] = gen.logits_NV
+                loops.add(gen.loop)
+                ttft_s.append(gen.ttft_s)
+                warm = gen.warmup_gaps
+                gaps_s += gen.gaps_s[warm:]
+                warm_n += warm
+                done.append(req)
                 prompt_tokens += len(req.prompt_ids)
-                generated += len(tokens)
-                for i, ms in enumerate([ttft_s[-1] * 1e3, *gaps]):
-                    latencies.append({"request_id": req.request_id, "token_index": i, "latency_ms": ms})
+                generated += len(gen.tokens)
+                for i, s in enumerate([gen.ttft_s, *gen.gaps_s]):
+                    latencies.append({
+                        "request_id": req.request_id, "token_index": i, "latency_ms": s * 1e3,
+                        "warmup": 1 <= i <= warm,
+                    })  # fmt: skip
         rss, cuda_peak = memory.stop()
+        if not hooks:
+            from moecache.validation.forcing import write_forced_trace
+
+            write_forced_trace(forced, done, logger)
     finally:
         log_stats = logger.close()
+        runner.close()
+    return _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss,
+                    cuda_peak, session, before, reference, outputs, latencies, loops, hooks, check)  # fmt: skip
+
+
+def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss, cuda_peak,
+             session, before, reference, outputs, latencies, loops, hooks, check) -> RunOutcome:  # fmt: skip
     L = meta.num_layers
+    n_requests = len(done)
     if not n_requests:
         raise MoecacheError(f"validate {spec.workload}: the workload gave no request")
     routed = prompt_tokens + generated - n_requests
@@ -190,6 +202,8 @@ def measure(
         raise MoecacheError(
             f"validate {spec.label}: logged {log_stats.rows_written} rows, expected {routed * L}"
         )
+    offloaded = session is not None
+    decode_s = sum(gaps_s)
     row = {
         "workload": spec.workload,
         "strategy": spec.label,
@@ -198,20 +212,23 @@ def measure(
         "capacity": spec.capacity,
         "slots": spec.slots,
         "capacity_fraction": (spec.slots / (L * meta.num_experts) if spec.slots is not None else None),
+        "loop": ",".join(sorted(loops)),
         "requests": n_requests,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
+        "warmup_gaps": warm_n,
         "ttft_ms": float(np.mean(ttft_s)) * 1e3,
-        **{f"itl_p{q}_ms": _percentile(itl_ms, q) for q in QUANTILES},
-        "decode_tokens_per_s": (generated - n_requests) / decode_s if decode_s > 0 else None,
+        **{f"itl_p{q}_ms": _percentile([g * 1e3 for g in gaps_s], q) for q in QUANTILES},
+        "decode_tokens_per_s": len(gaps_s) / decode_s if decode_s > 0 else None,
         "prefill_tokens_per_s": prompt_tokens / sum(ttft_s),
-        "time_per_token_ms": wall_s * 1e3 / routed,
+        "time_per_token_ms": (sum(ttft_s) + decode_s) * 1e3 / (prompt_tokens + len(gaps_s)),
         "peak_cpu_rss_bytes": rss,
         "peak_cuda_bytes": cuda_peak,
-        **_cache_counts(model, before),
+        **_cache_counts(session, before),
         **_agreement(reference, outputs),
+        "trace_source": RECORDED if hooks else FORCING,
+        "forced_rows_checked": check.rows_checked if check is not None else None,
     }
-    _free(model)
     for item in latencies:
         item.update(workload=spec.workload, strategy=spec.label, capacity=spec.capacity, slots=spec.slots)
     return RunOutcome(row, latencies, outputs)
@@ -223,21 +240,21 @@ CACHE_KEYS = (
 )  # fmt: skip
 
 
-def _cache_counts(model, before) -> dict:
-    """The cache counters of the run (None for the unmodified model)."""
+def _cache_counts(session, before) -> dict:
+    """The cache counters of the run's session (None for the unmodified model)."""
     if before is None:
         return dict.fromkeys(CACHE_KEYS)
-    now = model.moecache.manager.stats
+    now = session.manager.stats
     d = {f.name: getattr(now, f.name) - getattr(before, f.name) for f in dataclasses.fields(now)}
     accesses = d["hits"] + d["misses"]
-    runtime = model.moecache.runtime.stats
+    runtime = session.runtime.stats
     return {
         "hit_rate": d["hits"] / accesses if accesses else None,
         "accesses": accesses,
         "hits": d["hits"],
         "misses": d["misses"],
         "copies": d["copies"],
-        "copy_bytes": d["copies"] * model.moecache.manager.store.expert_bytes,
+        "copy_bytes": d["copies"] * session.manager.store.expert_bytes,
         "late_copies": d["late_copies"],
         "waited_copies": d["waited_copies"],
         "cpu_fallbacks": runtime.cpu_entries,

@@ -17,9 +17,12 @@ RUNS_SCHEMA = pa.schema(
         ("capacity", pa.string()),
         ("slots", pa.int64()),
         ("capacity_fraction", pa.float64()),
+        ("loop", pa.string()),  # transformers | fast-graphs | fast-eager (generation.py)
+        ("reference", pa.bool_()),  # the run the others are compared with
         ("requests", pa.int64()),
         ("prompt_tokens", pa.int64()),
         ("generated_tokens", pa.int64()),
+        ("warmup_gaps", pa.int64()),  # the fast loop's warm-up gaps, left out of the latencies below
         ("ttft_ms", pa.float64()),
         ("itl_p50_ms", pa.float64()),
         ("itl_p90_ms", pa.float64()),
@@ -42,6 +45,8 @@ RUNS_SCHEMA = pa.schema(
         ("token_match_rate", pa.float64()),
         ("max_logit_error", pa.float64()),
         ("trace", pa.string()),
+        ("trace_source", pa.string()),  # recorded (hooks) | forcing trace (the fast loop)
+        ("forced_rows_checked", pa.int64()),  # fast loop: visit rows checked against the forcing trace
         ("predicted_hit_rate", pa.float64()),
         ("predicted_time_per_token_ms", pa.float64()),
         ("fidelity_errors", pa.string()),
@@ -56,6 +61,7 @@ LATENCY_SCHEMA = pa.schema(
         ("request_id", pa.string()),
         ("token_index", pa.int32()),  # 0: time to first token; later: the gap since the previous token
         ("latency_ms", pa.float64()),
+        ("warmup", pa.bool_()),  # a fast-loop warm-up gap (eager step, graph capture)
     ]
 )
 

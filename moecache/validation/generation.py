@@ -1,0 +1,132 @@
+"""How `moecache validate` generates one request: the execution path of a run (`validate.loop`).
+
+- `transformers`: `model.generate` (greedy, no EOS stop, DynamicCache, eager). Each generated token is
+  stamped in a logits processor (moecache/token_clock.py, a device synchronize first on CUDA).
+- `fast`: moecache's decode loop (moecache/runtime/decode_loop.py `FastDecoder`), one decoder per run
+  (a decoder belongs to the `model.moecache` session it was built on), sized for the run's longest
+  request. A forced offloaded model is decoded with `forced=` (its host points write the trace's rows;
+  CUDA graphs on CUDA); an unmodified model with graphs off (the router hooks force it eagerly: a
+  forced router inside a replayed graph would replay its capture-time ids). Tokens are stamped by a
+  streamer (each decode step's token is read back, i.e. synchronized, before its stamp). The first
+  decode steps of a decoder are its warm-up (eager steps, the capture): their gaps are flagged, and
+  left out of the inter-token latencies and decode rates.
+
+Every loop returns a `Generated`: tokens, logits [N, V] (host float32), the time to first token, the
+gaps between later tokens, how many of the first gaps were warm-up, and the loop's label (`transformers`,
+`fast-graphs`, `fast-eager`).
+
+Legend: N generated tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+
+from moecache.errors import MoecacheError
+from moecache.token_clock import TokenStamps
+
+LOOPS = ("transformers", "fast")
+
+
+@dataclass
+class Generated:
+    tokens: list[int]
+    logits_NV: torch.Tensor  # host float32
+    ttft_s: float
+    gaps_s: list[float]  # N - 1 gaps between consecutive generated tokens
+    warmup_gaps: int  # the first gaps that were the decoder's warm-up (eager steps, graph capture)
+    loop: str
+
+
+class TransformersLoop:
+    label = "transformers"
+
+    def __init__(self, model, device: str, pad_id: int):
+        self.model, self.cuda, self.pad_id = model, device.startswith("cuda"), pad_id
+        self.device = device
+
+    def generate(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> Generated:
+        stamp = TokenStamps(self.cuda)
+        input_ids = torch.tensor([list(prompt_ids)], device=self.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens, do_sample=False,
+                temperature=None, top_p=None, top_k=None, eos_token_id=None, pad_token_id=self.pad_id,
+                output_logits=True, return_dict_in_generate=True,
+                logits_processor=LogitsProcessorList([stamp]),
+            )  # fmt: skip
+        tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+        times = stamp.times
+        if len(times) != len(tokens):
+            raise MoecacheError(f"validate: {len(times)} token times for {len(tokens)} tokens")
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        logits = torch.cat(out.logits).to("cpu", torch.float32)
+        return Generated(tokens, logits, times[0] - start, gaps, 0, self.label)
+
+    def close(self) -> None:
+        pass
+
+
+class _Stamps:
+    """A streamer (transformers' put/end protocol) that stamps every generated token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # the decoder puts the prompt first
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class FastLoop:
+    """One FastDecoder for the run (module docstring); `forced`: the run's ForcedRouting or None."""
+
+    def __init__(self, model, max_cache_len: int, forced=None):
+        from moecache.runtime.decode_loop import FastDecoder
+
+        offloaded = getattr(model, "moecache", None) is not None
+        if forced is not None and offloaded:
+            self.decoder = FastDecoder(model, max_cache_len=max_cache_len, keep_logits=True, forced=forced)
+        else:  # unmodified: its routers are forced by hooks the caller attached, so no graph may replay
+            graphs = "off" if forced is not None else "auto"
+            self.decoder = FastDecoder(model, max_cache_len=max_cache_len, keep_logits=True, graphs=graphs)
+
+    def generate(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> Generated:
+        stamps = _Stamps()
+        start = time.perf_counter()
+        result = self.decoder.generate(
+            torch.tensor([list(prompt_ids)]), max_new_tokens, eos_token_id=None, streamer=stamps
+        )
+        tokens = result.tokens[0, result.prompt_tokens :].tolist()
+        times = stamps.times
+        if len(times) != len(tokens) or len(tokens) != max_new_tokens:
+            raise MoecacheError(
+                f"validate: the fast loop gave {len(tokens)} tokens ({len(times)} stamps), asked {max_new_tokens}"
+            )
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        warmup = len(gaps) - int(result.timed_steps)
+        loop = "fast-graphs" if result.graphs_per_step else "fast-eager"
+        return Generated(tokens, result.logits, times[0] - start, gaps, warmup, loop)
+
+    def close(self) -> None:
+        self.decoder = None  # it holds the session's slot pool and graphs: dropped before a reconfigure
+
+
+def make_loop(name: str, model, *, device: str, pad_id: int, max_cache_len: int, forced=None):
+    if name == "transformers":
+        return TransformersLoop(model, device, pad_id)
+    if name == "fast":
+        return FastLoop(model, max_cache_len, forced)
+    raise MoecacheError(f"validate.loop={name!r}: expected one of {', '.join(LOOPS)}")

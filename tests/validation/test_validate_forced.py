@@ -1,0 +1,176 @@
+"""`moecache validate` trace-forced, through the CLI, on the CPU: the real DeepSeek-V2-Lite ESFT law trace
+(imported with an 8-token prefill step) forcing a random DeepSeek-V2-Lite-shaped model (26 MoE layers x
+64 experts, top-6, 2 shared experts; model.random at a tiny width, no checkpoint), first 2 requests,
+4 generated tokens each, one model offloaded once and reconfigured per run.
+
+Both loops: every run's trace (the reference's and every strategy's) holds exactly the forcing trace's
+expert ids and weights for the tokens it routed; all_resident's tokens equal the reference's; the
+artifact says which loop produced each run; with the fast loop every manager visit was checked against
+the forcing trace. Bad forced input is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from moecache.cli import app
+from moecache.runtime.forced_routing import ForcedRouting
+from moecache.trace.schema import read_trace
+from tests.validation.test_validate_stage import decision
+
+REPO = Path(__file__).resolve().parents[2]
+# ../shared beside the checkout; on the device machine the trace travels in .device-data/ (carried)
+ESFT = next(
+    (p for p in (REPO / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz",
+                 REPO / ".device-data/esft_law_routing.npz") if p.is_file()),
+    REPO / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz",
+)  # fmt: skip
+pytestmark = pytest.mark.skipif(not ESFT.is_file(), reason="needs ../shared (the ESFT traces)")
+PROMPT, NEW, REQUESTS = 8, 4, 2
+L, E, K = 26, 64, 6
+MODEL = [
+    "model=deepseek_v2_lite", "model.path=null", "model.random.seed=0", "model.dtype=float32",
+    "model.random.vocab_size=320", "model.experts_implementation=batched_mm",
+    "model.random.overrides={hidden_size:64,intermediate_size:96,moe_intermediate_size:16,"
+    "num_attention_heads:2,num_key_value_heads:2,kv_lora_rank:16,qk_nope_head_dim:8,qk_rope_head_dim:8,"
+    "v_head_dim:8}",
+]  # fmt: skip
+STRATEGIES = "validate.strategies=[all_resident,all_cpu,lru_sync,selected]"
+
+
+def run(root: Path, *overrides: str):
+    return CliRunner().invoke(app, ["validate", f"output_root={root}", *MODEL, *overrides])
+
+
+def imported(root: Path) -> Path:
+    """`root` with the law trace imported (PROMPT-token prefill steps) and an lru decision."""
+    res = CliRunner().invoke(app, [
+        "import-trace", f"output_root={root}", f"trace_import.path={ESFT}", "trace_import.name=esft_law",
+        f"trace_import.tokens_per_step={PROMPT}", "trace_import.licence_file=null",
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    decision(root, "lru")
+    return root
+
+
+def trace_id(root: Path) -> str:
+    return next((root / "import_trace").iterdir()).name
+
+
+@pytest.fixture(scope="module")
+def trace_root(tmp_path_factory):
+    root = imported(tmp_path_factory.mktemp("forced-out"))
+    return root, trace_id(root)
+
+
+def forced_validate(trace_root, loop: str):
+    root, trace_id = trace_root
+    res = run(
+        root, f"validate.forced_trace={trace_id}", f"validate.forced_requests={REQUESTS}",
+        f"validate.forced_max_tokens={NEW}", "validate.capacities=[25%]", STRATEGIES, f"validate.loop={loop}",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    folder = Path(res.stdout.strip().splitlines()[-1])
+    runs = pq.read_table(folder / "runs.parquet").to_pylist()
+    return folder, {(r["strategy"], r["capacity"]): r for r in runs}, root / "import_trace" / trace_id
+
+
+@pytest.fixture(scope="module")
+def transformers_run(trace_root):
+    return forced_validate(trace_root, "transformers")
+
+
+@pytest.fixture(scope="module")
+def fast_run(trace_root):
+    return forced_validate(trace_root, "fast")
+
+
+def forcing_rows(trace_dir: Path) -> dict:
+    forced = ForcedRouting.from_trace(trace_dir / "trace.parquet", num_layers=L, num_experts=E, top_k=K)
+    table, _ = read_trace(trace_dir / "trace.parquet")
+    return forced, table
+
+
+def per_request(table, request_ids) -> dict:
+    """request -> (ids [L, N, K], weights [L, N, K]) of a trace table (vectorised: the forcing trace is big)."""
+    out = {}
+    for rid in request_ids:
+        rows = table.filter(pc.equal(table["request_id"].cast("string"), rid))
+        order = np.lexsort((rows["token_index"].to_numpy(), rows["layer_id"].to_numpy()))
+        ids = pc.list_flatten(rows["expert_ids"]).to_numpy().reshape(-1, K)[order].reshape(L, -1, K)
+        w = pc.list_flatten(rows["router_weights"]).to_numpy().reshape(-1, K)[order].reshape(L, -1, K)
+        out[rid] = (ids, w.astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("which", ["transformers_run", "fast_run"])
+def test_every_run_routes_exactly_the_forcing_trace(which, request):
+    folder, runs, trace_dir = request.getfixturevalue(which)
+    forced, table = forcing_rows(trace_dir)
+    rids = forced.request_ids[:REQUESTS]
+    want = per_request(table, rids)
+    assert set(runs) == {("unmodified", None), ("all_resident", "all"), ("all_cpu", "0"),
+                         ("lru_sync", "25%"), ("selected", "25%")}  # fmt: skip
+    routed = PROMPT + NEW - 1
+    for key, r in runs.items():
+        assert r["requests"] == REQUESTS and r["prompt_tokens"] == REQUESTS * PROMPT, key
+        assert r["generated_tokens"] == REQUESTS * NEW, key
+        got_table = read_trace(folder / r["trace"])[0]
+        assert sorted(set(got_table["request_id"].to_pylist())) == sorted(rids), key
+        got = per_request(got_table, rids)
+        for rid, (ids, w) in got.items():
+            assert ids.shape == (L, routed, K), key
+            assert np.array_equal(ids, want[rid][0][:, :routed]), key
+            assert np.allclose(w, want[rid][1][:, :routed], atol=1e-6), key
+
+
+def test_all_resident_agrees_with_the_reference_and_the_artifact_names_the_loop(transformers_run, fast_run):
+    for (folder, runs, _), loop in ((transformers_run, "transformers"), (fast_run, "fast")):
+        result = json.loads((folder / "validation.json").read_text())
+        assert result["workloads"] == ["esft_law"] and result["forced"]["has_router_weights"]
+        assert result["reference"].startswith("unmodified") and result["model_build"].startswith("random")
+        assert runs[("unmodified", None)]["reference"] is True
+        r = runs[("all_resident", "all")]
+        assert r["token_match_rate"] == 1.0 and r["max_logit_error"] < 1e-3, loop
+        assert runs[("all_cpu", "0")]["hit_rate"] == 0.0
+        if loop == "transformers":
+            assert {x["loop"] for x in runs.values()} == {"transformers"}
+            assert {x["trace_source"] for x in runs.values()} == {"recorded"}
+        else:  # the CPU: the fast loop steps eagerly
+            assert {x["loop"] for x in runs.values()} == {"fast-eager"}
+            assert {x["trace_source"] for x in runs.values()} == {"forcing trace"}
+            for key, x in runs.items():  # every visit row of every offloaded run checked
+                routed = REQUESTS * (PROMPT + NEW - 1) * L
+                assert x["forced_rows_checked"] == (None if key[0] == "unmodified" else routed), key
+        assert set(result["execution_per_run"].values()) == {x["loop"] for x in runs.values()}
+
+
+def test_the_two_loops_agree(transformers_run, fast_run):
+    _, slow, _ = transformers_run
+    _, fast, _ = fast_run
+    for key in slow:
+        assert slow[key]["hit_rate"] == fast[key]["hit_rate"], key
+        assert slow[key]["copies"] == fast[key]["copies"], key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["validate.loop=fast"], "validate.loop=fast: needs validate.forced_trace"),
+        (["validate.forced_trace=import_trace-000000000000"], "import_trace-000000000000"),
+        (["validate.forced_requests=0", "validate.forced_trace=x.parquet"], "validate.forced_requests=0"),
+        (["validate.loop=quick"], "validate.loop='quick'"),
+    ],
+)
+def test_bad_forced_input_is_one_line_exit_2(trace_root, overrides, message):
+    root, _ = trace_root
+    res = run(root, *overrides)
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
