@@ -25,33 +25,24 @@ import argparse
 import copy
 import gc
 import json
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def build(model_yaml: Path, layers: int, vocab: int, device: torch.device):
-    """The yaml's model cut to `layers` decoder layers (bench_decode's builder), fp32, on `device`."""
-    from bench_decode import build_model
+    """The yaml's model cut to its first `layers` decoder layers (moecache/models/random_full.py), fp32."""
+    from moecache.models.adapter import adapter_for
+    from moecache.models.random_full import build_random_model
 
     cfg = yaml.safe_load(model_yaml.read_text())
-    cfg["architecture"]["num_layers"] = layers  # every decoder layer of these shapes is an MoE layer
-    cfg["name"] = f"{cfg['name']}-first-{layers}-layers"  # no config.json of that name: the built-in fields
-    cfg["architecture"].pop("expert_bytes", None)  # built in fp32 here, the yaml gives the bf16 size
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(cfg, f)
-    args = argparse.Namespace(
-        model=f.name, config_json=None, dtype="float32", vocab=vocab, config_source=None
-    )
-    model, described = build_model(args, device)
-    Path(f.name).unlink()
-    return model, described
+    random = {"seed": 0, "vocab_size": vocab, "num_layers": layers, "config_json": None, "overrides": {}}
+    model, _ = build_random_model({**cfg, "path": None, "random": random}, device, torch.float32)
+    name = f"{cfg['name']} (first {layers} layers)"
+    return model, {"name": name, "vocab": vocab, **adapter_for(model).describe()}
 
 
 @torch.inference_mode()
@@ -111,7 +102,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(
-        f"logit agreement on {device}: {described['name']} cut to {args.layers} layers "
+        f"logit agreement on {device}: {described['name']}, "
         f"({described['num_experts']} experts, top-{described['top_k']}, vocab {described['vocab']}), "
         f"{args.prompt_tokens}-token prompt, last position, reference unmodified fp32 (std {ref.std().item():.4g})"
     )

@@ -2,8 +2,9 @@
 
 One model built from a config with random weights IN MEMORY (no checkpoint): the tiny model by default
 (conf/model/tiny.yaml), or `--model conf/model/qwen3_6_35b_a3b.yaml`: the full Qwen3.6-35B-A3B text
-decoder (all 40 layers), its fields from `--config-json` (default ../shared/reference/<name>.config.json),
-checked against the yaml's `architecture`, built directly on the GPU in `--dtype` (bf16), vocabulary
+decoder (all 40 layers; or conf/model/deepseek_v2_lite.yaml), built by moecache/models/random_full.py
+(its built-in config fields, or `--config-json`), checked against the yaml's `architecture`, directly
+on the GPU in `--dtype` (bf16), vocabulary
 `--vocab` (default 32768, as the runtime notes' measurements).
 
 Runs, each greedy, batch 1, a prompt of `--prompt-tokens` random ids:
@@ -66,92 +67,41 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def build_model(args, device: torch.device):
-    """(model, description) from the model yaml: the tiny build, or a full config (module docstring)."""
-    import transformers
-
+    """(model, description) from the model yaml: the tiny build, or the full random model of
+    moecache/models/random_full.py (its built-in config fields unless --config-json)."""
     from moecache.models import ADAPTERS, adapter_for
+    from moecache.models.random_full import build_random_model
 
     cfg = yaml.safe_load(Path(args.model).read_text())
     dtype = getattr(torch, args.dtype) if args.dtype else getattr(torch, cfg.get("dtype") or "float32")
     if cfg.get("build"):  # the tiny model: its adapter's tiny config with the yaml's overrides
+        import transformers
+
         config = ADAPTERS[cfg["model_type"]].tiny_config(**dict(cfg["build"].get("overrides") or {}))
-        seed = int(cfg["build"].get("seed", 0))
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if args.vocab:
+            text.vocab_size = args.vocab
+        cls = (
+            transformers.Qwen3_5MoeForCausalLM
+            if cfg["model_type"] == "qwen3_5_moe"
+            else getattr(transformers, config.architectures[0])
+        )
+        torch.manual_seed(int(cfg["build"].get("seed", 0)))
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = cls(text).eval()
+        finally:
+            torch.set_default_dtype(default)
     else:
-        config = full_config(args, cfg)
-        seed = 0
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if args.vocab:
-        text.vocab_size = args.vocab
-    cls = (
-        transformers.Qwen3_5MoeForCausalLM
-        if cfg["model_type"] == "qwen3_5_moe"
-        else getattr(transformers, config.architectures[0])
-    )
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(text).eval()
-    finally:
-        torch.set_default_dtype(default)
+        random = {"seed": 0, "vocab_size": args.vocab, "num_layers": getattr(args, "layers", None),
+                  "config_json": args.config_json, "overrides": {}}  # fmt: skip
+        model, _ = build_random_model({**cfg, "path": None, "random": random}, device, dtype)
+        args.config_source = args.config_json or "built-in fields (moecache/models/random_full.py)"
     arch = adapter_for(model).describe()
-    want = cfg.get("architecture") or {}
-    wrong = {k: (arch.get(k), v) for k, v in want.items() if arch.get(k) != v}
-    if wrong:
-        raise MoecacheError(f"{args.model}: architecture (built, yaml) disagree: {wrong}")
-    return model, {"name": cfg["name"], "dtype": str(dtype), "vocab": text.vocab_size, **arch}
-
-
-# Qwen3.6-35B-A3B's text fields beyond the yaml's `architecture` (its config.json), for a machine without
-# ../shared: the layer pattern and the partial multimodal RoPE follow from qwen3_5_moe's tiny_config.
-QWEN3_6_TEXT = {
-    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
-}  # fmt: skip
-
-
-# DeepSeek-V2-Lite's config fields (its config.json), for a machine without one: the deepseek_v2 branch.
-DEEPSEEK_V2_LITE_TEXT = {
-    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27, "first_k_dense_replace": 1, "n_routed_experts": 64, "n_shared_experts": 2,
-    "num_experts_per_tok": 6, "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
-    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-    "norm_topk_prob": False, "max_position_embeddings": 163840, "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6, "hidden_act": "silu", "architectures": ["DeepseekV2ForCausalLM"],
-}  # fmt: skip
-
-
-def full_config(args, cfg: dict):
-    """The text config of a full model from its config.json (the yaml names no checkpoint to read); for
-    qwen3_5_moe without one, the yaml's architecture plus QWEN3_6_TEXT; for deepseek_v2 without one,
-    DEEPSEEK_V2_LITE_TEXT."""
-    import transformers
-
-    from moecache.models import ADAPTERS
-
-    path = Path(args.config_json or REPO / f"../shared/reference/{cfg['name']}.config.json")
-    if not path.is_file() and not args.config_json and cfg["model_type"] == "deepseek_v2":
-        args.config_source = "builtin"
-        return transformers.DeepseekV2Config(**DEEPSEEK_V2_LITE_TEXT)
-    if not path.is_file():
-        if args.config_json or cfg["model_type"] != "qwen3_5_moe":
-            raise MoecacheError(f"--config-json {path}: no such file (the full model's config.json)")
-        a = cfg["architecture"]
-        args.config_source = "builtin"
-        return ADAPTERS["qwen3_5_moe"].tiny_config(
-            num_hidden_layers=a["num_layers"], num_experts=a["num_experts"], num_experts_per_tok=a["top_k"],
-            hidden_size=a["hidden_size"], moe_intermediate_size=a["moe_intermediate_size"],
-            shared_expert_intermediate_size=a["shared_expert_intermediate_size"], **QWEN3_6_TEXT,
-        ).text_config  # fmt: skip
-    args.config_source = str(path)
-    raw = json.loads(path.read_text())
-    if cfg["model_type"] == "qwen3_5_moe":
-        text = {k: v for k, v in raw["text_config"].items() if k not in ("model_type", "dtype")}
-        return transformers.Qwen3_5MoeTextConfig(**text)
-    return transformers.AutoConfig.for_model(**raw)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return model, {"name": cfg["name"], "dtype": str(dtype), "vocab": vocab, **arch}
 
 
 def optional_kernels() -> dict:
