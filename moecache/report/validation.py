@@ -13,7 +13,7 @@ from moecache.report import markdown as md
 from moecache.report.tables import read_json
 
 HEADERS = [
-    "strategy", "capacity", "slots", "decode tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "prefill tok/s",
+    "strategy", "capacity", "slots", "loop", "decode tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "prefill tok/s",
     "hit rate", "copies", "late copies", "CPU fallbacks", "token match", "max logit err",
     "predicted hit rate", "predicted ms/token", "measured ms/token",
 ]  # fmt: skip
@@ -22,7 +22,8 @@ HEADERS = [
 def _row(r: dict) -> list:
     itl = " / ".join(md.num(r[f"itl_p{q}_ms"], 3) for q in (50, 90, 99))
     return [
-        r["strategy"], r["capacity"] or "-", md.num(r["slots"]), md.num(r["decode_tokens_per_s"], 4),
+        r["strategy"], r["capacity"] or "-", md.num(r["slots"]), r.get("loop") or "-",
+        md.num(r["decode_tokens_per_s"], 4),
         md.num(r["ttft_ms"], 4), itl, md.num(r["prefill_tokens_per_s"], 4), md.num(r["hit_rate"], 4),
         md.num(r["copies"]), md.num(r["late_copies"]), md.num(r["cpu_fallbacks"]),
         md.num(r["token_match_rate"], 4), md.num(r["max_logit_error"], 3), md.num(r["predicted_hit_rate"], 4),

@@ -37,7 +37,7 @@ def artifact(folder, predicted):
 def test_a_table_per_workload_and_no_figure_without_predictions(tmp_path):
     text, figures = section(artifact(tmp_path / "validate-1", None), "decide-abc", tmp_path / "figures")
     assert text.count("### ") == 2 and "### multi_request" in text and "### long_single" in text
-    assert text.count("| selected | 25% | 32 | 123.4 |") == 2 and "| unmodified | - |" in text
+    assert text.count("| selected | 25% | 32 | - | 123.4 |") == 2 and "| unmodified | - |" in text
     assert figures == [] and "fidelity.py was absent" in text and "another decision" not in text
 
 
