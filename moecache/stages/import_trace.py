@@ -8,7 +8,9 @@ Formats (`trace_import.format`):
 
 The artifact (`outputs/import_trace/<id>/`) holds `trace.parquet`, `run_metadata.json` and, when the
 source ships one, its licence as `LICENSE-source`. Its id covers the resolved `trace_import` group and
-the sha256 of the input file's bytes, so a changed input gives a new artifact. The written
+the sha256 of the input file's bytes, so a changed input gives a new artifact. `trace_import.reshape`
+(null by default) maps the imported trace onto another routing shape, a labelled approximation
+(moecache/trace/reshape.py; docs/trace-format.md, "Reshaped traces: an approximation"). The written
 `trace.parquet` is read back through `read_trace` before the artifact is published, so import-trace
 never publishes a trace that a later stage would refuse.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +30,11 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
 from moecache.artifacts import Artifact, artifact_id, write_json_atomic
-from moecache.config import to_container
+from moecache.config import CONF_DIR, to_container
 from moecache.errors import MoecacheError
 from moecache.stages.base import StageResult, prepare, reusable, store_for
 from moecache.trace.esft_import import esft_to_table, load_esft_npz
+from moecache.trace.reshape import RESHAPE_VERSION, reshape_table, target_from_option
 from moecache.trace.schema import SCHEMA, TraceMeta, read_trace, schema_with_meta, validate_table
 from moecache.trace.validity import canonical_order, check_row_order
 
@@ -70,7 +74,12 @@ def run(cfg: DictConfig) -> StageResult:
             f"{path}: no such file (trace_import.path; a relative path resolves against {Path.cwd()})"
         )
     digest = file_sha256(path)
+    target = None if group.get("reshape") is None else target_from_option(group["reshape"], CONF_DIR)
     config = {**group, "sha256": digest}
+    if target is None:
+        config.pop("reshape", None)  # an import without reshape: the same config as before the option
+    else:  # the resolved shape and the rule's version, so either changing gives a new artifact
+        config["reshape"] = {**asdict(target), "version": RESHAPE_VERSION}
     existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, [])
     if existing is not None:
         return StageResult(existing, reused=True, summary=Artifact(existing).manifest.get("summary", {}))
@@ -91,6 +100,8 @@ def run(cfg: DictConfig) -> StageResult:
         "source": source,
     }
     table, meta = _esft(path, group, run_meta) if fmt == "esft_npz" else _parquet(path, group, run_meta)
+    if target is not None:  # a labelled approximation onto another shape (moecache/trace/reshape.py)
+        table, meta = reshape_table(table, meta, target, str(path))
     summary = trace_summary(table, meta)
     licence = _licence_path(path, group.get("licence_file"))
 
