@@ -435,6 +435,38 @@ def time_visit(manager, shape: RuntimeShape, tokens: int, repeats: int, warmup: 
     return summarize(samples[warmup:])
 
 
+@torch.inference_mode()
+def time_layer_call(
+    runtime, shape: RuntimeShape, tokens: int, repeats: int, warmup: int, seed: int = 0
+) -> Timing:
+    """Host wall time of one whole experts-module call (`ExpertsRuntime.run`: the routing read back, the
+    manager's visit and commit, the hit mask split, the two halves' results combined) with its two halves
+    stubbed to return zeros: what a layer step costs besides the operator and the CPU path, which are
+    timed on their own (`time_slot_moe`, `time_cpu_path`). Random routings of `tokens` tokens."""
+    gen = np.random.default_rng(seed + tokens)
+    e, k = shape.num_experts, shape.top_k
+    dev = runtime.device.torch_device
+    x_TH = _input(tokens, shape.hidden_size, shape.dtype, dev)
+    calls = [
+        (
+            torch.from_numpy(
+                np.stack([gen.choice(e, size=k, replace=False) for _ in range(tokens)]).astype(np.int64)
+            ).to(dev),
+            torch.full((tokens, k), 1.0 / k, dtype=shape.dtype, device=dev),
+        )
+        for _ in range(warmup + repeats)
+    ]
+    zeros = torch.zeros_like(x_TH)
+    runtime._gpu_part = lambda *args: zeros  # instance attributes: only this synthetic runtime's calls
+    runtime._cpu_part = lambda *args: zeros
+    try:
+        timed = _host_timer(runtime.device)
+        samples = [timed(lambda c=c: runtime.run(0, x_TH, *c)) for c in calls]
+    finally:
+        del runtime._gpu_part, runtime._cpu_part
+    return summarize(samples[warmup:])
+
+
 def time_copy_engine(runtime, copies: int, repeats: int, warmup: int) -> tuple[Timing, Timing]:
     """The runtime's copy engine (`TransferEngine.enqueue` from the pinned store into a slot): host time
     from enqueue to its ready event seen complete, for one copy alone and for `copies` copies enqueued

@@ -218,7 +218,7 @@ RULES: dict[str, dict[str, Check]] = {
         "cost.runtime.cpu_tokens_per_expert": list_of(integer(1)),
         "cost.runtime.visit_tokens": list_of(integer(1)),
         "cost.runtime.copy_batch": integer(1),
-        "cost.runtime.prompt_tokens": integer(1),
+        "cost.runtime.prompt_tokens": list_of(integer(1)),
         "cost.runtime.decode_steps": integer(1),
         "cost.runtime.step": string,
         "cost.runtime.cpu_threads": optional(integer(1)),

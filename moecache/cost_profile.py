@@ -19,7 +19,7 @@ uses for the whole-step estimate:
     rc.kernel_row_us(tokens=1)        # slot-pool operator, 1 token: [0, N=1, ..., N=top_k] resident entries
     rc.cpu_expert_us(m)               # runtime CPU path, one more expert of m tokens in a call
     rc.cpu_call_us                    # ... its fixed cost per call (a step with at least one miss)
-    rc.visit_us(tokens)               # cache-manager visit + commit per layer step
+    rc.visit_us(tokens)               # host cost of a layer step besides the two halves (layer_call)
     rc.copy_us                        # copy engine, one expert (None: measured without CUDA)
     rc.non_expert_decode_us_per_layer, rc.non_expert_prefill_us_per_token
 
@@ -231,6 +231,8 @@ def _check_runtime(rt, source: str) -> None:
     _require_rows(rt["slot_moe"], ("tokens", "entries", *_TIMING_KEYS), "runtime.slot_moe", source)
     _require_rows(rt["cpu_path"], ("tokens_per_expert", "experts", *_TIMING_KEYS), "runtime.cpu_path", source)
     _require_rows(rt["visit"], ("tokens", *_TIMING_KEYS), "runtime.visit", source)
+    if rt.get("layer_call") is not None:
+        _require_rows(rt["layer_call"], ("tokens", *_TIMING_KEYS), "runtime.layer_call", source)
     if rt["copy_engine"] is not None:
         _require(
             rt["copy_engine"],
@@ -250,6 +252,16 @@ def _check_runtime(rt, source: str) -> None:
         raise MoecacheError(
             f"{source}: runtime.cpu_path needs calls of two expert counts (per expert and per call), has {sorted(experts)}"
         )
+
+
+def _prefill_curve(ne: dict | None) -> Curve | None:
+    """One prefill layer step's non-expert µs against its tokens, through the measured prompt lengths
+    (None with fewer than two: one length cannot say how the cost grows)."""
+    points = (ne or {}).get("prefill_points") or []
+    if len({int(p["prompt_tokens"]) for p in points}) < 2:
+        return None
+    layers = int(ne["moe_layers"])
+    return Curve([(float(p["prompt_tokens"]), float(p["median_us"]) / layers) for p in points])
 
 
 class Curve:
@@ -285,10 +297,14 @@ class RuntimeCosts:
     kernel_curves: tuple[Curve, ...]  # per measured token count: time against resident entries
     cpu_expert: Curve  # one more expert of m tokens in a CPU-path call
     cpu_call_us: float  # fixed cost of a CPU-path call
-    visit: Curve  # manager visit + commit against tokens of the step
+    visit: Curve  # the layer step's host cost against its tokens: the whole experts-module call with its
+    # halves stubbed (`layer_call`), or, in profiles without it, the manager's visit + commit alone
     copy_us: float | None  # copy engine, one expert copy's share of back-to-back copies
     non_expert_decode_us_per_layer: float | None
     non_expert_prefill_us_per_token: float | None
+    # µs of one prefill layer step against its tokens (from `prefill_points`: prefills of several lengths);
+    # None in profiles measured at one length (then per token x tokens)
+    non_expert_prefill_layer: Curve | None = None
     source: str = ""
 
     @classmethod
@@ -322,12 +338,15 @@ class RuntimeCosts:
             kernel_curves=tuple(Curve(by_tokens[t]) for t in tokens),
             cpu_expert=Curve(per_expert),
             cpu_call_us=max(float(np.median(per_call)), 0.0),
-            visit=Curve([(float(r["tokens"]), float(r["median_us"])) for r in rt["visit"]]),
+            visit=Curve(
+                [(float(r["tokens"]), float(r["median_us"])) for r in rt.get("layer_call") or rt["visit"]]
+            ),
             copy_us=None if engine is None else float(engine["per_copy_us"]),
             non_expert_decode_us_per_layer=None if ne is None else float(ne["decode_us_per_layer"]),
             non_expert_prefill_us_per_token=None
             if ne is None
             else float(ne["prefill_us_per_token_per_layer"]),
+            non_expert_prefill_layer=_prefill_curve(ne),
             source=source,
         )
 

@@ -316,6 +316,37 @@ def test_timed_replay_prices_the_runtime_step(make_trace, overlap) -> None:
     assert 0 < inst.hit_A.sum() < trace.num_accesses  # both halves are exercised
 
 
+def test_prefill_cost_interpolates_the_measured_prompt_lengths() -> None:
+    """A profile timed at two prompt lengths prices a prefill layer step by the curve through them (not
+    per token x tokens from the shortest: a prefill's cost is not linear); an override still wins."""
+    from conftest import trace_table
+
+    from moecache.sim.cost_model import CostModel
+    from moecache.sim.trace_arrays import from_table
+
+    data = _runtime_profile()
+    timing = {"p10_us": 0.0, "p90_us": 0.0, "repeats": 1}
+    # 2 MoE layers: per layer 400 us at 10 tokens, 1,000 us at 100 tokens (20 us/token at 10 tokens)
+    data["runtime"]["non_expert"]["prefill_points"] = [
+        {"prompt_tokens": 10, "median_us": 800.0, **timing},
+        {"prompt_tokens": 100, "median_us": 2000.0, **timing},
+    ]
+    profile = CostProfile.from_dict(data)
+    steps = [(0, 0, layer, [[0, 1]] * 55) for layer in range(2)] + [
+        (0, 1, layer, [[0, 2]]) for layer in range(2)
+    ]
+    table, meta = trace_table(steps, 2, 8, 2, expert_bytes=1_000_000)
+    trace = from_table(table, meta)
+    cost = CostModel.for_trace(profile, trace)
+    prefill, decode = 400.0 + (55 - 10) * (1000.0 - 400.0) / 90, 100.0
+    visit = float(cost.runtime.visit_us(55))  # the manager's visit, also per layer step
+    assert list(cost.non_expert_V(trace)) == pytest.approx([prefill + visit] * 2 + [decode + 3.0] * 2)
+    single = CostModel.for_trace(CostProfile.from_dict(_runtime_profile()), trace)  # one length: per token
+    assert list(single.non_expert_V(trace))[:2] == pytest.approx([20.0 * 55 + visit] * 2)
+    forced = CostModel.for_trace(profile, trace, non_expert_us_per_prefill_token=1.0)
+    assert list(forced.non_expert_V(trace))[:2] == pytest.approx([55.0 + visit] * 2)
+
+
 def test_copy_engine_prices_the_copies(make_trace) -> None:
     from moecache.sim.cost_model import CostModel
 
@@ -330,7 +361,7 @@ def test_calibrate_measures_the_runtime(tmp_path) -> None:
     fast_runtime = [
         "cost.runtime.repeats=3", "cost.runtime.warmup=1", "cost.runtime.kernel_tokens=[1,4]",
         "cost.runtime.cpu_tokens_per_expert=[1,4]", "cost.runtime.visit_tokens=[1]",
-        "cost.runtime.prompt_tokens=4", "cost.runtime.decode_steps=3",
+        "cost.runtime.prompt_tokens=[4,12]", "cost.runtime.decode_steps=3",
     ]  # fmt: skip
     result = calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST, *fast_runtime]))
     data = json.loads((result.artifact / PROFILE_FILE).read_text())
@@ -348,11 +379,20 @@ def test_calibrate_measures_the_runtime(tmp_path) -> None:
         (4, 1),
         (4, 4),
     }
-    for row in rt["slot_moe"] + rt["cpu_path"] + rt["visit"]:
+    for row in rt["slot_moe"] + rt["cpu_path"] + rt["visit"] + rt["layer_call"]:
         assert 0 < row["p10_us"] <= row["median_us"] <= row["p90_us"]
+    (call,) = rt["layer_call"]  # the whole experts-module call, halves stubbed: the step's host cost
+    assert call["tokens"] == 1
     ne = rt["non_expert"]
     assert ne["moe_layers"] == 4 and ne["decode_us_per_layer"] == pytest.approx(ne["decode"]["median_us"] / 4)
+    assert [p["prompt_tokens"] for p in ne["prefill_points"]] == [4, 12] and ne["prompt_tokens"] == 4
     profile = CostProfile.load(result.artifact)
+    assert float(profile.runtime_costs().visit_us(1)) == pytest.approx(call["median_us"])
+    curve = profile.runtime_costs().non_expert_prefill_layer
+    assert (
+        float(curve(4)) == pytest.approx(ne["prefill_points"][0]["median_us"] / 4, rel=1e-6)
+        or float(curve(4)) <= ne["prefill_points"][1]["median_us"] / 4
+    )  # made non-decreasing where noise says otherwise
     assert profile.runtime_costs().kernel_row_us(1)[4] > 0
     assert result.summary["decode ms/token, all hits (model)"] > 0
     off = calibrate.run(
@@ -373,7 +413,7 @@ def test_calibrate_measures_the_runtime_on_cuda(tmp_path) -> None:
         "cost.tokens_per_call=[1,4]", "cost.num_pool_experts=8", "cost.copy_sizes_bytes=[65536,1048576]",
         "cost.runtime.repeats=5", "cost.runtime.warmup=2", "cost.runtime.kernel_tokens=[1,8]",
         "cost.runtime.cpu_tokens_per_expert=[1,4]", "cost.runtime.visit_tokens=[1]",
-        "cost.runtime.prompt_tokens=8", "cost.runtime.decode_steps=5",
+        "cost.runtime.prompt_tokens=[8]", "cost.runtime.decode_steps=5",
     ]  # fmt: skip
     result = calibrate.run(compose(fast))
     data = json.loads((result.artifact / PROFILE_FILE).read_text())

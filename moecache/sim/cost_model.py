@@ -270,19 +270,32 @@ class CostModel:
         """`notes`, plus the warning that non-expert time is not modelled when it is 0."""
         return self.notes + (() if self.non_expert_modelled else (NOT_MODELLED_NON_EXPERT,))
 
+    @property
+    def non_expert_prefill_overridden(self) -> bool:
+        """A sim.non_expert_us_per_prefill_token override replaced the measured prefill cost."""
+        return (
+            self.runtime is not None
+            and self.non_expert_us_per_prefill_token != self.runtime.non_expert_prefill_us_per_token
+        )
+
     def non_expert_V(self, trace) -> np.ndarray:
         """Non-expert microseconds of every layer step: decode steps the per-layer value, prefill steps
+        the measured prefill curve at the step's tokens (a profile timed at several prompt lengths), else
         the per-token value times the step's tokens."""
         per_token = (
             self.non_expert_us_per_layer
             if self.non_expert_us_per_prefill_token is None
             else self.non_expert_us_per_prefill_token
         )
-        non_expert_V = np.where(
-            trace.phase_V == DECODE,
-            self.non_expert_us_per_layer,
-            per_token * trace.tokens_V.astype(np.float64),
-        ).astype(np.float64)
+        curve = None if self.runtime is None else self.runtime.non_expert_prefill_layer
+        prefill_V = (
+            per_token * trace.tokens_V.astype(np.float64)
+            if curve is None or self.non_expert_prefill_overridden
+            else curve(trace.tokens_V)  # measured at several prompt lengths: interpolated
+        )
+        non_expert_V = np.where(trace.phase_V == DECODE, self.non_expert_us_per_layer, prefill_V).astype(
+            np.float64
+        )
         if self.runtime is not None:  # the manager's visit and commit, per layer step
             non_expert_V = non_expert_V + self.runtime.visit_us(trace.tokens_V)
         return non_expert_V

@@ -36,13 +36,18 @@ so a profile measured elsewhere never stands in for this machine's.
       cpu_path      [{tokens_per_expert, experts, ..}]: one `ExpertsRuntime._cpu_part` call (gather,
                     CpuExperts.run, result back to x's device), wall time
       visit         [{tokens, ..}]: one `CacheManager.visit` + `commit` (policy lru, a quarter of E slots)
+      layer_call    [{tokens, ..}]: one whole experts-module call (`ExpertsRuntime.run`) with its two halves
+                    stubbed: the visit plus the module's own work (read-back, split, combine); the
+                    simulator's per-layer-step host cost where present (else `visit`)
       copy_engine   {expert_bytes, single, batch: {copies, ..}, per_copy_us = batch median / copies}:
                     `TransferEngine.enqueue` from the pinned store to the ready event seen complete, or
                     null without CUDA
-      non_expert    {moe_layers, prompt_tokens, decode_steps, prefill, decode, decode_us_per_layer =
-                    decode median / moe_layers, prefill_us_per_token_per_layer = prefill median /
-                    (prompt_tokens x moe_layers)}: the model, its routed experts returning zeros (after
-                    reading the routing back, as the runtime does), or null with `non_expert_reason`
+      non_expert    {moe_layers, prompt_tokens (the shortest of cost.runtime.prompt_tokens), decode_steps,
+                    prefill, decode, decode_us_per_layer = decode median / moe_layers,
+                    prefill_us_per_token_per_layer = prefill median / (prompt_tokens x moe_layers),
+                    prefill_points: [{prompt_tokens, median_us, ..}] one per prompt length}: the model,
+                    its routed experts returning zeros (after reading the routing back, as the runtime
+                    does), or null with `non_expert_reason`
     measured_at     UTC time, ISO 8601
     measure_s       wall seconds the measurements took
 """
@@ -293,19 +298,32 @@ def measure_runtime(
         dtype = loaded.adapter.dtype
         bar.step("runtime non-expert time")
         layers = cal.zero_experts(loaded.adapter)
-        prefill, decode = cal.time_model_steps(
-            loaded.model, prompt_tokens=int(rs["prompt_tokens"]), decode_steps=int(rs["decode_steps"]),
-            repeats=max(3, repeats // 4), warmup=min(warmup, 1), vocab_size=int(loaded.model.config.get_text_config().vocab_size),
-            step=step,
-        )  # fmt: skip
+        lengths = sorted({int(t) for t in rs["prompt_tokens"]})
+        vocab = int(loaded.model.config.get_text_config().vocab_size)
+        timed = [
+            cal.time_model_steps(
+                loaded.model,
+                prompt_tokens=t,
+                decode_steps=int(rs["decode_steps"]),
+                repeats=max(3, repeats // 4),
+                warmup=min(warmup, 1),
+                vocab_size=vocab,
+                step=step,
+            )  # fmt: skip
+            for t in lengths
+        ]
+        prefill, decode = timed[0]  # the shortest prompt's prefill, and the decode steps after it
         non_expert = {
             "moe_layers": layers,
-            "prompt_tokens": int(rs["prompt_tokens"]),
+            "prompt_tokens": lengths[0],
             "decode_steps": int(rs["decode_steps"]),
             "prefill": prefill.as_dict(),
             "decode": decode.as_dict(),
             "decode_us_per_layer": decode.median_us / layers,
-            "prefill_us_per_token_per_layer": prefill.median_us / (int(rs["prompt_tokens"]) * layers),
+            "prefill_us_per_token_per_layer": prefill.median_us / (lengths[0] * layers),
+            "prefill_points": [
+                {"prompt_tokens": t, **pre.as_dict()} for t, (pre, _) in zip(lengths, timed, strict=True)
+            ],
         }
         del loaded
         gc.collect()
@@ -352,11 +370,13 @@ def measure_runtime(
             "per_copy_us": batch.median_us / copies,
         }
     visiting = cal.synthetic_runtime(shape, e, max(1, e // 4), rdev, cpu_backend="torch")
-    visit_rows = []
+    visit_rows, call_rows = [], []
     for tokens in rs["visit_tokens"]:
         bar.step(f"runtime visit T={tokens}")
         timing = cal.time_visit(visiting.manager, shape, int(tokens), repeats, warmup)
         visit_rows.append(_timing_rows({"tokens": int(tokens)}, timing))
+        timing = cal.time_layer_call(visiting, shape, int(tokens), repeats, warmup)
+        call_rows.append(_timing_rows({"tokens": int(tokens)}, timing))
     section = {
         "model": {
             "name": (cfg.get("model") or {}).get("name"),
@@ -375,6 +395,7 @@ def measure_runtime(
         "slot_moe": kernel_rows,
         "cpu_path": cpu_rows,
         "visit": visit_rows,
+        "layer_call": call_rows,
         "copy_engine": copy_engine,
         "non_expert": non_expert,
     }
@@ -498,6 +519,8 @@ def runtime_summary(profile: CostProfile) -> dict:
     rows["cpu path us per expert M=1 (fit)"] = float(costs.cpu_expert_us(1))
     for r in rt["visit"]:
         rows[f"visit+commit us T={r['tokens']}"] = r["median_us"]
+    for r in rt.get("layer_call") or []:
+        rows[f"experts-module call, halves stubbed, us T={r['tokens']}"] = r["median_us"]
     if rt["copy_engine"] is not None:
         rows["copy engine us per expert (batch)"] = rt["copy_engine"]["per_copy_us"]
         rows["copy engine us single"] = rt["copy_engine"]["single"]["median_us"]
@@ -506,7 +529,11 @@ def runtime_summary(profile: CostProfile) -> dict:
         rows["non-expert"] = rt.get("non_expert_reason", "not measured")
         return rows
     rows[f"non-expert us/layer decode ({rt['execution']['path']})"] = ne["decode_us_per_layer"]
-    rows["non-expert us/token/layer prefill"] = ne["prefill_us_per_token_per_layer"]
+    for point in ne.get("prefill_points") or []:
+        per = point["median_us"] / (point["prompt_tokens"] * ne["moe_layers"])
+        rows[f"non-expert us/token/layer prefill, {point['prompt_tokens']} tokens"] = per
+    if not ne.get("prefill_points"):
+        rows["non-expert us/token/layer prefill"] = ne["prefill_us_per_token_per_layer"]
     # The decode step the simulator's runtime formula gives (serial halves), all hits and all misses.
     layer = ne["decode_us_per_layer"] + float(costs.visit_us(1))
     all_hit = layer + float(costs.kernel_row_us(1)[k])
