@@ -6,9 +6,11 @@ The result is NOT that model's routing; it keeps the source's locality (per laye
 across neighbouring layers) inside a trace of the target's shape. The rule, version RESHAPE_VERSION
 (docs/trace-format.md, "Reshaped traces: an approximation"):
 
-- G = E' / E source layers feed each target layer, stride = L // G: target MoE layer l' (0..L'-1)
-  draws on the source layers s_q(l') = (l' + q * stride) mod L, q = 0..G-1 (distinct since G <= L);
-  expert e of source layer s_q becomes target expert q * E + e.
+- G = E' / E source layers feed each target layer: target MoE layer l' (0..L'-1), in pass p = l' // L
+  over the source layers, draws on s_q(l') = (l' + q * stride_p) mod L, q = 0..G-1, where stride_p is
+  the smallest stride >= L // G + p (and above the previous pass's) whose G multiples are distinct mod L:
+  the G source layers are distinct, and a target layer l' + L does not repeat layer l's selections.
+  Expert e of source layer s_q becomes target expert q * E + e.
 - Per token, the candidates are the G * K source selections with their source router weights; the
   target selection is the K' candidates of largest weight (ties: the smaller target id), in descending
   weight order, the weights renormalised to sum 1 (as Qwen's norm_topk_prob does).
@@ -39,10 +41,11 @@ from moecache.errors import MoecacheError
 from moecache.trace.schema import TraceMeta, empty_cache_columns, schema_with_meta
 from moecache.trace.validity import request_codes
 
-RESHAPE_VERSION = 1
+RESHAPE_VERSION = 2
 RULE = (
-    "target layer l' draws on source layers s_q = (l' + q*stride) mod L, q = 0..G-1, G = E'/E, "
-    "stride = L//G; source expert e of s_q is target expert q*E + e; per token the K' of the G*K "
+    "target layer l' draws on source layers s_q = (l' + q*stride_p) mod L, q = 0..G-1, G = E'/E, "
+    "p = l' // L, stride_p the smallest stride >= L//G + p (and above the previous pass's) with G "
+    "distinct multiples mod L; source expert e of s_q is target expert q*E + e; per token the K' of the G*K "
     "source selections with the largest source router weight (ties: smaller target id), in descending "
     "weight order, weights renormalised to sum 1"
 )
@@ -96,10 +99,27 @@ def target_from_option(option, conf_dir) -> TargetShape:
     return TargetShape(**values, model=label)
 
 
+def pass_strides(source_layers: int, target_layers: int, groups: int) -> list[int]:
+    """The stride of each pass p = l' // L over the source layers: the smallest stride >= L // G + p
+    whose G multiples are distinct mod L (so the G source layers of a target layer are distinct, and a
+    later pass never repeats an earlier pass's layer assignment)."""
+    strides: list[int] = []
+    for p in range(-(-target_layers // source_layers)):
+        stride = (
+            source_layers // groups + p if not strides else max(source_layers // groups + p, strides[-1] + 1)
+        )
+        while len({(q * stride) % source_layers for q in range(groups)}) < groups:
+            stride += 1
+        strides.append(stride)
+    return strides
+
+
 def layer_map(source_layers: int, target_layers: int, groups: int) -> np.ndarray:
-    """int64 [L', G]: the source layers s_q(l') = (l' + q * stride) mod L, stride = L // G."""
-    stride = source_layers // groups
-    return (np.arange(target_layers)[:, None] + np.arange(groups)[None, :] * stride) % source_layers
+    """int64 [L', G]: the source layers s_q(l') = (l' + q * stride_p) mod L, p = l' // L (pass_strides)."""
+    strides = np.array(pass_strides(source_layers, target_layers, groups), np.int64)
+    target_L = np.arange(target_layers)
+    stride_L = strides[target_L // source_layers]
+    return (target_L[:, None] + np.arange(groups)[None, :] * stride_L[:, None]) % source_layers
 
 
 def check_shapes(source: TraceMeta, target: TargetShape, where: str) -> int:
@@ -277,7 +297,7 @@ def _label(meta: TraceMeta, target: TargetShape, groups: int, map_LG: np.ndarray
         "source_model": source_model,
         "source": meta.source,
         "groups": groups,
-        "stride": meta.num_layers // groups,
+        "strides": pass_strides(meta.num_layers, target.num_layers, groups),
         "source_layers": map_LG.tolist(),
     }
     return TraceMeta(

@@ -25,25 +25,26 @@ LAW = (REPO_ROOT / "../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing
 GROUP_YAML = REPO_ROOT / "conf/trace_import/deepseek_v2_lite_esft.yaml"
 QWEN = TargetShape(40, 256, 8, 6291456, "qwen3_6_35b_a3b")
 
-# Source: L=3 layers x E=4 experts, top-2. Target: 4 layers x 8 experts (G=2, stride 1), top-3.
+# Source: L=3 layers x E=4 experts, top-2. Target: 4 layers x 8 experts (G=2; strides 1, then 2), top-3.
 SOURCE = TraceMeta(3, 4, 2, 4096, model="toy", source="hand")
 TARGET = TargetShape(4, 8, 3, 1024, "toy8")
 # Routing of two token patterns, per source layer: (ids, weights); weights exact in float32.
 TOKEN_X = {0: ([1, 3], [0.5, 0.25]), 1: ([0, 2], [0.5, 0.125]), 2: ([3, 1], [0.375, 0.375])}
 TOKEN_Y = {0: ([2, 0], [0.25, 0.125]), 1: ([3, 1], [0.5, 0.25]), 2: ([0, 2], [0.0, 0.0625])}
-# Worked by hand from the rule: target layer l' <- source layers (l', l'+1) mod 3; source layer s_1's
+# Worked by hand from the rule: target layer l' <- source layers (l', l'+1) mod 3 for l' < 3, layer 3
+# (the second pass, stride 2) <- (0, 2); source layer s_1's
 # expert e is target expert 4 + e; the 3 largest of the 4 candidates (ties: smaller id), / their sum.
 EXPECTED_X = {
     0: ([1, 4, 3], [0.4, 0.4, 0.2]),  # 1 (0.5), 4 (0.5), 3 (0.25), 6 (0.125) left out
     1: ([0, 5, 7], [0.4, 0.3, 0.3]),  # 0 (0.5), 5 and 7 (0.375 each), 2 (0.125) left out
     2: ([5, 1, 3], [0.4, 0.3, 0.3]),  # 5 (0.5), 1 and 3 (0.375 each), 7 (0.25) left out
-    3: ([1, 4, 3], [0.4, 0.4, 0.2]),  # layer 3 draws on (0, 1) like layer 0
+    3: ([1, 5, 7], [0.4, 0.3, 0.3]),  # from (0, 2): 1 (0.5), 5 and 7 (0.375 each), 3 (0.25) left out
 }
 EXPECTED_Y = {
     0: ([7, 2, 5], [0.5, 0.25, 0.25]),  # 7 (0.5), 2 and 5 (0.25 each), 0 (0.125) left out
     1: ([3, 1, 6], [8 / 13, 4 / 13, 1 / 13]),  # 3, 1, 6 (0.0625); 4 (weight 0) left out
     2: ([6, 4, 2], [4 / 7, 2 / 7, 1 / 7]),  # 6 (0.25), 4 (0.125), 2 (0.0625); 0 (weight 0) left out
-    3: ([7, 2, 5], [0.5, 0.25, 0.25]),
+    3: ([2, 0, 6], [4 / 7, 2 / 7, 1 / 7]),  # from (0, 2): 2, 0, 6 (0.0625); 4 (weight 0) left out
 }
 
 
@@ -106,11 +107,18 @@ def assert_rows(got: list[tuple], want: list[tuple]) -> None:
 
 
 def test_layer_map():
-    assert layer_map(3, 4, 2).tolist() == [[0, 1], [1, 2], [2, 0], [0, 1]]
+    assert layer_map(3, 4, 2).tolist() == [[0, 1], [1, 2], [2, 0], [0, 2]]
     qwen = layer_map(26, 40, 4)
     assert qwen[0].tolist() == [0, 6, 12, 18] and qwen[25].tolist() == [25, 5, 11, 17]
-    assert qwen[39].tolist() == [13, 19, 25, 5]
+    assert qwen[26].tolist() == [0, 7, 14, 21] and qwen[39].tolist() == [
+        13,
+        20,
+        1,
+        8,
+    ]  # second pass, stride 7
     assert all(len(set(row)) == 4 for row in qwen.tolist())  # distinct source layers
+    assert len({tuple(row) for row in qwen.tolist()}) == 40  # no target layer repeats another's sources
+    assert all(len(set(row)) == 4 for row in layer_map(26, 200, 4).tolist())  # many passes
 
 
 def test_hand_computed_rows(tmp_path):
@@ -127,15 +135,15 @@ def test_hand_computed_rows(tmp_path):
 
 
 def test_token_missing_a_source_layer_has_fewer_candidates():
-    """r/b lacks source layer 2: target layers 1 (sources 1, 2) and 2 (sources 2, 0) get only the
-    other source layer's two candidates, a row of two experts."""
+    """r/b lacks source layer 2: target layers 1 (sources 1, 2), 2 (sources 2, 0) and 3 (sources 0, 2)
+    get only the other source layer's two candidates, a row of two experts."""
     table, _ = reshape_table(canonical(source_rows(drop_b_layer=2)), SOURCE, TARGET, "toy")
     got = [r for r in as_rows(table) if r[0] == "r/b"]
     want = [
         ("r/b", 0, 0, "decode", 0, *EXPECTED_Y[0]),
         ("r/b", 0, 0, "decode", 1, [3, 1], [2 / 3, 1 / 3]),
         ("r/b", 0, 0, "decode", 2, [6, 4], [2 / 3, 1 / 3]),
-        ("r/b", 0, 0, "decode", 3, *EXPECTED_Y[3]),
+        ("r/b", 0, 0, "decode", 3, [2, 0], [2 / 3, 1 / 3]),
     ]
     assert_rows(got, want)
 
@@ -149,10 +157,15 @@ def test_metadata_label(tmp_path):
     assert read.model == "toy8 (reshaped from toy)"
     assert read.source == f"reshaped-v{RESHAPE_VERSION}:hand"
     label = read.run["reshaped_from"]
-    assert label["version"] == RESHAPE_VERSION == 1
+    assert label["version"] == RESHAPE_VERSION == 2
     assert label["source_shape"] == {"num_layers": 3, "num_experts": 4, "top_k": 2, "expert_bytes": 4096}
-    assert (label["source_model"], label["source"], label["groups"], label["stride"]) == ("toy", "hand", 2, 1)
-    assert label["source_layers"] == [[0, 1], [1, 2], [2, 0], [0, 1]]
+    assert (label["source_model"], label["source"], label["groups"], label["strides"]) == (
+        "toy",
+        "hand",
+        2,
+        [1, 2],
+    )
+    assert label["source_layers"] == [[0, 1], [1, 2], [2, 0], [0, 2]]
     assert "q*E + e" in label["rule"] and "renormalised" in label["rule"]
 
 
@@ -331,7 +344,13 @@ def test_real_law_trace_onto_qwen_shape(tmp_path):
         cands = [
             (q * 64 + e, w)
             for q in range(4)
-            for e, w in src[(row["request_id"], row["token_index"], (row["layer_id"] + 6 * q) % 26)]
+            for e, w in src[
+                (
+                    row["request_id"],
+                    row["token_index"],
+                    (row["layer_id"] + (6 + row["layer_id"] // 26) * q) % 26,
+                )
+            ]
         ]
         best = sorted(cands, key=lambda c: (-c[1], c[0]))[:8]
         assert row["expert_ids"] == [e for e, _ in best]
