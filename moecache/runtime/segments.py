@@ -33,6 +33,7 @@ Legend: T tokens, H hidden, K top-k, E experts, M (token, k) entries run on the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -246,6 +247,7 @@ class ExpertsTaps:
         self.manager.commit()
         miss_TK = ~self._visit.hit_TK
         if miss_TK.any():
+            started_ns = time.perf_counter_ns()
             token_M, k_M = np.nonzero(miss_TK)
             keys_M = torch.from_numpy(layer * self.num_experts + self._ids_host_TK[token_M, k_M])
             token_t = torch.from_numpy(token_M.astype(np.int64))
@@ -255,6 +257,7 @@ class ExpertsTaps:
                 self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
             else:
                 self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self.cpu_TH)
+            self._visit.cpu_duration_ns = time.perf_counter_ns() - started_ns  # the trace's column
             self._cpu_dirty = True
         elif self._cpu_dirty:
             self.cpu_TH.zero_()

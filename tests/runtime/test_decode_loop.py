@@ -83,6 +83,8 @@ def test_fast_loop_equals_transformers_generate(reference, capacity):
     assert s["hits"] + s["misses"] == s["accesses"]
     if capacity == 0:
         assert s["gpu_entries"] == 0 and s["hit_rate"] == 0.0
+        # the last decode step's CPU half timed itself (the trace's cpu_duration_ns column)
+        assert model.moecache.manager.last_visit.cpu_duration_ns > 0
     if capacity == "100%":  # copies admitted at the prefill land before the decode steps (stand-in)
         assert s["evictions"] == 0 and s["gpu_entries"] > 0
 
