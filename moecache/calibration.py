@@ -388,6 +388,144 @@ def time_slot_moe(
     return summarize(samples[warmup:])
 
 
+class _InModelProbe(torch.nn.Module):
+    """Stands in for a sparse MoE block's `.experts` while `time_in_model` runs the model: reads the
+    routing back (as the runtime does) and, at every call of `tokens` tokens, runs `call(n, x_TH)` on the
+    model's own hidden state (n: the calls timed so far), timed; returns zeros."""
+
+    def __init__(self, tokens: int, call, samples_us: list[float]):
+        super().__init__()
+        self._tokens, self._call, self._samples_us = tokens, call, samples_us
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        top_k_index.detach().to("cpu", torch.int64)
+        if hidden_states.shape[0] == self._tokens:
+            t0 = time.perf_counter_ns()
+            self._call(len(self._samples_us), hidden_states)
+            self._samples_us.append((time.perf_counter_ns() - t0) / 1e3)
+        return torch.zeros_like(hidden_states)
+
+
+def time_in_model(
+    model, adapter, tokens: int, call, repeats: int, warmup: int, *, vocab_size: int, step=None, seed=0
+) -> Timing:
+    """Host wall time of `call(n, x_TH)` (one piece of the runtime's layer step) where the runtime runs it:
+    inside the model's forward, at every MoE layer, between the model's own work. A host call alone in a
+    tight loop finds its code and data in the core's caches; in a run the layer's attention and router
+    have evicted them, and the same call costs more (1.4-1.6x for the stand-in's operator on the tiny CPU
+    model: docs/benchmarks.md). Steps of T=`tokens`: the decode steps for T=1 (after a 4-token prompt),
+    else prefills of a `tokens`-token prompt; `warmup` calls untimed, then `repeats` timed. Every MoE
+    block's `.experts` is replaced by the probe for the measurement and restored after. `step`: the
+    decode loop (`transformers_generate` when None), as in `time_model_steps`."""
+    step = step or transformers_generate
+    layers = adapter.moe_layers()
+    want = warmup + repeats
+    samples: list[float] = []
+    saved = [layer.block.experts for layer in layers]
+    probe = _InModelProbe(tokens, call, samples)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed + tokens)
+    decode = tokens == 1
+    prompt_1T = torch.randint(0, vocab_size, (1, 4 if decode else tokens), generator=gen).to(device)
+    per_run = 1 + -(-want // len(layers)) if decode else 1  # the first token is the prefill's
+    try:
+        for layer in layers:
+            layer.block.experts = probe
+        with torch.inference_mode():  # as `moecache validate` runs the model
+            step(model, prompt_1T, 1, TokenStamps(False))  # the model's first-call costs, untimed
+            samples.clear()
+            while len(samples) < want:
+                step(model, prompt_1T, per_run, TokenStamps(False))
+    finally:
+        for layer, experts in zip(layers, saved, strict=True):
+            layer.block.experts = experts
+    return summarize(samples[warmup:want])
+
+
+def _operator_calls(runtime, shape: RuntimeShape, tokens: int, entries: int, count: int, seed: int):
+    """slot_of_E (a random layout of the pool's slots over the first experts) and `count` routings of
+    `tokens` tokens with `entries` resident entries, on the runtime's device (time_slot_moe's inputs)."""
+    resident = runtime.pool.capacity
+    gen = torch.Generator().manual_seed(seed + 1000 * tokens + entries)
+    dev = runtime.device.torch_device
+    slot_of_E = torch.full((shape.num_experts,), -1, dtype=torch.int32)
+    slot_of_E[:resident] = torch.randperm(resident, generator=gen).to(torch.int32)
+    calls = [
+        (
+            _entries_routing(tokens, entries, shape, resident, gen).to(dev),
+            _weights(tokens, shape.top_k, gen).to(device=dev, dtype=shape.dtype),
+        )
+        for _ in range(count)
+    ]
+    return slot_of_E.to(dev), calls
+
+
+def time_slot_moe_in_model(
+    model, adapter, runtime, shape: RuntimeShape, tokens: int, entries: int, repeats: int, warmup: int, **kw
+) -> Timing:
+    """`time_slot_moe`'s call (the runtime's GPU half, `entries` resident entries of `tokens` tokens) on
+    the model's hidden states inside its forward (`time_in_model`; `kw`: its vocab_size, step, seed)."""
+    slot_of_E, calls = _operator_calls(
+        runtime, shape, tokens, entries, min(warmup + repeats, 8), kw.get("seed", 0)
+    )
+
+    def call(n, x_TH):
+        ids_TK, w_TK = calls[n % len(calls)]
+        runtime._gpu_part(x_TH, ids_TK, w_TK, slot_of_E)
+
+    return time_in_model(model, adapter, tokens, call, repeats, warmup, **kw)
+
+
+def time_cpu_path_in_model(
+    model, adapter, runtime, shape: RuntimeShape, tokens_per_expert: int, experts: int, repeats, warmup, **kw
+) -> Timing:
+    """`time_cpu_path`'s call (the runtime's CPU half, `experts` missed experts of `tokens_per_expert`
+    tokens each, rotating over the store) on the model's hidden states inside its forward (`time_in_model`)."""
+    store_experts = runtime.manager.shape.num_experts
+    m, u = tokens_per_expert, experts
+    gen = torch.Generator().manual_seed(7 * m + u)
+    w_TU = _weights(m, u, gen).to(device=runtime.device.torch_device, dtype=shape.dtype)
+    miss_TU = np.zeros((m, u), np.bool_)
+
+    def call(n, x_TH):
+        first = (n * u) % (store_experts - u + 1)
+        ids_TU = np.tile(np.arange(first, first + u, dtype=np.int64), (m, 1))
+        runtime._cpu_part(0, x_TH, ids_TU, w_TU, miss_TU)
+
+    return time_in_model(model, adapter, m, call, repeats, warmup, **kw)
+
+
+def time_layer_call_in_model(
+    model, adapter, runtime, shape: RuntimeShape, tokens: int, repeats: int, warmup: int, **kw
+) -> Timing:
+    """`time_layer_call`'s call (a whole experts-module call, its two halves stubbed to zeros) on the
+    model's hidden states inside its forward (`time_in_model`)."""
+    gen = np.random.default_rng(kw.get("seed", 0) + tokens)
+    e, k = shape.num_experts, shape.top_k
+    dev = runtime.device.torch_device
+    calls = [
+        (
+            torch.from_numpy(
+                np.stack([gen.choice(e, size=k, replace=False) for _ in range(tokens)]).astype(np.int64)
+            ).to(dev),
+            torch.full((tokens, k), 1.0 / k, dtype=shape.dtype, device=dev),
+        )
+        for _ in range(min(warmup + repeats, 8))
+    ]
+
+    runtime._gpu_part = lambda x_TH, *args: torch.zeros_like(
+        x_TH
+    )  # instance attributes, as in time_layer_call
+    runtime._cpu_part = lambda layer, x_TH, *args: torch.zeros_like(x_TH)
+    try:
+        return time_in_model(
+            model, adapter, tokens, lambda n, x_TH: runtime.run(0, x_TH, *calls[n % len(calls)]),
+            repeats, warmup, **kw,
+        )  # fmt: skip
+    finally:
+        del runtime._gpu_part, runtime._cpu_part
+
+
 @torch.inference_mode()
 def time_cpu_path(
     runtime, shape: RuntimeShape, tokens_per_expert: int, experts: int, repeats: int, warmup: int
@@ -502,20 +640,64 @@ def time_copy_engine(runtime, copies: int, repeats: int, warmup: int) -> tuple[T
 class ZeroExperts(torch.nn.Module):
     """Stands in for a sparse MoE block's `.experts` (the runtime's signature): reads the routing back to
     the host, as the runtime's experts module does at every layer visit (that read waits for the router),
-    and returns zeros. The router, the shared expert and everything else stay the model's."""
+    and returns zeros. The router, the shared expert and everything else stay the model's.
+
+    `work(x_TH)`, if given, runs at every call and its host time is added to `spent_s[0]` (seconds), which
+    `time_model_steps` subtracts: the model's own work then runs behind expert work, as in a run, whose
+    cache pressure it pays (the stand-in: docs/simulator.md), and is timed without it."""
+
+    def __init__(self, work=None, spent_s: list[float] | None = None):
+        super().__init__()
+        self._work, self._spent_s = work, spent_s
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         top_k_index.detach().to("cpu", torch.int64)
+        if self._work is not None:
+            t0 = time.perf_counter()
+            self._work(hidden_states)
+            self._spent_s[0] += time.perf_counter() - t0
         return torch.zeros_like(hidden_states)
 
 
-def zero_experts(adapter) -> int:
-    """Replace every MoE block's routed experts of the adapter's model by `ZeroExperts`; the number of
-    MoE layers."""
+def zero_experts(adapter, work=None, spent_s: list[float] | None = None) -> int:
+    """Replace every MoE block's routed experts of the adapter's model by `ZeroExperts` (with `work` and
+    `spent_s`, shared by all layers); the number of MoE layers."""
     layers = adapter.moe_layers()
     for layer in layers:
-        layer.block.experts = ZeroExperts()
+        layer.block.experts = ZeroExperts(work, spent_s)
     return len(layers)
+
+
+def resident_operator_work(runtime, shape: RuntimeShape, seed: int = 0):
+    """`work(x_TH)` for `ZeroExperts`: the runtime's GPU half on x's T tokens, every entry resident (K
+    distinct resident experts per token, drawn at random): the expert work of an all-resident layer step."""
+    gen = torch.Generator().manual_seed(seed)
+    resident = runtime.pool.capacity
+    dev = runtime.device.torch_device
+    slot_of_E = torch.full((shape.num_experts,), -1, dtype=torch.int32)
+    slot_of_E[:resident] = torch.randperm(resident, generator=gen).to(torch.int32)
+    slot_of_E = slot_of_E.to(dev)
+    k = min(shape.top_k, resident)
+
+    def work(x_TH):
+        t = x_TH.shape[0]
+        ids_TK = torch.stack([torch.randperm(resident, generator=gen)[:k] for _ in range(t)]).to(dev)
+        runtime._gpu_part(x_TH, ids_TK, _weights(t, k, gen).to(device=dev, dtype=x_TH.dtype), slot_of_E)
+
+    return work
+
+
+class _StampsLess(TokenStamps):
+    """Token stamps less the host time spent in `ZeroExperts` work so far (`spent_s[0]`, seconds)."""
+
+    def __init__(self, cuda: bool, spent_s: list[float]):
+        super().__init__(cuda)
+        self._spent_s = spent_s
+
+    def __call__(self, input_ids, scores):
+        scores = super().__call__(input_ids, scores)
+        self.times[-1] -= self._spent_s[0]
+        return scores
 
 
 def transformers_generate(model, prompt_1T: torch.Tensor, new_tokens: int, stamp) -> None:
@@ -545,19 +727,27 @@ def time_model_steps(
     vocab_size: int,
     step=transformers_generate,
     seed: int = 0,
+    spent_s: list[float] | None = None,
 ) -> tuple[Timing, Timing]:
     """(prefill, decode): host wall time from the call to the first token's logits, over `repeats`
     generations from a prompt of `prompt_tokens` tokens, and between consecutive tokens' logits over the
     `decode_steps` decode steps of those generations (`warmup` generations untimed first). `step(model,
     prompt_1T, new_tokens, stamp)` is the decode loop (`transformers_generate`, or a faster one): this is
-    how `moecache validate` times a run, so the loop's own per-token work counts as it does there."""
+    how `moecache validate` times a run, so the loop's own per-token work counts as it does there.
+    `spent_s`: the `ZeroExperts` work's time (zero_experts), subtracted from every stamp."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     prompt_1T = torch.randint(0, vocab_size, (1, prompt_tokens), generator=gen).to(device)
     per_run = max(1, -(-decode_steps // max(repeats, 1)))  # decode steps timed per generation
     prefill, decode = [], []
     for n in range(warmup + repeats):
-        stamp = TokenStamps(device.type == "cuda")
+        stamp = (
+            TokenStamps(device.type == "cuda")
+            if spent_s is None
+            else _StampsLess(device.type == "cuda", spent_s)
+        )
+        if spent_s is not None:
+            spent_s[0] = 0.0
         start = time.perf_counter()
         step(model, prompt_1T, per_run + 1, stamp)
         if n >= warmup:

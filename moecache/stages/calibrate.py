@@ -33,6 +33,9 @@ so a profile measured elsewhere never stands in for this machine's.
       store_experts, slots       the synthetic store's experts and the slot pool's slots
       slot_moe      [{tokens, entries, ..}]: one `ExpertsRuntime._gpu_part` call (slot_moe on CUDA, CUDA
                     events; its torch reference on the stand-in, wall time) for `entries` resident entries
+      host_timed    how slot_moe, cpu_path and layer_call were timed: "in_model" (the stand-in with the
+                    model at hand: each call inside the model's forward at its MoE layers, as the runtime
+                    runs it; `calibration.time_in_model`) or "loop" (calls back to back; CUDA, or no model)
       cpu_path      [{tokens_per_expert, experts, ..}]: one `ExpertsRuntime._cpu_part` call (gather,
                     CpuExperts.run, result back to x's device), wall time
       visit         [{tokens, ..}]: one `CacheManager.visit` + `commit` (policy lru, a quarter of E slots)
@@ -296,10 +299,38 @@ def measure_runtime(
         loaded = load_model(cfg.model, cfg.output_root, device)
         arch = loaded.adapter.describe()
         dtype = loaded.adapter.dtype
-        bar.step("runtime non-expert time")
-        layers = cal.zero_experts(loaded.adapter)
-        lengths = sorted({int(t) for t in rs["prompt_tokens"]})
         vocab = int(loaded.model.config.get_text_config().vocab_size)
+    else:
+        loaded = None
+        arch = _architecture_shape(cfg)
+        model_dtype = (cfg.get("model") or {}).get("dtype")
+        dtype = cal.dtype_of(model_dtype if model_dtype not in (None, "auto") else "bfloat16")
+    shape = cal.RuntimeShape(
+        int(arch["num_experts"]), int(arch["top_k"]), int(arch["hidden_size"]),
+        int(arch["moe_intermediate_size"]), dtype,
+    )  # fmt: skip
+    rdev = _runtime_device(device)
+    e, k = shape.num_experts, shape.top_k
+    if e < 2 * k:
+        raise MoecacheError(f"calibrate: the runtime costs need num_experts >= 2 x top_k, got E={e}, K={k}")
+    # As many slots as leave top_k experts outside the pool (a step's misses need them): a long step's
+    # resident entries then spread over nearly all E experts, as an all-resident prefill's do (the
+    # operator's cost grows with the distinct experts it visits, not only with its entries).
+    slots = e - k
+    # The run's own store when it is small (its cache behaviour), else a pool larger than the cache.
+    cold = cal.pool_experts(shape.expert_bytes(), cache_bytes, max_pool_bytes)
+    store_experts = max(e, min(int(arch["num_layers"]) * e, cold))
+    runtime = cal.synthetic_runtime(
+        shape, store_experts, slots, rdev, cpu_threads=rs.get("cpu_threads"), cpu_backend=rs["cpu_backend"]
+    )
+    if loaded is not None:
+        bar.step("runtime non-expert time")
+        # On the stand-in the model runs behind the runtime's operator (its time subtracted), whose cache
+        # pressure a run's model work pays (docs/simulator.md); on CUDA that work is the device's.
+        spent_s = None if rdev.is_cuda else [0.0]
+        work = None if rdev.is_cuda else cal.resident_operator_work(runtime, shape)
+        layers = cal.zero_experts(loaded.adapter, work, spent_s)
+        lengths = sorted({int(t) for t in rs["prompt_tokens"]})
         timed = [
             cal.time_model_steps(
                 loaded.model,
@@ -309,6 +340,7 @@ def measure_runtime(
                 warmup=min(warmup, 1),
                 vocab_size=vocab,
                 step=step,
+                spent_s=spent_s,
             )  # fmt: skip
             for t in lengths
         ]
@@ -325,38 +357,31 @@ def measure_runtime(
                 {"prompt_tokens": t, **pre.as_dict()} for t, (pre, _) in zip(lengths, timed, strict=True)
             ],
         }
-        del loaded
-        gc.collect()
-    else:
-        arch = _architecture_shape(cfg)
-        model_dtype = (cfg.get("model") or {}).get("dtype")
-        dtype = cal.dtype_of(model_dtype if model_dtype not in (None, "auto") else "bfloat16")
-    shape = cal.RuntimeShape(
-        int(arch["num_experts"]), int(arch["top_k"]), int(arch["hidden_size"]),
-        int(arch["moe_intermediate_size"]), dtype,
-    )  # fmt: skip
-    rdev = _runtime_device(device)
-    e, k = shape.num_experts, shape.top_k
-    if e < 2 * k:
-        raise MoecacheError(f"calibrate: the runtime costs need num_experts >= 2 x top_k, got E={e}, K={k}")
-    slots = e // 2
-    # The run's own store when it is small (its cache behaviour), else a pool larger than the cache.
-    cold = cal.pool_experts(shape.expert_bytes(), cache_bytes, max_pool_bytes)
-    store_experts = max(e, min(int(arch["num_layers"]) * e, cold))
-    runtime = cal.synthetic_runtime(
-        shape, store_experts, slots, rdev, cpu_threads=rs.get("cpu_threads"), cpu_backend=rs["cpu_backend"]
-    )
+    # On the stand-in the operator, the CPU path and the layer call are host work whose cost depends on
+    # what ran before them: timed inside the model's forward where the model is at hand (a tight loop
+    # finds their code and data in the core's caches; docs/simulator.md). CUDA: the loop, as before.
+    in_model = loaded is not None and not rdev.is_cuda
+    model_args, rw = ((loaded.model, loaded.adapter) if in_model else ()), (repeats, warmup)
+    kw = {"vocab_size": vocab, "step": step} if in_model else {}
     kernel_rows = []
     for tokens in rs["kernel_tokens"]:
         for entries in cal.entries_grid(int(tokens), k, slots):
             bar.step(f"runtime slot_moe T={tokens} N={entries}")
-            timing = cal.time_slot_moe(runtime, shape, int(tokens), entries, repeats, warmup)
+            if in_model:
+                timing = cal.time_slot_moe_in_model(
+                    *model_args, runtime, shape, int(tokens), entries, *rw, **kw
+                )
+            else:
+                timing = cal.time_slot_moe(runtime, shape, int(tokens), entries, repeats, warmup)
             kernel_rows.append(_timing_rows({"tokens": int(tokens), "entries": entries}, timing))
     cpu_rows = []
     for m in rs["cpu_tokens_per_expert"]:
         for u in sorted({1, k}):
             bar.step(f"runtime cpu path M={m} U={u}")
-            timing = cal.time_cpu_path(runtime, shape, int(m), u, repeats, warmup)
+            if in_model:
+                timing = cal.time_cpu_path_in_model(*model_args, runtime, shape, int(m), u, *rw, **kw)
+            else:
+                timing = cal.time_cpu_path(runtime, shape, int(m), u, repeats, warmup)
             cpu_rows.append(_timing_rows({"tokens_per_expert": int(m), "experts": u}, timing))
     copy_engine = None
     if rdev.is_cuda:
@@ -375,8 +400,14 @@ def measure_runtime(
         bar.step(f"runtime visit T={tokens}")
         timing = cal.time_visit(visiting.manager, shape, int(tokens), repeats, warmup)
         visit_rows.append(_timing_rows({"tokens": int(tokens)}, timing))
-        timing = cal.time_layer_call(visiting, shape, int(tokens), repeats, warmup)
+        if in_model:
+            timing = cal.time_layer_call_in_model(*model_args, visiting, shape, int(tokens), *rw, **kw)
+        else:
+            timing = cal.time_layer_call(visiting, shape, int(tokens), repeats, warmup)
         call_rows.append(_timing_rows({"tokens": int(tokens)}, timing))
+    if loaded is not None:
+        del loaded, model_args
+        gc.collect()
     section = {
         "model": {
             "name": (cfg.get("model") or {}).get("name"),
@@ -393,6 +424,7 @@ def measure_runtime(
         "store_experts": store_experts,
         "slots": slots,
         "slot_moe": kernel_rows,
+        "host_timed": "in_model" if in_model else "loop",
         "cpu_path": cpu_rows,
         "visit": visit_rows,
         "layer_call": call_rows,
