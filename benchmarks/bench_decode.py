@@ -104,6 +104,18 @@ def build_model(args, device: torch.device):
     return model, {"name": cfg["name"], "dtype": str(dtype), "vocab": vocab, **arch}
 
 
+def environment(device: torch.device, described: dict) -> dict:
+    """The JSON line's machine, software and model fields (both modes of the benchmark)."""
+    return {
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "kernels": optional_kernels(),
+        "model": described,
+    }
+
+
 def optional_kernels() -> dict:
     """Which fast linear-attention kernels transformers can import (the qwen3_5_moe torch fallbacks
     are used otherwise)."""
@@ -347,12 +359,7 @@ def strategies_bench(args, model, described: dict, device: torch.device, prompt:
             )
     return {
         "bench": "decode-strategies",
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "kernels": optional_kernels(),
-        "model": described,
+        **environment(device, described),
         "args": vars(args),
         "forced": about,
         "runs": runs,
@@ -500,12 +507,7 @@ def main() -> None:
                     record("100% split", policy, r, hf_ref)
     result = {
         "bench": "decode",
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "kernels": optional_kernels(),
-        "model": described,
+        **environment(device, described),
         "build_s": build_s,
         "args": vars(args),
         "runs": runs,

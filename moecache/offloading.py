@@ -352,16 +352,17 @@ def _drop_experts(blocks: list[nn.Module]) -> None:
 
 def _policy_of(policy, params, decision, who: str):
     """The online placement policy (a sim Policy) of `policy` + `params`, or of a decision.json's
-    `selected` (moecache/runtime/manager.py's `from_decision` reads the same file); default lfu. Checked
-    before anything is built or freed."""
+    `selected` (`PolicySpec.selected_in`, as the manager's `from_decision`); default lfu. Checked before
+    anything is built or freed."""
     from moecache.sim.policy import make_policy
+    from moecache.sim.policy_spec import PolicySpec
 
     if policy is not None and decision is not None:
         raise MoecacheError(f"{who}: give policy= or decision=, not both")
     if decision is not None:
         if params:
             raise MoecacheError(f"{who}: params= goes with policy=, not with decision=")
-        spec = _selected(Path(decision))
+        spec = PolicySpec.selected_in(decision)
         name, params = spec.name, spec.params
     else:
         if policy is not None and not isinstance(policy, str):
@@ -376,18 +377,3 @@ def _policy_of(policy, params, decision, who: str):
             "the runtime takes an online policy (e.g. lfu, lru, static_cold)"
         )
     return made
-
-
-def _selected(path: Path):
-    """A decide stage's decision.json: its `selected: {policy, params}` (docs/decision.md)."""
-    import json
-
-    from moecache.sim.policy_spec import PolicySpec
-
-    try:
-        decision = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise MoecacheError(f"{path}: cannot read the decision ({' '.join(str(exc).split())})") from exc
-    if not isinstance(decision, dict) or not isinstance(decision.get("selected"), dict):
-        raise MoecacheError(f"{path}: no `selected: {{policy, params}}` object (not a decision.json?)")
-    return PolicySpec.from_dict(decision["selected"], f"{path}: selected")

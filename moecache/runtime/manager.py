@@ -35,10 +35,8 @@ distinct experts (in access order), S slots.
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numba as nb
 import numpy as np
@@ -220,14 +218,7 @@ class CacheManager:
         """From a decide stage's decision.json: its `selected: {policy, params}` (docs/decision.md)."""
         from moecache.sim.policy_spec import PolicySpec
 
-        path = Path(path)
-        try:
-            decision = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise MoecacheError(f"{path}: cannot read the decision ({' '.join(str(exc).split())})") from exc
-        if not isinstance(decision, dict) or not isinstance(decision.get("selected"), dict):
-            raise MoecacheError(f"{path}: no `selected: {{policy, params}}` object (not a decision.json?)")
-        spec = PolicySpec.from_dict(decision["selected"], f"{path}: selected")
+        spec = PolicySpec.selected_in(path)
         return cls.from_policy(store, device, capacity, spec.name, spec.params, top_k=top_k, cost=cost, **kw)
 
     # ---- session state ---------------------------------------------------------------------------

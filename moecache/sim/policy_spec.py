@@ -72,6 +72,21 @@ class PolicySpec:
         return cls.of(d["policy"], d.get("params") or {}, where)
 
     @classmethod
+    def selected_in(cls, path) -> PolicySpec:
+        """The `selected: {policy, params}` of a decide stage's decision.json (docs/decision.md): the one
+        reader of it for the runtime, `moecache.offload(decision=...)` and `moecache validate`."""
+        from pathlib import Path
+
+        path = Path(path)
+        try:
+            decision = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MoecacheError(f"{path}: cannot read the decision ({' '.join(str(exc).split())})") from exc
+        if not isinstance(decision, dict) or not isinstance(decision.get("selected"), dict):
+            raise MoecacheError(f"{path}: no `selected: {{policy, params}}` object (not a decision.json?)")
+        return cls.from_dict(decision["selected"], f"{path}: selected")
+
+    @classmethod
     def from_row(cls, row: Mapping, where: str = "sweep.parquet") -> PolicySpec:
         """From a table row with `policy` and `params` (a JSON object as text) columns."""
         text = row.get("params")

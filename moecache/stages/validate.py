@@ -97,19 +97,6 @@ def _decision(store: ArtifactStore, ref: str | None) -> Artifact:
     return art
 
 
-def _selected(decision: Artifact):
-    from moecache.sim.policy_spec import PolicySpec
-
-    path = decision.path / "decision.json"
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise MoecacheError(f"{path}: cannot read the decision ({' '.join(str(exc).split())})") from exc
-    if not isinstance(d, dict) or not isinstance(d.get("selected"), dict):
-        raise MoecacheError(f"{path}: no `selected: {{policy, params}}` object")
-    return PolicySpec.from_dict(d["selected"], f"{path}: selected")
-
-
 def _check_runnable(spec, shape, slots: int) -> None:
     """The selected policy must run in the runtime: online, and buildable without a replay's costs."""
     from moecache.sim.policy import make_policy
@@ -139,6 +126,7 @@ def _profile_path(store: ArtifactStore, ref: str | None) -> str | None:
 
 def run(cfg: DictConfig) -> StageResult:
     from moecache.config import CONF_DIR
+    from moecache.sim.policy_spec import PolicySpec
     from moecache.validation.baselines import build
     from moecache.validation.pipeline import Workload
     from moecache.validation.workloads import load_workload
@@ -148,7 +136,7 @@ def run(cfg: DictConfig) -> StageResult:
     store = store_for(cfg)
     device = torch_device(cfg)
     decision = _decision(store, v["decision"])
-    selected = _selected(decision)
+    selected = PolicySpec.selected_in(decision.path / "decision.json")
     forced_ref = None
     if v["forced_trace"] is not None:  # one trace-forced workload instead (moecache/validation/forcing.py)
         from moecache.sim.inputs import resolve_traces

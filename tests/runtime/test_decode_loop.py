@@ -12,36 +12,27 @@ Legend: T prompt tokens, N generated tokens, L MoE layers, K top-k, V vocabulary
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
-import transformers
 from typer.testing import CliRunner
 
 import moecache
 from moecache.cli import app
 from moecache.errors import MoecacheError
-from moecache.models import ADAPTERS, adapter_for
+from moecache.models import adapter_for
 from moecache.runtime.decode_loop import FastDecoder, fast_generate
 from moecache.runtime.forced_routing import ForcedRouting
 from moecache.runtime.segments import ExpertsTaps
 from moecache.trace.esft_import import EsftArrays, esft_to_table
 from moecache.trace.schema import TraceMeta
+from tests.runtime.helpers import spy_visits, tiny
 
 MODEL_TYPES = ["qwen3_5_moe", "deepseek_v2", "mixtral", "qwen3_moe", "olmoe"]
 PROMPT_T = [5, 17, 99, 42, 7, 250, 3]
 NEW = 6
 GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
-
-
-def tiny(model_type: str):
-    config = ADAPTERS[model_type].tiny_config()
-    torch.manual_seed(0)
-    if model_type == "qwen3_5_moe":  # the text-only CausalLM, as AutoModelForCausalLM loads it
-        return transformers.Qwen3_5MoeForCausalLM(config.text_config).eval()
-    return getattr(transformers, config.architectures[0])(config).eval()
 
 
 def hf_greedy(model, prompt=PROMPT_T, new=NEW, eos=None):
@@ -351,18 +342,6 @@ def random_forcing(adapter, seed: int = 7) -> ForcedRouting:
     forced = ForcedRouting.from_trace(table, num_layers=L, num_experts=E, top_k=K)
     assert list(forced.request_ids) == list(FORCED_NEW)
     return forced
-
-
-def spy_visits(manager) -> dict[int, list[np.ndarray]]:
-    """Every visit's routing, per MoE layer, as the manager was given it."""
-    seen, visit = defaultdict(list), manager.visit
-
-    def spy(layer, ids_TK, *args, **kwargs):
-        seen[layer].append(np.array(ids_TK, dtype=np.int64, copy=True))
-        return visit(layer, ids_TK, *args, **kwargs)
-
-    manager.visit = spy
-    return seen
 
 
 def forced_runs(model, forced, decode):

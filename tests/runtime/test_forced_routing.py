@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections import defaultdict
 
 import numpy as np
 import pyarrow as pa
@@ -19,17 +18,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-import transformers
 
 import moecache
 from moecache.env_info import REPO_ROOT
 from moecache.errors import MoecacheError
-from moecache.models import ADAPTERS, adapter_for
+from moecache.models import adapter_for
 from moecache.runtime.forced_routing import ForcedRouting
 from moecache.trace.esft_import import EsftArrays, esft_to_table, load_esft_npz
 from moecache.trace.hooks import RoutingRecorder
 from moecache.trace.logger import LoggerConfig, RoutingLogger
 from moecache.trace.schema import METADATA_KEY, TraceMeta, read_trace
+from tests.runtime.helpers import spy_visits, tiny
 
 MODEL_TYPES = ["qwen3_5_moe", "deepseek_v2", "mixtral", "qwen3_moe", "olmoe"]
 PROMPTS = {"req-a": [5, 17, 99, 42, 7, 250, 3], "req-b": [11, 2, 64]}
@@ -37,14 +36,6 @@ NEW_TOKENS = 4
 GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0, eos_token_id=None)
 ESFT = (REPO_ROOT / "../shared/data/traces/deepseek-v2-lite-esft/esft_intent_routing.npz").resolve()
 ROW_COLUMNS = ("request_id", "step_index", "token_index", "phase", "layer_id", "expert_ids", "router_weights")
-
-
-def tiny(model_type: str, seed: int = 0, **overrides):
-    config = ADAPTERS[model_type].tiny_config(**overrides)
-    torch.manual_seed(seed)
-    if model_type == "qwen3_5_moe":  # the text-only CausalLM, as AutoModelForCausalLM loads it
-        return transformers.Qwen3_5MoeForCausalLM(config.text_config).eval()
-    return getattr(transformers, config.architectures[0])(config).eval()
 
 
 def vocab(model) -> int:
@@ -187,14 +178,7 @@ def test_an_offloaded_forced_run_equals_the_unmodified_forced_model(model_type, 
 
     moecache.offload(offloaded, capacity="25%", policy="lru")  # the CPU stand-in device
     manager = offloaded.moecache.manager
-    seen = defaultdict(list)
-    visit = manager.visit
-
-    def spy(layer, ids_TK, *args, **kwargs):
-        seen[layer].append(np.array(ids_TK, dtype=np.int64, copy=True))
-        return visit(layer, ids_TK, *args, **kwargs)
-
-    manager.visit = spy
+    seen = spy_visits(manager)
     with torch.inference_mode(), forced.attach(offloaded):  # no adapter: the offloaded blocks' routers
         for request_id, input_ids, new_tokens in runs:
             forced.start_request(request_id)
@@ -289,14 +273,7 @@ def test_forced_on_cuda_pinned_copies_and_an_offloaded_manager(model_type, tmp_p
 
     moecache.offload(offloaded, capacity="25%", policy="lru", device="cuda")
     manager = offloaded.moecache.manager
-    seen = defaultdict(list)
-    visit = manager.visit
-
-    def spy(layer, ids_TK, *args, **kwargs):
-        seen[layer].append(np.array(ids_TK, dtype=np.int64, copy=True))
-        return visit(layer, ids_TK, *args, **kwargs)
-
-    manager.visit = spy
+    seen = spy_visits(manager)
     with torch.inference_mode(), forced.attach(offloaded):
         for request_id, input_ids, new_tokens in runs:
             forced.start_request(request_id)

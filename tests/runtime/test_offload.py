@@ -15,14 +15,14 @@ import sys
 
 import pytest
 import torch
-import transformers
 
 import moecache
 from moecache.errors import MoecacheError
-from moecache.models import ADAPTERS, adapter_for, build_tiny
+from moecache.models import adapter_for, build_tiny
 from moecache.models.loading import load_model
 from moecache.offloading import offload_model
 from moecache.runtime.experts_module import OffloadedExperts
+from tests.runtime.helpers import tiny
 
 MODEL_TYPES = ["qwen3_5_moe", "deepseek_v2", "mixtral", "qwen3_moe", "olmoe"]
 CAPACITIES = [0, "25%", "100%"]
@@ -32,14 +32,6 @@ GREEDY = dict(
     max_new_tokens=NEW_TOKENS, do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0,
     eos_token_id=None,
 )  # fmt: skip
-
-
-def tiny(model_type: str):
-    config = ADAPTERS[model_type].tiny_config()
-    torch.manual_seed(0)
-    if model_type == "qwen3_5_moe":  # the text-only CausalLM, as AutoModelForCausalLM loads it
-        return transformers.Qwen3_5MoeForCausalLM(config.text_config).eval()
-    return getattr(transformers, config.architectures[0])(config).eval()
 
 
 def greedy(model) -> torch.Tensor:
