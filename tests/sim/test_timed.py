@@ -20,7 +20,7 @@ from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel, instant_step_us
 from moecache.sim.metrics import per_layer, per_request, summarize
 from moecache.sim.policy import POLICIES, make_policy
-from moecache.sim.replay import replay_instant
+from moecache.sim.replay import initial_resident_mask, replay_instant
 from moecache.sim.timed import TimedResult, replay_timed
 
 PROFILE = REPO_ROOT / "moecache/data/cost_profiles/h200_qwen3_6_35b_a3b_2026-11-30.json"
@@ -102,8 +102,10 @@ def test_tiny_bandwidth_no_copy_is_ever_ready(make_trace):
             assert not timed.hit_A.any(), policy.name
         if policy.name.startswith("static"):  # resident from the start, free: every instant hit stays
             assert np.array_equal(timed.hit_A, inst.hit_A)
-            # static_layers holds whole layers only: 6 slots hold no layer of 8 experts
-            assert inst.hit_A.any() == (policy.name != "static_layers" or 6 >= trace.num_experts)
+            # hits iff the policy starts with residents (static_layers holds whole layers: at 6 slots
+            # of 8-expert layers, none)
+            state = policy.init_state(trace, 6)
+            assert inst.hit_A.any() == initial_resident_mask(policy, state, trace, 6).any()
 
 
 # ---- hand examples ---------------------------------------------------------------------------
