@@ -87,12 +87,7 @@ def section(validation_dir: Path | None, decision_id: str | None, figure_dir: Pa
     written = []
     figure = predicted_vs_measured(runs, figure_dir / "validation_predicted_vs_measured.png")
     if figure is None:
-        why = (
-            "moecache/validation/fidelity.py was absent"
-            if result.get("fidelity") is None
-            else "no run has one"
-        )
-        lines += [f"No predicted values ({why}); no predicted-vs-measured figure.", ""]
+        lines += ["No predicted values in any run; no predicted-vs-measured figure.", ""]
     else:
         written.append(figure)
         lines += ["![Predicted vs measured per run](figures/validation_predicted_vs_measured.png)", ""]

@@ -197,7 +197,6 @@ def run(cfg: DictConfig) -> StageResult:
             existing, reused=True, summary=_summary(json.loads((existing / "validation.json").read_text()))
         )
 
-    from moecache.validation import predict
     from moecache.validation.pipeline import Settings, validate_all
     from moecache.validation.tables import write
 
@@ -236,7 +235,6 @@ def run(cfg: DictConfig) -> StageResult:
             "forced": _forced_info(workloads[0].forced, forced_ref) if forced_ref else None,
             "capacities": [{"capacity": cap, "slots": n} for cap, n in grid],
             "strategies": [s.name for s in strategies],
-            "fidelity": predict.MODULE if predict.available() else None,
             "cost_profile": profile,
             "runs": rows,
         }
@@ -266,7 +264,7 @@ def _summary(result: dict) -> dict:
         "selected": result["selected"]["label"],
         "runs": len(result["runs"]),
     }
-    out["predicted"] = "yes" if result["fidelity"] else "no (moecache/validation/fidelity.py absent)"
+    out["predicted"] = "hit rate, time per token" if result["cost_profile"] else "hit rate (no cost profile)"
     for r in result["runs"]:
         if r["strategy"] in ("unmodified", "all_resident", "all_cpu", "selected"):
             where = f"{r['workload']} {r['strategy']}" + (

@@ -1,34 +1,24 @@
-"""The simulator's prediction of a measured run, through the fidelity module when it exists.
+"""The simulator's prediction of a measured run: its predicted columns in runs.parquet.
 
-`moecache/validation/fidelity.py` (its own concern) replays a run's recorded trace through the simulator:
-`predict_run(trace_path, *, policy, capacity, profile_path) -> {"hit_rate", "time_per_token_ms"}`
-(time None without a cost profile) and `compare(predicted, measured) -> errors` (percent / percentage
-points). Where the module is absent the predicted columns stay null and `available()` says so.
+`moecache/validation/fidelity.py` (its own concern) replays a run's recorded trace through the simulator
+(`predict_run`: hit rate, and time per token with a cost profile) and compares it with what was measured
+(`compare`: errors in percent / percentage points); this module turns both into the run's columns.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 from pathlib import Path
 
 from moecache.sim.policy_spec import PolicySpec
+from moecache.validation import fidelity
 
-MODULE = "moecache.validation.fidelity"
+# The predicted columns of a run the simulator does not replay (the unmodified reference).
 EMPTY = {"predicted_hit_rate": None, "predicted_time_per_token_ms": None, "fidelity_errors": None}
 
 
-def available() -> bool:
-    return importlib.util.find_spec(MODULE) is not None
-
-
 def predict(trace_path: Path, policy: PolicySpec, slots: int, profile_path: str | None, row: dict) -> dict:
-    """The predicted columns of one run (EMPTY without the fidelity module); `row` holds the measured
-    `hit_rate` and `time_per_token_ms`. A module that exists but fails raises: never a silent null."""
-    if not available():
-        return dict(EMPTY)
-    fidelity = importlib.import_module(MODULE)
+    """The predicted columns of one run; `row` holds the measured `hit_rate` and `time_per_token_ms`."""
     predicted = fidelity.predict_run(
         str(trace_path), policy=policy, capacity=slots, profile_path=profile_path
     )

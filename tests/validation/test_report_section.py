@@ -28,7 +28,7 @@ def artifact(folder, predicted):
     result = {
         "decision": "decide-abc", "selected": {"label": "lfu"}, "model": "tiny", "device": "cpu",
         "execution": "transformers generate (eager)", "workloads": ["multi_request", "long_single"],
-        "fidelity": None if predicted is None else "moecache.validation.fidelity", "runs": runs,
+        "runs": runs,
     }  # fmt: skip
     (folder / "validation.json").write_text(json.dumps(result))
     return folder
@@ -38,7 +38,7 @@ def test_a_table_per_workload_and_no_figure_without_predictions(tmp_path):
     text, figures = section(artifact(tmp_path / "validate-1", None), "decide-abc", tmp_path / "figures")
     assert text.count("### ") == 2 and "### multi_request" in text and "### long_single" in text
     assert text.count("| selected | 25% | 32 | - | 123.4 |") == 2 and "| unmodified | - |" in text
-    assert figures == [] and "fidelity.py was absent" in text and "another decision" not in text
+    assert figures == [] and "No predicted values in any run" in text and "another decision" not in text
 
 
 def test_predictions_give_the_figure_and_another_decision_is_named(tmp_path):
