@@ -30,6 +30,17 @@ from moecache.runtime.cpu_experts import CpuExperts
 from moecache.runtime.manager import CacheManager
 
 
+def miss_entries(layer: int, num_experts: int, ids_host_TK: np.ndarray, weights_TK: torch.Tensor, hit_TK):
+    """The (token, k) entries a visit runs on the CPU, as the CPU executor's triples: (global keys int64
+    [M], tokens int64 [M], weights float32 [M]). Both decode loops (here and moecache/runtime/segments.py)
+    gather them this way."""
+    token_M, k_M = np.nonzero(~hit_TK)
+    token_t, k_t = torch.from_numpy(token_M.astype(np.int64)), torch.from_numpy(k_M.astype(np.int64))
+    keys_M = layer * num_experts + torch.from_numpy(np.asarray(ids_host_TK, np.int64))[token_t, k_t]
+    weights_M = weights_TK.detach().to("cpu", torch.float32)[token_t, k_t]
+    return keys_M, token_t, weights_M
+
+
 @dataclass
 class ExecStats:
     """What the experts modules themselves count (the manager counts hits, misses and copies)."""
@@ -95,10 +106,7 @@ class ExpertsRuntime:
 
     def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK) -> torch.Tensor:
         """The entries whose expert is not in the visit's snapshot, from the host store."""
-        token_M, k_M = np.nonzero(~hit_TK)
-        token_t, k_t = torch.from_numpy(token_M.astype(np.int64)), torch.from_numpy(k_M.astype(np.int64))
-        keys_M = layer * self.num_experts + torch.from_numpy(ids_host_TK)[token_t, k_t]
-        weights_M = weights_TK.detach().to("cpu", torch.float32)[token_t, k_t]
+        keys_M, token_t, weights_M = miss_entries(layer, self.num_experts, ids_host_TK, weights_TK, hit_TK)
         x_host_TH = x_TH.detach().to("cpu")
         y_host_TH = self.cpu.run(x_host_TH, keys_M, token_t, weights_M)
         return y_host_TH.to(x_TH.device, non_blocking=False)

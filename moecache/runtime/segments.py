@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from moecache.errors import MoecacheError
+from moecache.runtime.experts_module import miss_entries
 
 
 class Segments:
@@ -245,13 +246,12 @@ class ExpertsTaps:
     def _combine(self, layer: int) -> None:
         """Segment B is enqueued: commit, then the CPU misses (computed meanwhile) into `cpu_TH`."""
         self.manager.commit()
-        miss_TK = ~self._visit.hit_TK
-        if miss_TK.any():
+        hit_TK = self._visit.hit_TK
+        if not hit_TK.all():
             started_ns = time.perf_counter_ns()
-            token_M, k_M = np.nonzero(miss_TK)
-            keys_M = torch.from_numpy(layer * self.num_experts + self._ids_host_TK[token_M, k_M])
-            token_t = torch.from_numpy(token_M.astype(np.int64))
-            weights_M = self.host_weights_TK[token_t, torch.from_numpy(k_M.astype(np.int64))]
+            keys_M, token_t, weights_M = miss_entries(
+                layer, self.num_experts, self._ids_host_TK, self.host_weights_TK, hit_TK
+            )
             if self.is_cuda:
                 self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self._staging_TH)
                 self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
