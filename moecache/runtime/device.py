@@ -78,9 +78,11 @@ class CudaEvent:
         self.event.synchronize()
 
     def elapsed_ns(self, start: CudaEvent) -> int | None:
-        """Device time from `start` to this event (both complete, both timing events), else None."""
+        """Device time from `start` to this event (both timing events, recorded), else None. Waits for
+        this event to complete (a timing read happens off the hot path: the logger's writer thread)."""
         if not (self.timing and start.timing):
             return None
+        self.event.synchronize()
         return int(start.event.elapsed_time(self.event) * 1e6)
 
 

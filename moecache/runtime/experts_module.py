@@ -20,6 +20,7 @@ Legend: T tokens, H hidden, K top-k, E experts, M (token, expert) entries run on
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,14 +77,32 @@ class ExpertsRuntime:
         visit = self.manager.visit(layer, ids_host_TK)
         hit_TK = visit.hit_TK
         n_hit = int(hit_TK.sum())
-        y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E) if n_hit else None
+        y_TH = None
+        if n_hit:
+            timed = self.manager.time_gpu
+            if timed:
+                visit.gpu_events = self._record_event(None)
+            y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E)
+            if timed:
+                visit.gpu_events = self._record_event(visit.gpu_events[0])
         self.manager.commit()  # the GPU half is enqueued: slots it read get their last-use event
         if n_hit < hit_TK.size:
+            started_ns = time.perf_counter_ns()
             cpu_TH = self._cpu_part(layer, x_TH, ids_host_TK, weights_TK, hit_TK)
+            visit.cpu_duration_ns = time.perf_counter_ns() - started_ns
             y_TH = cpu_TH if y_TH is None else y_TH + cpu_TH
         self.stats.gpu_entries += n_hit
         self.stats.cpu_entries += hit_TK.size - n_hit
         return y_TH if y_TH is not None else torch.zeros_like(x_TH)
+
+    def _record_event(self, start):
+        """A timing event recorded now on the compute stream: (event,) or, given `start`, (start, event).
+        On the stand-in it completes at once (its kernels ran when enqueued)."""
+        event = self.device.new_event(timing=True)
+        event.record(self.manager.compute)
+        if not self.device.is_cuda:
+            self.device.run(self.manager.compute)
+        return (event,) if start is None else (start, event)
 
     def _gpu_part(self, x_TH, ids_TK, weights_TK, slot_of_E) -> torch.Tensor:
         """The resident entries from the slot pool, on the compute stream after the mapping's upload."""

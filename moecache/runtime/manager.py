@@ -4,7 +4,8 @@ Per layer visit (`visit(layer, topk_ids_TK)`, called after the router, before th
 1. publication: every copy of this layer in flight whose ready event has completed (queried, never
    waited on) makes its expert resident; the layer's mapping `slot_of_E` (int32 [E], -1 = not
    resident) is pushed to its fixed-address device row, ordered on the compute stream before the
-   layer's kernels. Experts still loading stay -1: this visit runs them on the CPU.
+   layer's kernels. Experts still loading stay -1: this visit runs them on the CPU. `prepare(layer)`
+   does this step alone, so an executor can enqueue the layer's kernels before the routing is back.
 2. hits: an entry of topk_ids_TK is a hit iff its expert is in that snapshot (`hit_TK`); the others
    go to the CPU path (`miss_experts`).
 3. the policy: the compiled visit of moecache/sim/visit.py (`visit_entry`: the same `step` the
@@ -55,7 +56,7 @@ CAPACITY_KEY = "gpu_expert_capacity"
 ON_MISS = ("cpu", "wait")  # what a miss does (module docstring)
 
 
-@dataclass
+@dataclass(slots=True)
 class VisitResult:
     """What one layer visit gives the MoE layer. Arrays are the visit's own (safe to keep)."""
 
@@ -67,9 +68,12 @@ class VisitResult:
     admitted: np.ndarray  # int32 keys admitted by the policy at this visit
     evicted: np.ndarray  # int32 keys evicted
     copies: list[Copy] = field(default_factory=list)  # this visit's admissions' copies (deferred ones too)
-    # Filled by the executors (next issues): execution time of the CPU and the GPU part of the layer.
+    # Filled by the executors: execution time of the CPU part of the layer, and of the GPU part, given
+    # either as a number or (with `CacheManager.time_gpu`) as the (start, end) timing events recorded
+    # around its kernels on the compute stream, resolved when the record is written (`cache_fields`).
     cpu_duration_ns: int | None = None
     cuda_duration_ns: int | None = None
+    gpu_events: tuple | None = None
     # on_miss="wait" only: the snapshot and hit mask when the visit began, before it waited for its
     # copies (snapshot_E / hit_TK are then what the device ran). None: the same as snapshot_E / hit_TK.
     cache_snapshot_E: np.ndarray | None = None
@@ -84,6 +88,9 @@ class VisitResult:
         snapshot_E = self.snapshot_E if self.cache_snapshot_E is None else self.cache_snapshot_E
         hit_TK = self.hit_TK if self.cache_hit_TK is None else self.cache_hit_TK
         resident = (base + np.flatnonzero(snapshot_E >= 0)).astype(np.int32).tolist()
+        if self.cuda_duration_ns is None and self.gpu_events is not None:
+            start, end = self.gpu_events
+            self.cuda_duration_ns = end.elapsed_ns(start)
         ready = [c.ready_ns for c in self.copies]
         durations = [c.duration_ns for c in self.copies]
         rows = []
@@ -188,6 +195,9 @@ class CacheManager:
         self._routing_views: dict = {}  # pinned read-back buffers of device routing, by shape
         self.stats = ManagerStats()
         self.last_visit: VisitResult | None = None  # the latest visit's result (the routing logger's)
+        # Set by the routing logger's recorder: the executors time each visit's GPU part with a pair of
+        # timing events (VisitResult.gpu_events), which costs two event records per visit.
+        self.time_gpu = False
         self._init_session()
 
     @property
@@ -237,6 +247,7 @@ class CacheManager:
         self._dirty_L[:] = True
         self._held_capacity[0] = 0
         self._pending: tuple | None = None  # (hit slots, deferred (key, slot)) awaiting commit
+        self._prepared: int | None = None  # the layer `prepare` published for, until its visit
         self.a0 = 0  # accesses so far (the step's access clock)
         self.clock = 0  # tokens of earlier forward steps
         self.request = 0
@@ -351,15 +362,42 @@ class CacheManager:
                 self.request += 1
             self._last_layer = None
 
+    def prepare(self, layer: int) -> torch.Tensor:
+        """Step 1 of the layer's next visit on its own, before its routing is known: publish the layer's
+        completed copies and enqueue its mapping row's upload. The executor may then enqueue the layer's
+        kernels (they read the returned fixed-address device row) before it reads the routing back and
+        calls `visit`, which runs on exactly this snapshot (nothing is published in between). Only with
+        on_miss="cpu": a waiting visit changes the row its kernels read."""
+        with self._lock:
+            if self._on_miss != "cpu":
+                raise MoecacheError(
+                    'cache manager: prepare() is for on_miss="cpu" (a waiting visit sets its row)'
+                )
+            self._begin_visit(layer)
+            self._publish_ready(layer)
+            self._push_row(layer)
+            self._prepared = layer
+            return self._device_rows[layer]
+
+    def _begin_visit(self, layer: int) -> None:
+        self.commit()
+        self.device.on_visit()
+        if not 0 <= layer < self.shape.num_layers:
+            raise MoecacheError(f"cache manager: layer {layer} outside 0..{self.shape.num_layers - 1}")
+
     def visit(self, layer: int, topk_ids_TK) -> VisitResult:
         """One MoE layer's routing (int [T, K], host or device) -> the snapshot, hits, misses and the
         placement changes (module docstring). A visit to a layer not above the previous visit's layer
-        starts a new forward step of T tokens."""
+        starts a new forward step of T tokens. After `prepare(layer)` the visit uses that publication."""
         with self._lock:
-            self.commit()
-            self.device.on_visit()
-            if not 0 <= layer < self.shape.num_layers:
-                raise MoecacheError(f"cache manager: layer {layer} outside 0..{self.shape.num_layers - 1}")
+            prepared = self._prepared == layer
+            if self._prepared is not None and not prepared:
+                raise MoecacheError(
+                    f"cache manager: visit of layer {layer} after prepare({self._prepared}): visit that layer first"
+                )
+            self._prepared = None
+            if not prepared:
+                self._begin_visit(layer)
             ids_TK = self._read_routing(topk_ids_TK)
             T = ids_TK.shape[0]
             if self._last_layer is None or layer <= self._last_layer:
@@ -368,11 +406,12 @@ class CacheManager:
             else:
                 self._step_tokens = max(self._step_tokens, T)
             self._last_layer = layer
-            self._publish_ready(layer)
             row_E = self.published_LE[layer]
             wait = self._on_miss == "wait"
-            if not wait:  # with waits, the row this visit runs is known only after its copies
-                self._push_row(layer)
+            if not prepared:
+                self._publish_ready(layer)
+                if not wait:  # with waits, the row this visit runs is known only after its copies
+                    self._push_row(layer)
             E = self.shape.num_experts
             hit_TK = np.empty(ids_TK.shape, np.bool_)
             key_U, uses_U, slot_U, miss_U = self._key_U, self._uses_U, self._slot_U, self._miss_U
@@ -404,7 +443,7 @@ class CacheManager:
                 admitted=self._admit_out[:n_admit].copy(),
                 evicted=self._evict_out[:n_evict].copy(),
             )
-            gpu_slots = slot_U[:U][slot_U[:U] >= 0].tolist()
+            gpu_slots = slot_U[: U - n_miss].tolist()
             busy = set(gpu_slots) if n_evict else gpu_slots
             freed_busy: list[int] = []
             for k in result.evicted.tolist():
@@ -585,7 +624,8 @@ class CacheManager:
 def _prepare(ids_TK, layer, num_experts, row_E, stamp_E, pos_E, visit, key_U, uses_U, slot_U, hit_TK, miss_U):
     """One pass over the routing: the distinct experts in order of first selection (token by token,
     router order within a token) as keys with their uses and published slots, the hit mask of every
-    entry, and the experts with no published slot (the CPU's). Returns (U, misses)."""
+    entry, the slots of the experts with a published slot (slot_U[:U - misses], the slots this visit's
+    kernels read) and the experts without (miss_U[:misses], the CPU's). Returns (U, misses)."""
     U = 0
     n_miss = 0
     for t in range(ids_TK.shape[0]):
@@ -602,9 +642,10 @@ def _prepare(ids_TK, layer, num_experts, row_E, stamp_E, pos_E, visit, key_U, us
             pos_E[e] = U
             key_U[U] = layer * num_experts + e
             uses_U[U] = 1
-            slot_U[U] = slot
-            U += 1
             if slot < 0:
                 miss_U[n_miss] = e
                 n_miss += 1
+            else:
+                slot_U[U - n_miss] = slot
+            U += 1
     return U, n_miss

@@ -5,17 +5,22 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
 
 - "split" (any mapping that may still change): the experts call of MoE layer l becomes
       copy (x_TH, ids_TK, weights_TK) into static buffers       | segment A(l): the end of the forward so far
-      host point `_route(l)`: read them back (one device-to-host copy), `manager.visit` publishes the
-          layer's mapping in place into its fixed-address device row `slot_of_LE[l]`
+      host point `_route(l)`: their read-back (one device-to-host copy) enqueued on a side stream;
+          `manager.prepare(l)` publishes the layer's mapping in place into its fixed-address device
+          row `slot_of_LE[l]` (nothing of it depends on the routing)
       y_TH = slot_moe(static buffers, slot_of_LE[l], pool)       | segment B(l): the resident experts
-      host point `_combine(l)`: `manager.commit()`, the CPU misses computed while B(l) runs, copied into
-          a static buffer (zeroed where nothing missed)
+      host point `_combine(l)`: wait for the read-back, `manager.visit` (the policy, copies), `commit()`,
+          the CPU misses computed while B(l) runs, copied into a static buffer (zeroed where nothing
+          missed)
       return y_TH + cpu_TH                                       | the next segment: the rest of the model
+  So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
+  routing back and runs the manager. With on_miss="wait" (synchronous copies) the visit runs at `_route`
+  instead, before B(l), which reads the row that visit sets.
   With no slots (capacity 0) segment B is empty and both host points are one.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
 
-Trace-forced routing (`ExpertsTaps.forced`, a ForcedRouting, split mode only): at `_route(l)`, after the
+Trace-forced routing (`ExpertsTaps.forced`, a ForcedRouting, split mode only): at `_route(l)`, before the
 read-back, the layer's next forced rows (`forced.take(l, T)`, weights rounded to the dtype the router
 gave the experts call) overwrite the host ids/weights and, on CUDA, are copied back into the device
 buffer in place (one host-to-device copy on the compute stream), before `manager.visit` and before B(l)
@@ -26,7 +31,7 @@ own router output is only overwritten, so nothing of the trace is baked into a g
 step) or capturing (`cut` ends the CUDA graph being captured and begins the next one, in one private
 memory pool; the host point is kept to run between the replays). `replay()` then replays the graphs in
 capture order with the host points between them. A graph reads the mapping from its fixed-address row,
-so whatever `visit` publishes between replays is what the next kernel sees.
+so whatever `prepare` / `visit` publishes between replays is what the next kernel sees.
 
 Legend: T tokens, H hidden, K top-k, E experts, M (token, k) entries run on the CPU.
 """
@@ -152,8 +157,12 @@ class ExpertsTaps:
         self.cpu_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the CPU misses' part
         self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
         self._cpu_dirty = False
-        self._visit = None
+        self._visit_result = None
         self._ids_host_TK: np.ndarray | None = None
+        self._prepared: int | None = None  # the layer whose visit `_route` left to `_combine`
+        if self.is_cuda:  # the read-back's own stream and events (A has run; the copy has landed)
+            self._readback_stream = self.device.new_stream()
+            self._tapped, self._read_back = self.device.new_event(), self.device.new_event()
         self.mode = "split"
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
@@ -210,12 +219,37 @@ class ExpertsTaps:
     # ---- host points -----------------------------------------------------------------------------
 
     def _route(self, layer: int) -> None:
-        """Read the routing back (segment A has run), visit: the layer's mapping row is published."""
-        if self.is_cuda:
-            self.host_B.copy_(self.tap_B, non_blocking=True)
-            torch.cuda.current_stream(self.device.torch_device).synchronize()
+        """Host point after A(l): the forced rows in (if any), the read-back of routing and x started on
+        the side stream. With on_miss="cpu" the layer's mapping is published now (`manager.prepare`) and
+        B(l) is replayed at once: the visit waits for the read-back in `_combine` while the GPU runs the
+        resident experts. With waits the visit runs here: B(l) reads the row that visit sets."""
         if self.forced is not None:
             self._substitute(layer)
+        self._start_readback()
+        if self.manager.on_miss == "cpu":
+            self.manager.prepare(layer)
+            if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
+                self.device.run(self.manager.compute)
+            self._prepared = layer
+            return
+        self._visit(layer)
+
+    def _start_readback(self) -> None:
+        """Enqueue the copy of the tap buffer (ids, weights, x) to pinned host memory on the read-back
+        stream, once segment A's work (and the forced rows' upload) has run; `_visit` waits for it."""
+        if not self.is_cuda:
+            return
+        self._tapped.record(self.manager.compute)
+        stream = self._readback_stream
+        stream.wait_event(self._tapped)
+        with stream.stream:  # torch.Stream's own context (C++), as device.copy_many
+            self.host_B.copy_(self.tap_B, non_blocking=True)
+        self._read_back.record(stream)
+
+    def _visit(self, layer: int) -> None:
+        """The layer's visit on the read-back routing."""
+        if self.is_cuda:
+            self._read_back.synchronize()
         ids_TK = self.host_ids_TK.numpy()
         visit = self.manager.visit(layer, ids_TK)
         if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
@@ -225,7 +259,7 @@ class ExpertsTaps:
         stats.gpu_entries += n_hit
         stats.cpu_entries += visit.hit_TK.size - n_hit
         stats.kernel_calls += n_hit > 0
-        self._visit, self._ids_host_TK = visit, ids_TK
+        self._visit_result, self._ids_host_TK = visit, ids_TK
 
     def _substitute(self, layer: int) -> None:
         """The layer's forced rows into the host buffer and (CUDA) back into the device buffer, in place,
@@ -244,9 +278,13 @@ class ExpertsTaps:
             self.tap_B[:n].copy_(self.host_B[:n], non_blocking=True)
 
     def _combine(self, layer: int) -> None:
-        """Segment B is enqueued: commit, then the CPU misses (computed meanwhile) into `cpu_TH`."""
+        """Segment B is enqueued: the visit (if `_route` only prepared it), commit, then the CPU misses
+        (computed while B runs) into `cpu_TH`."""
+        if self._prepared == layer:
+            self._prepared = None
+            self._visit(layer)
         self.manager.commit()
-        hit_TK = self._visit.hit_TK
+        hit_TK = self._visit_result.hit_TK
         if not hit_TK.all():
             started_ns = time.perf_counter_ns()
             keys_M, token_t, weights_M = miss_entries(
@@ -257,12 +295,12 @@ class ExpertsTaps:
                 self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
             else:
                 self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self.cpu_TH)
-            self._visit.cpu_duration_ns = time.perf_counter_ns() - started_ns  # the trace's column
+            self._visit_result.cpu_duration_ns = time.perf_counter_ns() - started_ns  # the trace's column
             self._cpu_dirty = True
         elif self._cpu_dirty:
             self.cpu_TH.zero_()
             self._cpu_dirty = False
-        self._visit = None
+        self._visit_result = None
 
     def _route_and_combine(self, layer: int) -> None:
         self._route(layer)

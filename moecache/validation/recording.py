@@ -35,7 +35,12 @@ class CacheRecorder(RoutingRecorder):
         if len(self._handles) == 1:
             self.detach()
             raise MoecacheError("cache recorder: the model has no OffloadedExperts module")
+        self.manager.time_gpu = True  # cuda_duration_ns: the experts time their GPU part
         return self
+
+    def detach(self) -> None:
+        self.manager.time_gpu = False
+        super().detach()
 
     def _experts_hook(self, module, args, kwargs, output):
         ids_TK = args[1] if len(args) > 1 else kwargs["top_k_index"]

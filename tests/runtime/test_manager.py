@@ -146,6 +146,29 @@ def test_publication_before_the_next_token_once_the_event_completed():
     assert r.snapshot_E[1] >= 0 and r.snapshot_E[2] >= 0
 
 
+def test_prepare_publishes_and_the_visit_keeps_that_snapshot():
+    m = manager("lru", 2, mode="manual")
+    m.visit(0, ids(1, 2))
+    row = m.prepare(0)  # nothing complete yet: the row the layer's kernels read has neither
+    assert row.data_ptr() == m.slot_of_LE[0].data_ptr()
+    m.device.run()  # the copies complete between prepare and visit: not published by this visit
+    r = m.visit(0, ids(1, 2))
+    assert not r.hit_TK.any() and r.miss_experts.tolist() == [1, 2]
+    assert m.slot_of_LE[0].tolist() == r.snapshot_E.tolist()
+    r = m.visit(0, ids(1, 2))  # the next visit (not prepared) publishes them
+    assert r.hit_TK.all()
+
+
+def test_prepare_is_refused_for_waits_and_for_another_layers_visit():
+    m = manager("lru", 2)
+    m.prepare(0)
+    with pytest.raises(MoecacheError, match=r"visit of layer 1 after prepare\(0\)"):
+        m.visit(1, ids(1, 2))
+    m.on_miss = "wait"
+    with pytest.raises(MoecacheError, match="prepare"):
+        m.prepare(1)
+
+
 def test_slot_of_E_keeps_its_address():
     m = manager("lru", 2)
     pointer = m.slot_of_LE.data_ptr()
@@ -340,4 +363,5 @@ def test_cache_fields_fill_every_cache_column_of_the_record():
     r2 = m.visit(0, np.array([[2, 3]]))
     assert r.cache_fields(8)[0]["copy_ready_ns"] >= first["copy_enqueued_ns"]
     assert r2.cache_fields(8)[0]["resident_experts"] == sorted(int(k) for k in r.admitted)
-    assert r2.cache_fields(8)[0]["cpu_duration_ns"] is None  # the executors fill these (next issues)
+    assert r2.cache_fields(8)[0]["cpu_duration_ns"] is None  # the executors fill these
+    assert r2.cache_fields(8)[0]["cuda_duration_ns"] is None

@@ -113,6 +113,15 @@ def test_runs_agree_with_the_unmodified_model_and_their_traces_route_alike(done)
         table, meta = read_trace(folder / r["trace"])
         assert table["expert_ids"].to_pylist() == ref["expert_ids"].to_pylist(), key
         assert table["cache_hit"].null_count == 0 and meta.run["strategy"] == key[0]
+    table, _ = read_trace(folder / runs[("selected", "25%")]["trace"])
+    rows = zip(
+        table["phase"].to_pylist(), table["cache_hit"].to_pylist(),
+        table["cuda_duration_ns"].to_pylist(), table["cpu_duration_ns"].to_pylist(), strict=True,
+    )  # fmt: skip
+    decode = [(hit, cuda, cpu) for phase, hit, cuda, cpu in rows if phase == "decode"]  # a row = a visit
+    assert decode and all((cuda is not None) == any(hit) for hit, cuda, _ in decode)  # the GPU part timed
+    assert all((cpu is not None) == (not all(hit)) for hit, _, cpu in decode)  # the CPU part timed
+    assert all(v > 0 for _, cuda, cpu in decode for v in (cuda, cpu) if v is not None)
     sync = runs[("lru_sync", "25%")]
     assert sync["waited_copies"] > 0 and sync["waited_copies"] <= sync["copies"]
     assert sync["cpu_fallbacks"] < runs[("selected", "25%")]["cpu_fallbacks"]  # waits instead of the CPU
