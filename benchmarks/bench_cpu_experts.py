@@ -8,7 +8,15 @@ every call (weights in cache, optimistic). Shapes: Qwen3.6-35B-A3B (H 2048, I 51
 (H 2048, I 1408), bf16 and fp32. Target on the H200 host: a cold bf16 Qwen3.6 expert at one token
 <= 130 us on 16 threads. Prints a table and ends with one JSON line.
 
-    python benchmarks/bench_cpu_experts.py [--backends cpp,torch --dtypes bfloat16 --shapes qwen3.6
+Backends: "cpp" and "torch" are `CpuExperts`' own; "kt" is kt-kernel's BF16 MoE (benchmarks/kt_backend.py),
+bfloat16 only, run where `kt_kernel` imports (a Python 3.12 environment with kt-kernel installed); a backend
+that cannot run here is skipped with one line saying why, and the others still run. Before a backend is
+timed at a thread count, its output on distinct random experts (1 token and the most tokens, up to 2
+experts each, one token left without any) is checked against the fp32 torch oracle of
+tests/runtime/test_cpu_experts.py with its tolerances; a wrong result stops the benchmark (exit 1) and
+is not timed.
+
+    python benchmarks/bench_cpu_experts.py [--backends cpp,torch,kt --dtypes bfloat16 --shapes qwen3.6
         --tokens 1,2,4,8,16 --threads 1,4,8,16 --experts 1,8 --modes cold,warm --repeats 50]
 """
 
@@ -21,6 +29,8 @@ import platform
 import time
 
 import torch
+from kt_backend import KtExperts, kt_info, kt_unavailable_reason
+from moecache_kernels import expert_forward
 
 from moecache.calibration import (
     ExpertShape,
@@ -35,6 +45,9 @@ from moecache.runtime.cpu_experts import CpuExperts, cpp_unavailable_reason
 
 SHAPES = {"qwen3.6": ExpertShape(2048, 512), "dsv2-lite": ExpertShape(2048, 1408)}
 MiB = 1 << 20
+# tests/runtime/test_cpu_experts.py's tolerances against its fp32 oracle (the reasons are given there).
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 5e-2, "rtol": 1e-2}}
+CHECK_EXPERTS = 4
 
 
 def int_list(text: str) -> list[int]:
@@ -75,6 +88,68 @@ def time_calls(
     return samples
 
 
+def make_executor(backend: str, w13_GIH, w2_GHI, threads: int, max_tokens: int, max_per_token: int):
+    if backend == "kt":
+        return KtExperts(w13_GIH, w2_GHI, threads=threads, max_tokens=max_tokens, max_per_token=max_per_token)
+    return CpuExperts(w13_GIH, w2_GHI, threads=threads, backend=backend)
+
+
+def oracle(x_TH, w13_GIH, w2_GHI, keys_M, token_M, weight_M):
+    """tests/runtime/test_cpu_experts.py's oracle: each triple's expert in fp32, summed in fp32."""
+    y_TH = torch.zeros(x_TH.shape, dtype=torch.float32)
+    for key, tok, w in zip(keys_M.tolist(), token_M.tolist(), weight_M.tolist(), strict=True):
+        y_TH[tok] += (
+            w * expert_forward(x_TH[tok : tok + 1], w13_GIH[key], w2_GHI[key], torch.float32)[0].float()
+        )
+    return y_TH.to(x_TH.dtype)
+
+
+def check_cases(shape: ExpertShape, dtype: torch.dtype, tokens: list[int], seed: int = 0):
+    """Distinct random experts and, for 1 token and for the most tokens, random triples (up to 2 distinct
+    experts per token, the last token of a multi-token call without any) with their oracle output."""
+    gen = torch.Generator().manual_seed(seed)
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    w13_GIH = (torch.randn(CHECK_EXPERTS, 2 * i, h, generator=gen) * h**-0.5).to(dtype)
+    w2_GHI = (torch.randn(CHECK_EXPERTS, h, i, generator=gen) * i**-0.5).to(dtype)
+    cases = []
+    for t in sorted({1, max(tokens)}):
+        x_TH = torch.randn(t, h, generator=gen).to(dtype)
+        routed = max(t - 1, 1)
+        keys_M = torch.cat([torch.randperm(CHECK_EXPERTS, generator=gen)[:2] for _ in range(routed)])
+        token_M = torch.arange(routed).repeat_interleave(2)
+        shuffle_M = torch.randperm(keys_M.shape[0], generator=gen)
+        keys_M, token_M = keys_M[shuffle_M], token_M[shuffle_M]
+        weight_M = torch.rand(keys_M.shape[0], generator=gen)
+        cases.append(
+            (x_TH, keys_M, token_M, weight_M, oracle(x_TH, w13_GIH, w2_GHI, keys_M, token_M, weight_M))
+        )
+    return w13_GIH, w2_GHI, cases
+
+
+def check_backend(backend: str, threads: int, shape_name: str, dtype_name: str, check) -> None:
+    """Exit 1 with one line where the backend's output differs from the oracle (or misses a row)."""
+    w13_GIH, w2_GHI, cases = check
+    executor = make_executor(backend, w13_GIH, w2_GHI, threads, max(c[0].shape[0] for c in cases), 2)
+    try:
+        for x_TH, keys_M, token_M, weight_M, want_TH in cases:
+            got_TH = executor.run(x_TH, keys_M, token_M, weight_M, torch.full_like(x_TH, float("nan")))
+            where = f"{backend} ({threads} threads, {shape_name} {dtype_name}, {x_TH.shape[0]} tokens)"
+            try:
+                torch.testing.assert_close(got_TH.float(), want_TH.float(), **TOL[x_TH.dtype])
+            except AssertionError as exc:
+                err = (got_TH.float() - want_TH.float()).abs().nan_to_num(float("inf")).max().item()
+                detail = next((ln.strip() for ln in str(exc).splitlines() if "Mismatched" in ln), "")
+                raise SystemExit(
+                    f"bench_cpu_experts: {where} differs from the reference: {detail} max |err| {err:.3g}"
+                ) from None
+            untouched = torch.ones(x_TH.shape[0], dtype=torch.bool)
+            untouched[token_M] = False
+            if not (got_TH[untouched] == 0).all():
+                raise SystemExit(f"bench_cpu_experts: {where} leaves a token without a triple non-zero")
+    finally:
+        executor.close()
+
+
 def bench_pool(
     args, shape_name: str, dtype_name: str, cache_bytes: int, backends: list[str], threads: list[int]
 ) -> list[dict]:
@@ -86,10 +161,12 @@ def bench_pool(
         max_pool = min(max_pool, free // 2)
     pool_size = max(pool_experts(expert_bytes, cache_bytes, max_pool), max(args.experts) + 1)
     w13_P2IH, w2_PHI = make_pool(shape, pool_size, dtype)
+    check = check_cases(shape, dtype, args.tokens)
     rows = []
     for backend in backends:
         for nthreads in threads:
-            executor = CpuExperts(w13_P2IH, w2_PHI, threads=nthreads, backend=backend)
+            check_backend(backend, nthreads, shape_name, dtype_name, check)
+            executor = make_executor(backend, w13_P2IH, w2_PHI, nthreads, max(args.tokens), max(args.experts))
             for experts in args.experts:
                 for tokens in args.tokens:
                     x_TH = torch.randn(tokens, shape.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -118,6 +195,7 @@ def bench_pool(
                             }
                         )
                         print_row(rows[-1])
+            executor.close()
     return rows
 
 
@@ -138,7 +216,7 @@ def print_row(r: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backends", type=str_list, default=["cpp", "torch"])
+    ap.add_argument("--backends", type=str_list, default=["cpp", "torch", "kt"])
     ap.add_argument("--dtypes", type=str_list, default=["bfloat16", "float32"])
     ap.add_argument("--shapes", type=str_list, default=list(SHAPES))
     ap.add_argument("--tokens", type=int_list, default=[1, 2, 4, 8, 16])
@@ -151,6 +229,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-pool-mib", type=int, default=8192, help="cap on the cold pool's bytes")
     args = ap.parse_args()
+    for name in args.backends:
+        if name not in ("cpp", "torch", "kt"):
+            ap.error(f"--backends: '{name}' is not cpp, torch or kt")
     for name in args.shapes:
         if name not in SHAPES:
             ap.error(f"--shapes: '{name}' is not one of {', '.join(SHAPES)}")
@@ -170,6 +251,9 @@ def main() -> None:
         if "cpp" in backends and (reason := cpp_unavailable_reason(dtype_of(dtype_name))) is not None:
             skipped[f"cpp/{dtype_name}"] = reason
             backends.remove("cpp")
+        if "kt" in backends and (reason := kt_unavailable_reason(dtype_of(dtype_name))) is not None:
+            skipped[f"kt/{dtype_name}"] = reason
+            backends.remove("kt")
         for shape_name in args.shapes:
             rows += bench_pool(args, shape_name, dtype_name, cache_bytes, backends, threads)
     torch.set_num_threads(torch_threads)
@@ -184,6 +268,7 @@ def main() -> None:
                     "cpus": cpus,
                     "llc_bytes": cache_bytes,
                     "torch": torch.__version__,
+                    "kt_kernel": kt_info() if "kt" in args.backends else None,
                 },
                 "args": {k: v for k, v in vars(args).items()},
                 "threads": threads,

@@ -50,8 +50,10 @@ class Device:
         """Enqueue `dst.copy_(src)` for each (dst, src) pair on `stream`, in order."""
         raise NotImplementedError
 
-    def on_visit(self) -> None:
-        """Called by the cache manager before each layer visit (the stand-in may complete work here)."""
+    def on_visit(self) -> bool:
+        """Called by the cache manager before each layer visit (the stand-in may complete work here).
+        True: everything enqueued so far has completed."""
+        return False
 
     def synchronize(self) -> None:
         """Wait for (stand-in: execute) everything enqueued on every stream."""
@@ -252,9 +254,11 @@ class StandinDevice(Device):
     def pending(self) -> int:
         return sum(len(s.ops) for s in self.streams)
 
-    def on_visit(self) -> None:
-        if self.mode == "before_visit":
-            self.run()
+    def on_visit(self) -> bool:
+        if self.mode != "before_visit":
+            return False
+        self.run()
+        return not self.pending()
 
     def synchronize(self) -> None:
         self.run()

@@ -73,8 +73,8 @@ class ExpertsRuntime:
 
     def run(self, layer: int, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
         """y_TH for one layer visit (module docstring), in x's dtype, on x's device."""
-        ids_host_TK = ids_TK.detach().to("cpu", torch.int64).numpy()
-        visit = self.manager.visit(layer, ids_host_TK)
+        ids_host_TK = ids_TK.detach().to("cpu", torch.int64).numpy()  # a blocking read on CUDA
+        visit = self.manager.visit(layer, ids_host_TK, compute_done=ids_TK.is_cuda)
         hit_TK = visit.hit_TK
         n_hit = int(hit_TK.sum())
         y_TH = None

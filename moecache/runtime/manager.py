@@ -173,13 +173,21 @@ class CacheManager:
         self._device_rows = list(self.slot_of_LE.unbind(0))  # per-layer views, made once
         self._staging_rows = list(self._staging_LE.unbind(0))
         self._dirty_L = np.zeros(L, bool)
-        self._publish_event_L = [device.new_event() for _ in range(L)]
-        # Last-use events, pooled: slot s's is _use_events[last_use_S[s]] (-1: never read). An event is
-        # recorded again only once no slot refers to it (a copy's wait captures it when enqueued).
-        self.last_use_S = [-1] * self.capacity
-        self._use_events: list = []
-        self._use_refs: list[int] = []
-        self._use_free: list[int] = []
+        # What the compute stream has done, in visit serials (every visit, prepared or not, has one; the
+        # kernels and row uploads a visit enqueues carry its serial). `_fence`: every visit up to it is
+        # known complete on the device (the caller saw the routing read back, `visit(compute_done=True)`,
+        # or the stand-in ran everything). `_covering`: ONE event, recorded on the compute stream only
+        # when something must wait for work past the fence; it covers every visit up to
+        # `_covering_serial` (a stream wait captures the record it is given, so re-recording is safe).
+        # A slot's last reader (`last_read_S`) and a row's last upload (`_upload_serial_L`) need no
+        # event at all once the fence passes them: in the fast loop, no event is recorded per visit.
+        self.last_read_S = [0] * self.capacity
+        self._upload_serial_L = [0] * L
+        self._covering = device.new_event()
+        self._serial = 0  # the current visit's serial (0: none yet)
+        self._committed = 0  # visits up to this serial have their kernels enqueued
+        self._fence = 0
+        self._covering_serial = -1
         # Scratch of the compiled visit (no allocation per visit beyond the result's own arrays).
         self._admit_out = np.empty(G, np.int32)
         self._evict_out = np.empty(G, np.int32)
@@ -190,7 +198,6 @@ class CacheManager:
         self._miss_U = np.empty(E, np.int64)
         self._stamp_E = np.zeros(E, np.int64)  # serial of the visit that last saw each expert (_prepare)
         self._pos_E = np.zeros(E, np.int64)  # its index in that visit's key_U
-        self._serial = 0
         self._held_capacity = np.array([0, self.capacity], np.int64)
         self._routing_views: dict = {}  # pinned read-back buffers of device routing, by shape
         self.stats = ManagerStats()
@@ -271,7 +278,7 @@ class CacheManager:
             self.resident_G[k] = True
             slot = self.free_S.pop()
             self.slot_of_G[k] = slot
-            copies.append(self.engine.enqueue(k, slot, after=self._last_use(slot)))
+            copies.append(self.engine.enqueue(k, slot, after=self._slot_free_after(slot)))
         self._held_capacity[0] = int(self.resident_G.sum())
         for copy in copies:
             copy.ready_event.synchronize()
@@ -380,15 +387,21 @@ class CacheManager:
             return self._device_rows[layer]
 
     def _begin_visit(self, layer: int) -> None:
-        self.commit()
-        self.device.on_visit()
         if not 0 <= layer < self.shape.num_layers:
             raise MoecacheError(f"cache manager: layer {layer} outside 0..{self.shape.num_layers - 1}")
+        self.commit()
+        self._committed = self._serial
+        if self.device.on_visit():  # the stand-in ran everything queued
+            self._fence = self._serial
+        self._serial += 1
 
-    def visit(self, layer: int, topk_ids_TK) -> VisitResult:
+    def visit(self, layer: int, topk_ids_TK, *, compute_done: bool = False) -> VisitResult:
         """One MoE layer's routing (int [T, K], host or device) -> the snapshot, hits, misses and the
         placement changes (module docstring). A visit to a layer not above the previous visit's layer
-        starts a new forward step of T tokens. After `prepare(layer)` the visit uses that publication."""
+        starts a new forward step of T tokens. After `prepare(layer)` the visit uses that publication.
+        `compute_done`: the caller has seen the compute stream complete all work enqueued before this
+        visit (before its `prepare`), e.g. by a blocking read of the routing: no event is then needed
+        to reuse the slots and rows that work read."""
         with self._lock:
             prepared = self._prepared == layer
             if self._prepared is not None and not prepared:
@@ -399,6 +412,8 @@ class CacheManager:
             if not prepared:
                 self._begin_visit(layer)
             ids_TK = self._read_routing(topk_ids_TK)
+            if compute_done:
+                self._fence = self._serial - 1
             T = ids_TK.shape[0]
             if self._last_layer is None or layer <= self._last_layer:
                 self.clock += self._step_tokens
@@ -415,7 +430,6 @@ class CacheManager:
             E = self.shape.num_experts
             hit_TK = np.empty(ids_TK.shape, np.bool_)
             key_U, uses_U, slot_U, miss_U = self._key_U, self._uses_U, self._slot_U, self._miss_U
-            self._serial += 1
             try:
                 U, n_miss = _prepare(
                     ids_TK, layer, E, row_E, self._stamp_E, self._pos_E, self._serial, key_U, uses_U, slot_U, hit_TK, miss_U
@@ -453,7 +467,7 @@ class CacheManager:
                 deferred += self._admit(k, freed_busy, result.copies)
             if wait:
                 self._wait_for_copies(layer, ids_TK, result, busy)
-            self._pending = (busy, deferred, result)
+            self._pending = (self._serial, busy, deferred, result)
             self.last_visit = result
             s = self.stats
             s.visits += 1
@@ -464,39 +478,35 @@ class CacheManager:
             return result
 
     def commit(self) -> None:
-        """The executor has enqueued the last visit's GPU work on the compute stream: record the slots'
-        last-use event there and enqueue the copies that waited for it. Idempotent."""
+        """The executor has enqueued the last visit's GPU work on the compute stream: the slots it read
+        get that visit as their last reader, and the copies into slots it read (deferred) are enqueued
+        behind an event recorded now. Idempotent."""
         with self._lock:
             if self._pending is None:
                 return
-            busy, deferred, result = self._pending
+            serial, busy, deferred, result = self._pending
             self._pending = None
-            if not busy and not deferred:
-                return
-            if self._use_free:
-                index = self._use_free.pop()
-            else:
-                index = len(self._use_events)
-                self._use_events.append(self.device.new_event())
-                self._use_refs.append(0)
-            event = self._use_events[index]
-            event.record(self.compute)
-            refs, last_use_S = self._use_refs, self.last_use_S
+            self._committed = serial
+            last_read_S = self.last_read_S
             for slot in busy:
-                old = last_use_S[slot]
-                if old >= 0:
-                    refs[old] -= 1
-                    if refs[old] == 0:
-                        self._use_free.append(old)
-                last_use_S[slot] = index
-                refs[index] += 1
+                last_read_S[slot] = serial
             for key, slot in deferred:
-                copy = self.engine.enqueue(key, slot, after=event)
+                copy = self.engine.enqueue(key, slot, after=self._slot_free_after(slot))
                 self.loading_L[key // self.shape.num_experts][key] = copy
                 result.copies.append(copy)
                 self.stats.copies += 1
-            if refs[index] == 0:
-                self._use_free.append(index)
+
+    def _covering_event(self, serial: int):
+        """An event that completes once every visit up to `serial` has run on the compute stream."""
+        if self._covering_serial < serial:
+            self._covering.record(self.compute)
+            self._covering_serial = self._committed
+        return self._covering
+
+    def _slot_free_after(self, slot: int):
+        """What a copy into `slot` must wait for: None when its last reader is past the fence."""
+        last = self.last_read_S[slot]
+        return None if last <= self._fence else self._covering_event(last)
 
     def _count_late(self, layer: int, miss_experts) -> None:
         """Copies still in flight now that their expert is used again (once per copy)."""
@@ -538,10 +548,6 @@ class CacheManager:
         self._push_row(layer, visit_row)
         self._dirty_L[layer] = True  # the next visit uploads the published row
 
-    def _last_use(self, slot: int):
-        index = self.last_use_S[slot]
-        return None if index < 0 else self._use_events[index]
-
     # ---- helpers ---------------------------------------------------------------------------------
 
     def _read_routing(self, topk_ids_TK) -> np.ndarray:
@@ -557,6 +563,7 @@ class CacheManager:
             self._routing_views[topk_ids_TK.shape] = host
         host.copy_(topk_ids_TK, non_blocking=True)
         self.compute.stream.synchronize()  # the routing was computed on the compute stream
+        self._fence = self._serial - 1  # and with it everything before this visit
         return host.numpy().astype(np.int64, copy=False)
 
     def _publish(self, copy: Copy) -> None:
@@ -575,17 +582,19 @@ class CacheManager:
 
     def _push_row(self, layer: int, row_E: np.ndarray | None = None) -> None:
         """Upload the layer's mapping row (or `row_E`), ordered on the compute stream before its kernels.
-        Its staging row is rewritten only once the previous upload has run (a token behind at most: else
-        we wait)."""
+        Its staging row is rewritten only once the previous upload has run: known past the fence, else
+        checked on the covering event (and waited for: `publish_waits`)."""
         if row_E is None and not self._dirty_L[layer]:
             return
-        event = self._publish_event_L[layer]
-        if not event.query():
-            self.stats.publish_waits += 1
-            event.synchronize()
+        uploaded = self._upload_serial_L[layer]
+        if uploaded > self._fence:
+            event = self._covering_event(uploaded)
+            if not event.query():
+                self.stats.publish_waits += 1
+                event.synchronize()
         self._staging_np[layer] = self.published_LE[layer] if row_E is None else row_E
         self.device.copy(self._device_rows[layer], self._staging_rows[layer], self.compute)
-        event.record(self.compute)
+        self._upload_serial_L[layer] = self._serial
         self._dirty_L[layer] = False
 
     def _evict(self, key: int, busy: set, freed_busy: list) -> None:
@@ -609,7 +618,7 @@ class CacheManager:
         if self.free_S:
             slot = self.free_S.pop()
             self.slot_of_G[key] = slot
-            copy = self.engine.enqueue(key, slot, after=self._last_use(slot))
+            copy = self.engine.enqueue(key, slot, after=self._slot_free_after(slot))
             self.loading_L[layer][key] = copy
             copies.append(copy)
             self.stats.copies += 1

@@ -251,7 +251,7 @@ class ExpertsTaps:
         if self.is_cuda:
             self._read_back.synchronize()
         ids_TK = self.host_ids_TK.numpy()
-        visit = self.manager.visit(layer, ids_TK)
+        visit = self.manager.visit(layer, ids_TK, compute_done=self.is_cuda)  # the read-back waited for A
         if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
             self.device.run(self.manager.compute)
         n_hit = int(visit.hit_TK.sum())

@@ -179,10 +179,20 @@ def test_slot_of_E_keeps_its_address():
 # ---- safe slot reuse (stress) ------------------------------------------------------------------
 
 
-def stress(policy: str, capacity: int, *, seed: int, wait_on_last_use: bool = True, tokens: int = 300):
+def stress(
+    policy: str,
+    capacity: int,
+    *,
+    seed: int,
+    wait_on_last_use: bool = True,
+    tokens: int = 300,
+    fence: str | None = None,
+):
     """Random routing, tiny capacity, streams run in random interleavings. After each visit a stand-in
     kernel is queued on the compute stream: at execution it reads each hit expert's slot through the
-    device mapping row and compares the slot's weights with the store's. Returns (mismatches, stats)."""
+    device mapping row and compares the slot's weights with the store's. Returns (mismatches, stats).
+    `fence="true"`: before each visit the compute stream runs to the end and the visit is told so
+    (`compute_done=True`, as after a blocking routing read-back); `fence="false"`: told so without it."""
     L, E, K = 2, 5, 2
     store = random_store(L=L, E=E, H=4, inter=2, seed=seed)
     m = manager(policy, capacity, store=store, mode="manual", top_k=K)
@@ -209,7 +219,9 @@ def stress(policy: str, capacity: int, *, seed: int, wait_on_last_use: bool = Tr
     for _ in range(tokens):
         for layer in range(L):
             ids_TK = rng.choice(E, size=(1, K), replace=False)
-            r = m.visit(layer, ids_TK)
+            if fence == "true":
+                m.device.run(m.compute)
+            r = m.visit(layer, ids_TK, compute_done=fence is not None)
             m.device.enqueue(m.compute, kernel(layer, ids_TK, r.hit_TK))
             m.commit()
             for _ in range(int(rng.integers(0, 4))):
@@ -228,6 +240,24 @@ def test_a_slot_is_not_overwritten_while_queued_work_reads_it(policy):
 
 def test_the_stress_test_catches_a_copy_that_ignores_last_use():
     found = sum(len(stress("lru", 6, seed=seed, wait_on_last_use=False)[0]) for seed in range(3))
+    assert found > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_past_the_fence_slots_and_rows_are_reused_without_events(policy):
+    for seed in range(3):
+        bad, stats = stress(policy, 6, seed=seed, fence="true")
+        assert bad == [] and stats.copies > 20
+    m = manager(policy, 6, mode="manual")  # and no event at all: only a deferred copy records one
+    for t in range(40):
+        m.device.run(m.compute)
+        m.visit(t % 2, np.array([[t % 7, (t + 3) % 8]]), compute_done=True)
+        m.commit()
+    assert m._covering.generation <= m.stats.deferred_copies and m.stats.publish_waits == 0
+
+
+def test_the_stress_test_catches_a_fence_claimed_too_early():
+    found = sum(len(stress("lru", 6, seed=seed, fence="false")[0]) for seed in range(3))
     assert found > 0
 
 
