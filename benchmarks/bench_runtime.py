@@ -11,8 +11,8 @@ Sections (each skipped, with the reason printed, where the device cannot run it)
 - manager: `CacheManager.visit` per layer visit at the Qwen3.6 shape (40 x 256 experts, top-8,
   capacity 2048, policy --policy) on synthetic skewed routing, warmed first; with routing already on
   the host, and (CUDA) with the routing read back from the device (the hot path's one read-back): by
-  `visit` itself (a copy and a stream synchronize), and as the fast decode loop does it (`prepare`, the
-  read-back on a side stream behind an event, `visit` on the host copy, `commit`).
+  `visit` itself (a copy and a stream synchronize), and as the fast decode loop does it (the read-back
+  copy and an event after it, `prepare`, a wait on the event, `visit` on the host copy, `commit`).
   The store's experts are small here (--manager-h/--manager-i): only the manager's time is measured.
 - store: allocate and fill a store of --store-experts Qwen3.6-sized experts (40*256 = 10240 is the full
   60 GiB model; the H200 host has 128 GiB), then one cudaHostRegister; its time and the peak RSS.
@@ -213,8 +213,7 @@ def bench_manager(device, args) -> dict:
     fast_ns = []
     if device_routing is not None:  # the fast decode loop's sequence (moecache/runtime/segments.py)
         manager.reset()
-        side = device.new_stream()
-        tapped, read_back = device.new_event(), device.new_event()
+        read_back = device.new_event()
         host = torch.empty(device_routing.shape[2:], dtype=device_routing.dtype, pin_memory=True)
         host_np = host.numpy()
         torch.cuda.synchronize()
@@ -222,14 +221,11 @@ def bench_manager(device, args) -> dict:
             for layer in range(L):
                 ids = device_routing[t, layer]
                 t0 = clock()
+                host.copy_(ids, non_blocking=True)
+                read_back.record(manager.compute)
                 manager.prepare(layer)
-                tapped.record(manager.compute)
-                side.wait_event(tapped)
-                with side.stream:
-                    host.copy_(ids, non_blocking=True)
-                read_back.record(side)
                 read_back.synchronize()
-                manager.visit(layer, host_np)
+                manager.visit(layer, host_np, compute_done=True)
                 manager.commit()
                 t1 = clock()
                 if t >= args.warm_tokens:

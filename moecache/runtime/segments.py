@@ -5,7 +5,7 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
 
 - "split" (any mapping that may still change): the experts call of MoE layer l becomes
       copy (x_TH, ids_TK, weights_TK) into static buffers       | segment A(l): the end of the forward so far
-      host point `_route(l)`: their read-back (one device-to-host copy) enqueued on a side stream;
+      host point `_route(l)`: their read-back (one device-to-host copy) enqueued, an event after it;
           `manager.prepare(l)` publishes the layer's mapping in place into its fixed-address device
           row `slot_of_LE[l]` (nothing of it depends on the routing)
       y_TH = slot_moe(static buffers, slot_of_LE[l], pool)       | segment B(l): the resident experts
@@ -160,9 +160,8 @@ class ExpertsTaps:
         self._visit_result = None
         self._ids_host_TK: np.ndarray | None = None
         self._prepared: int | None = None  # the layer whose visit `_route` left to `_combine`
-        if self.is_cuda:  # the read-back's own stream and events (A has run; the copy has landed)
-            self._readback_stream = self.device.new_stream()
-            self._tapped, self._read_back = self.device.new_event(), self.device.new_event()
+        if self.is_cuda:  # recorded after the read-back's copy
+            self._read_back = self.device.new_event()
         self.mode = "split"
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
@@ -235,16 +234,13 @@ class ExpertsTaps:
         self._visit(layer)
 
     def _start_readback(self) -> None:
-        """Enqueue the copy of the tap buffer (ids, weights, x) to pinned host memory on the read-back
-        stream, once segment A's work (and the forced rows' upload) has run; `_visit` waits for it."""
-        if not self.is_cuda:
-            return
-        self._tapped.record(self.manager.compute)
-        stream = self._readback_stream
-        stream.wait_event(self._tapped)
-        with stream.stream:  # torch.Stream's own context (C++), as device.copy_many
+        """Enqueue the copy of the tap buffer (ids, weights, x: a few KiB) to pinned host memory on the
+        compute stream, behind segment A (and the forced rows' upload), and an event after it; `_visit`
+        waits on that event, not on the stream, so B(l), replayed next, is not waited for. (A side
+        stream would keep the copy off B's path, at two more host calls per layer.)"""
+        if self.is_cuda:
             self.host_B.copy_(self.tap_B, non_blocking=True)
-        self._read_back.record(stream)
+            self._read_back.record(self.manager.compute)
 
     def _visit(self, layer: int) -> None:
         """The layer's visit on the read-back routing."""

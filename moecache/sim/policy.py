@@ -12,7 +12,9 @@ What the replay driver does at every layer step (docs/simulator.md; moecache/sim
 2. calls `step(...)`: the policy first updates its state with the whole step (recency, counts, next
    use of every hit), then decides admissions (keys that get a slot; `loading` until their copy
    completes, never usable by this step) and evictions for the step's misses;
-3. applies evictions, then admissions, and checks that at most `capacity` keys hold slots.
+3. cancels every admission that the same step evicts again (visit.apply_step, once for every
+   policy), applies the evictions, then the admissions, and checks that at most `capacity` keys hold
+   slots.
 
 `step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out)
    -> (n_admit, n_evict)`
@@ -20,7 +22,12 @@ What the replay driver does at every layer step (docs/simulator.md; moecache/sim
   hit_U bool; a0: index of the step's first access in the whole trace (a monotone access clock);
   clock: tokens of the trace processed before this forward step; request: request index;
   resident_G bool: keys holding a slot before the step (read only); the policy writes keys into
-  admit_out[:n_admit] and evict_out[:n_evict]. Evicted keys must hold a slot; admitted keys must not.
+  admit_out[:n_admit] and evict_out[:n_evict] (each holds num_keys entries), in the order it decides
+  them. It lists every admission and every victim, even a victim it admitted itself earlier in the
+  same step: apply_step removes that key's first admission (the others keep their order) and the
+  eviction, so the two cancel out (no copy, no eviction); the policy keeps no bookkeeping for it.
+  Otherwise an evicted key must hold a slot before the step, no key may be evicted twice, and an
+  admitted key must not hold a slot (after the step's evictions); apply_step raises ValueError else.
 
 How to add a policy: see docs/simulator.md, "Adding a policy".
 """
@@ -109,7 +116,11 @@ class Policy:
                     raise ValueError(f"policy class {cls.__qualname__} declares no state_fields")
                 fields = tuple(f"s{i}" for i in range(num_fields))
             state_class = namedtuple("State", fields)
-            state_class.__qualname__ = f"{cls.__qualname__}.State"  # found again by pickle, by name
+            # __qualname__: found again by pickle, by name. __name__ too: numba's dispatcher matches a
+            # call's argument types by a fingerprint of the tuple's type name and field names, not of
+            # its class, so two policies whose states had the same name and fields (and dtypes) would
+            # share one, and every visit of the second would pay numba's slow type lookup (~100 us).
+            state_class.__name__ = state_class.__qualname__ = f"{cls.__qualname__}.State"
             state_class.__module__ = cls.__module__
             from moecache.sim.visit import bind_step
 

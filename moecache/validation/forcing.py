@@ -124,7 +124,7 @@ class VisitCheck:
     def __enter__(self) -> VisitCheck:
         visit = self.manager.visit
 
-        def checked(layer: int, topk_ids_TK):
+        def checked(layer: int, topk_ids_TK, **options):
             got = topk_ids_TK.detach().cpu().numpy() if isinstance(topk_ids_TK, torch.Tensor) else topk_ids_TK
             got = np.asarray(got).reshape(-1, self.forced.top_k)
             start = self._pos_L[layer]
@@ -137,7 +137,7 @@ class VisitCheck:
                 )
             self._pos_L[layer] = start + got.shape[0]
             self.rows_checked += got.shape[0]
-            return visit(layer, topk_ids_TK)
+            return visit(layer, topk_ids_TK, **options)
 
         self.manager.visit = checked  # an instance attribute: every caller of manager.visit sees it
         return self

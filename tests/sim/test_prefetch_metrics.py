@@ -19,7 +19,6 @@ from strategies import hand_cost as shared_hand_cost
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.sim.cost_model import CostModel
 from moecache.sim.metrics import per_request, summarize
-from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policy import Policy, make_policy
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
@@ -27,7 +26,7 @@ from moecache.sim.timed import replay_timed
 
 @nb.njit(_nrt=False)
 def _next_expert0_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
-    fifo, admitted_at_G, meta = state  # meta: [head, count, capacity, experts, layers, demand]
+    fifo, meta = state  # meta: [head, count, capacity, experts, layers, demand]
     head, count, cap, num_experts, num_layers, demand = meta[0], meta[1], meta[2], meta[3], meta[4], meta[5]
     if cap == 0:
         return 0, 0
@@ -41,18 +40,22 @@ def _next_expert0_step(state, key_U, uses_U, hit_U, a0, clock, request, resident
                 continue
         else:
             k = target
-            if k >= num_experts * num_layers or resident_G[k] or admitted_at_G[k] == a0:
+            if k >= num_experts * num_layers or resident_G[k]:
+                continue
+            admitted = False  # resident_G is the residency before the step: look in its admissions
+            for j in range(n_admit):
+                if admit_out[j] == k:
+                    admitted = True
+            if admitted:
                 continue
         if count == cap:  # evict the oldest admission
             victim = fifo[head]
             head = (head + 1) % cap
             count -= 1
-            n_admit, n_evict = cancel_or_evict(
-                admit_out, n_admit, evict_out, n_evict, admitted_at_G, a0, victim
-            )
+            evict_out[n_evict] = victim  # even one admitted by this step: apply_step cancels the pair
+            n_evict += 1
         fifo[(head + count) % cap] = k
         count += 1
-        admitted_at_G[k] = a0
         admit_out[n_admit] = k
         n_admit += 1
     meta[0] = head
@@ -70,11 +73,7 @@ class NextExpert0(Policy):
 
     def init_state(self, trace, capacity: int) -> tuple:
         meta = [0, 0, capacity, trace.num_experts, trace.num_layers, int(self.params["demand"])]
-        return (
-            np.zeros(max(capacity, 1), np.int64),
-            np.full(trace.num_keys, -1, np.int64),
-            np.array(meta, np.int64),
-        )
+        return np.zeros(max(capacity, 1), np.int64), np.array(meta, np.int64)
 
 
 def hand_cost(cpu=(0, 20, 30, 40), gpu=(0, 1, 1.5, 2), **kw) -> CostModel:
@@ -198,7 +197,8 @@ def random_trace(make_trace, seed, requests=3, tokens=10, layers=3, experts=6, p
 
 def reference_prefetches(trace, policy, capacity) -> list[tuple[int, int | None]]:
     """Plain-Python oracle of the drivers' accounting: (enqueuing step, step of the first use or None)
-    of every prefetch, the compiled policy step called from Python one layer step at a time."""
+    of every prefetch, the compiled policy step called from Python one layer step at a time (its
+    same-step cancellations undone here: a listed victim that held no slot was admitted by the step)."""
     state = policy.init_state(trace, capacity)
     resident = np.zeros(trace.num_keys, np.bool_)
     admit, evict = np.empty(trace.num_keys, np.int32), np.empty(trace.num_keys, np.int32)
@@ -214,10 +214,14 @@ def reference_prefetches(trace, policy, capacity) -> list[tuple[int, int | None]
             state, keys, trace.uses_A[a0:a1], resident[keys], int(a0), trace.clock_V[s],
             trace.request_V[s], resident, admit, evict,
         )  # fmt: skip
+        admitted = admit[:n_admit].tolist()
         for k in evict[:n_evict].tolist():
+            if not resident[k]:
+                admitted.remove(k)  # admitted and evicted by this step: the two cancel out
+                continue
             resident[k] = False
             pending.pop(k, None)
-        for k in admit[:n_admit].tolist():
+        for k in admitted:
             resident[k] = True
             if k not in set(keys.tolist()):
                 pending[k] = len(events)

@@ -21,6 +21,7 @@ from moecache.sim.jit import cache_tag
 from moecache.sim.policies.lru import LRU
 from moecache.sim.policy import POLICIES, Policy, make_policy, register
 from moecache.sim.replay import initial_resident_mask, replay_instant
+from moecache.sim.shape import ModelShape
 from moecache.sim.trace_arrays import DECODE
 from moecache.sim.visit import bind_step, visit_entry
 
@@ -67,12 +68,117 @@ def test_visit_from_python_equals_the_compiled_replay(make_trace, name, capacity
     assert evicts == replay.evicts_V.tolist()
 
 
+@nb.njit
+def _scripted_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    admit_S, evict_S = state
+    for i in range(admit_S.shape[0]):
+        admit_out[i] = admit_S[i]
+    for i in range(evict_S.shape[0]):
+        evict_out[i] = evict_S[i]
+    return admit_S.shape[0], evict_S.shape[0]
+
+
+class Scripted(Policy):
+    """Not registered: every visit's step lists the same admissions and evictions (its parameters),
+    as they are, so that apply_step's cancellations and checks can be seen on their own."""
+
+    name = "scripted_test"
+    defaults = {"admit": (), "evict": ()}
+    step = _scripted_step
+
+    def init_state(self, trace, capacity: int) -> tuple:
+        return np.array(self.params["admit"], np.int32), np.array(self.params["evict"], np.int32)
+
+
+def one_visit(policy, resident=(), capacity=8, key_U=()):
+    """One compiled visit of `policy` (one layer of 12 experts) from `resident`: (net admissions, net
+    evictions, residents after)."""
+    shape = ModelShape(num_layers=1, num_experts=12, top_k=4, expert_bytes=1)
+    num_keys = shape.num_keys
+    state = policy.named_state(policy.init_state(shape, capacity))
+    resident_G = np.zeros(num_keys, np.bool_)
+    resident_G[list(resident)] = True
+    held_capacity = np.array([len(resident), capacity], np.int64)
+    key_U = np.array(key_U, np.int32)
+    admit_out, evict_out = np.full(num_keys, -7, np.int32), np.full(num_keys, -7, np.int32)
+    n_admit, n_evict = visit_entry(type(policy))(
+        state, key_U, np.ones_like(key_U), 0, 0, 0, resident_G, held_capacity,
+        np.zeros(len(key_U), np.bool_), admit_out, evict_out,
+    )  # fmt: skip
+    assert held_capacity[0] == resident_G.sum()
+    residents = set(np.flatnonzero(resident_G).tolist())
+    return admit_out[:n_admit].tolist(), evict_out[:n_evict].tolist(), residents
+
+
+def test_apply_step_cancels_an_admission_the_same_step_evicts():
+    """Key 1 held no slot before the visit and is listed as evicted: the step admitted it, so the two
+    cancel out (no admission, no eviction); key 7's eviction is real."""
+    got = one_visit(Scripted(admit=(1, 2, 3), evict=(7, 1)), resident={7, 9}, capacity=4)
+    assert got == ([2, 3], [7], {2, 3, 9})
+
+
+def test_apply_step_keeps_the_order_of_the_admissions_it_does_not_cancel():
+    """Cancelling removes the FIRST admission of the key and moves the later ones up (list.remove, as
+    moecache/sim/reference.py::cancel_or_evict does): the copies are queued in the step's order."""
+    assert one_visit(Scripted(admit=(1, 2, 3, 4), evict=(2,)))[0] == [1, 3, 4]
+    assert one_visit(Scripted(admit=(1, 2, 3, 4, 5), evict=(4, 1)))[0] == [2, 3, 5]
+    assert one_visit(Scripted(admit=(5, 6, 5), evict=(5,)))[0] == [6, 5]  # first occurrence only
+
+
+def test_apply_step_lets_a_key_evicted_and_admitted_again_keep_its_slot():
+    """Key 7 held a slot and the step evicted it, then admitted it again (a prefetch of a key a demand
+    admission had just evicted): it keeps its slot, no eviction and no copy; key 9's eviction is real
+    and the other evictions keep their order."""
+    got = one_visit(Scripted(admit=(1, 7, 2), evict=(9, 7, 8)), resident={7, 8, 9}, capacity=3)
+    assert got == ([1, 2], [9, 8], {1, 2, 7})
+
+
+def test_lru_with_more_misses_than_slots_admits_in_router_order():
+    """Capacity 3, one step of four misses 0..3: LRU admits 0, 1, 2, then 3 evicts 0 (admitted by the
+    same step: cancelled). Net: 1, 2, 3 in router order, nothing evicted."""
+    assert one_visit(make_policy("lru"), capacity=3, key_U=(0, 1, 2, 3)) == ([1, 2, 3], [], {1, 2, 3})
+
+
+@pytest.mark.parametrize(
+    "admit, evict, resident, error",
+    [
+        ((1,), (2,), (), "evicted a key that holds no slot"),
+        ((), (3,), (), "evicted a key that holds no slot"),
+        ((), (7, 7), (7,), "evicted a key twice in one step"),
+        ((1,), (1, 1), (), "evicted a key twice in one step"),
+        ((1, 1), (1, 1), (), "evicted a key twice in one step"),
+        ((7,), (), (7,), "admitted a key that already holds a slot"),
+        ((1, 1), (), (), "admitted a key that already holds a slot"),
+        ((1, 2, 3), (), (7,), "holds more keys than the capacity"),
+    ],
+)
+def test_apply_step_refuses_a_broken_step(admit, evict, resident, error):
+    with pytest.raises(ValueError, match=error):
+        one_visit(Scripted(admit=admit, evict=evict), resident=set(resident), capacity=3)
+
+
 def test_every_registered_policy_has_its_own_named_state():
     classes = [cls.state_class() for cls in POLICIES.values()]
     assert len(set(classes)) == len(classes)
     lru = LRU.state_class()
-    assert lru._fields == ("prev_G", "next_G", "admitted_at_G", "meta")
+    assert lru._fields == ("prev_G", "next_G", "meta")
     assert lru.__qualname__ == "LRU.State" and LRU.State is lru  # found again by name (pickle)
+
+
+def test_every_registered_policy_state_has_its_own_dispatch_fingerprint(make_trace):
+    """numba's dispatcher recognises argument types by fingerprint (type name, field names and
+    dtypes), not by class: two policies sharing one would make every visit of the second take numba's
+    slow type resolution (lfu_decay and lrfu have the same fields and dtypes, static_cold and
+    static_layers the same one field). numba._dispatcher.compute_fingerprint is its C function."""
+    from numba._dispatcher import compute_fingerprint
+
+    trace = random_trace(make_trace)
+    seen = {}
+    for name, cls in POLICIES.items():
+        policy = cls().bind_cost(hand_cost())
+        state = policy.named_state(policy.init_state(trace, 3))
+        seen.setdefault(compute_fingerprint(state), []).append(name)
+    assert [names for names in seen.values() if len(names) > 1] == []
 
 
 def test_a_state_class_takes_one_step():
@@ -104,8 +210,8 @@ def test_a_registered_policy_must_name_its_state():
 
 def test_named_state_refuses_a_state_of_another_length(make_trace):
     trace = random_trace(make_trace)
-    with pytest.raises(ValueError, match="init_state returned 3 members, State has 4"):
-        make_policy("lru").named_state(LRU().init_state(trace, 2)[:3])
+    with pytest.raises(ValueError, match="init_state returned 2 members, State has 3"):
+        make_policy("lru").named_state(LRU().init_state(trace, 2)[:2])
 
 
 def test_only_registered_policies_are_cached_on_disk():

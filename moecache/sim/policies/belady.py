@@ -9,7 +9,8 @@ full, the victim is the resident with the farthest next use, among equal next us
 for residents never used again) the larger key. With `bypass` (default) the miss replaces the victim
 only when the victim's next use is strictly later than the miss's own, otherwise it skips the cache;
 without bypass every miss is admitted and the victim evicted (even one used sooner than the miss).
-A key admitted earlier in the same step can be the victim of a later miss: the two cancel out.
+A key admitted earlier in the same step can be the victim of a later miss: the step lists it as
+evicted all the same, and apply_step (moecache/sim/visit.py) cancels the pair (no copy, no eviction).
 
 With bypass, the result is optimal over all demand schedules (hits from the snapshot before a step,
 admissions resident from the next step): once the cache is full, after each step the residents are
@@ -31,7 +32,6 @@ import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
-from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policy import Policy, register
 
 
@@ -94,7 +94,7 @@ def _sift_down(heap, pos_G, mask, n, i, c):
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def belady_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
-    next_A, heap, pos_G, admitted_at_G, meta = state  # meta: [held, capacity, bypass, shift]
+    next_A, heap, pos_G, meta = state  # meta: [held, capacity, bypass, shift]
     n = meta[0]
     cap = meta[1]
     bypass = meta[2] != 0
@@ -124,10 +124,8 @@ def belady_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, adm
                 victim = top & mask
                 pos_G[victim] = -1
                 _sift_down(heap, pos_G, mask, n, 0, c)
-                n_admit, n_evict = cancel_or_evict(
-                    admit_out, n_admit, evict_out, n_evict, admitted_at_G, a0, victim
-                )
-            admitted_at_G[k] = a0
+                evict_out[n_evict] = victim
+                n_evict += 1
             admit_out[n_admit] = k
             n_admit += 1
         meta[0] = n
@@ -148,7 +146,7 @@ class Belady(Policy):
     name = "belady"
     step = belady_step
     offline = True  # init_state reads the future of the replayed trace
-    state_fields = ("next_A", "heap", "pos_G", "admitted_at_G", "meta")
+    state_fields = ("next_A", "heap", "pos_G", "meta")
     defaults = {"warm": False, "bypass": True}
 
     def __init__(self, **params):
@@ -175,8 +173,8 @@ class Belady(Policy):
             heap[:held] = ((first_G[initial] << shift) | initial)[::-1]
             pos_G[initial[::-1]] = np.arange(held)
         meta = np.array([held, capacity, int(self.params["bypass"]), shift], np.int64)
-        return next_A, heap, pos_G, np.full(n, -1, np.int64), meta
+        return next_A, heap, pos_G, meta
 
     def initial_residents(self, state: tuple, trace, capacity: int) -> np.ndarray:
-        heap, meta = state[1], state[4]
+        heap, meta = state[1], state[3]
         return np.sort(heap[: meta[0]] & ((1 << int(meta[3])) - 1)).astype(np.int32)

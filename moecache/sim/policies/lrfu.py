@@ -7,9 +7,9 @@ weigh their token count. At every step the CRFs of all the step's keys (hits and
 its uses, so the step's hits are protected by their fresh scores; then its misses are admitted in
 router order: into a free slot while there is one, else in place of the victim, the resident with
 the smallest CRF, among equal CRFs the largest key. The miss itself is never its own victim, but a
-key admitted earlier in the same step may be (its admission and eviction then cancel out, as in
-lru). CRFs of all keys are kept, resident or not. Residents sit in an indexed min-heap (`_heap`),
-top = victim.
+key admitted earlier in the same step may be: the step lists it as evicted all the same, and
+apply_step (moecache/sim/visit.py) cancels the pair (no copy, no eviction), as in lru. CRFs of all
+keys are kept, resident or not. Residents sit in an indexed min-heap (`_heap`), top = victim.
 
 `lambda_` spans the spectrum from frequency to recency. 0: every use weighs 1, so the victim is the
 resident with the fewest uses (cumulative LFU with always-admit; equal counts: the larger key). A
@@ -39,7 +39,6 @@ import numpy as np
 
 from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
-from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policies.lfu import frequency_arrays, note_use
 from moecache.sim.policies.lfu_decay import decayed_weight
 from moecache.sim.policy import Policy, register
@@ -47,8 +46,7 @@ from moecache.sim.policy import Policy, register
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
-    # meta: [held, capacity, scale exponent m]; admitted_at_G: a0 of the step that last admitted k
-    score_G, heap, pos_G, miss, admitted_at_G, meta, fmeta = state
+    score_G, heap, pos_G, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
     n = meta[0]
     cap = meta[1]
     w = decayed_weight(score_G, heap, pos_G, n, meta, fmeta[0] * clock)  # fmeta[0]: lambda_
@@ -66,9 +64,8 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit
             if n < cap:
                 n = _heap.push(heap, pos_G, score_G, n, m)
             else:  # the victim is the heap's top: smallest CRF, then largest key
-                v = _heap.replace_top(heap, pos_G, score_G, n, m)
-                na, ne = cancel_or_evict(admit_out, na, evict_out, ne, admitted_at_G, a0, v)
-            admitted_at_G[m] = a0
+                evict_out[ne] = _heap.replace_top(heap, pos_G, score_G, n, m)
+                ne += 1
             admit_out[na] = m
             na += 1
     meta[0] = n
@@ -79,7 +76,7 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit
 class LRFU(Policy):
     name = "lrfu"
     step = lrfu_step
-    state_fields = ("score_G", "heap", "pos_G", "miss", "admitted_at_G", "meta", "fmeta")
+    state_fields = ("score_G", "heap", "pos_G", "miss", "meta", "fmeta")
     defaults = {"lambda_": 0.01}
 
     def __init__(self, **params):
@@ -91,7 +88,6 @@ class LRFU(Policy):
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
         heap, pos_G, miss = frequency_arrays(n, capacity)
-        admitted_at_G = np.full(n, -1, np.int64)
         meta = np.array([0, capacity, 0], np.int64)
         fmeta = np.array([float(self.params["lambda_"])], np.float64)
-        return np.zeros(n, np.float64), heap, pos_G, miss, admitted_at_G, meta, fmeta
+        return np.zeros(n, np.float64), heap, pos_G, miss, meta, fmeta

@@ -2,7 +2,9 @@
 
 Recency is updated for all of a step's hits (in access order) before its misses are admitted (in
 router order), so a step's own hits are the most recent. State: a doubly linked list over keys,
-most recent first. Ties cannot occur: every access has its own position in the order.
+most recent first. Ties cannot occur: every access has its own position in the order. A miss's
+victim may be a key admitted earlier in the same step (more misses than slots); the step lists it as
+evicted all the same, and apply_step (moecache/sim/visit.py) cancels the pair: no copy, no eviction.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from moecache.sim.policies._admit import cancel_or_evict
 from moecache.sim.policy import Policy, register
 
 
@@ -31,10 +32,11 @@ def _push_front(prev_G, next_G, head, k):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def lru_update(prev_G, next_G, admitted_at_G, head, held, cap, key_U, hit_U, a0, admit_out, evict_out):
+def lru_update(prev_G, next_G, head, held, cap, key_U, hit_U, admit_out, evict_out):
     """One step of LRU over the list behind sentinel `head` holding `held` of `cap` slots: the step's
     hits move to the front (in access order), then each miss is admitted at the front, evicting the
-    back when full. Returns (held, n_admit, n_evict)."""
+    back when full (even a key admitted by this step: apply_step cancels the pair). Returns (held,
+    n_admit, n_evict)."""
     for i in range(key_U.shape[0]):
         if hit_U[i]:
             _unlink(prev_G, next_G, key_U[i])
@@ -51,12 +53,10 @@ def lru_update(prev_G, next_G, admitted_at_G, head, held, cap, key_U, hit_U, a0,
             victim = prev_G[head]
             _unlink(prev_G, next_G, victim)
             held -= 1
-            n_admit, n_evict = cancel_or_evict(
-                admit_out, n_admit, evict_out, n_evict, admitted_at_G, a0, victim
-            )
+            evict_out[n_evict] = victim
+            n_evict += 1
         _push_front(prev_G, next_G, head, k)
         held += 1
-        admitted_at_G[k] = a0
         admit_out[n_admit] = k
         n_admit += 1
     return held, n_admit, n_evict
@@ -64,9 +64,9 @@ def lru_update(prev_G, next_G, admitted_at_G, head, held, cap, key_U, hit_U, a0,
 
 @nb.njit(_nrt=False)
 def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
-    prev_G, next_G, admitted_at_G, meta = state  # meta: [head sentinel, keys holding a slot, capacity]
+    prev_G, next_G, meta = state  # meta: [head sentinel, keys holding a slot, capacity]
     held, n_admit, n_evict = lru_update(
-        prev_G, next_G, admitted_at_G, meta[0], meta[1], meta[2], key_U, hit_U, a0, admit_out, evict_out
+        prev_G, next_G, meta[0], meta[1], meta[2], key_U, hit_U, admit_out, evict_out
     )
     meta[1] = held
     return n_admit, n_evict
@@ -76,11 +76,10 @@ def lru_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_
 class LRU(Policy):
     name = "lru"
     step = lru_step
-    state_fields = ("prev_G", "next_G", "admitted_at_G", "meta")
+    state_fields = ("prev_G", "next_G", "meta")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
         prev_G = np.full(n + 1, n, np.int64)  # index n is the list's head sentinel
         next_G = np.full(n + 1, n, np.int64)
-        admitted_at_G = np.full(n, -1, np.int64)
-        return prev_G, next_G, admitted_at_G, np.array([n, 0, capacity], np.int64)
+        return prev_G, next_G, np.array([n, 0, capacity], np.int64)

@@ -115,15 +115,14 @@ def check_split(policy: str, split) -> str:
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
 def lru_per_layer_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
-    prev_G, next_G, admitted_at_G, held_L, budget_L, meta = state  # meta: [num_experts, num_keys]
+    prev_G, next_G, held_L, budget_L, meta = state  # meta: [num_experts, num_keys]
     n_admit = 0
     n_evict = 0
     if key_U.shape[0] > 0:
         layer = key_U[0] // meta[0]  # every key of a layer step belongs to its layer
         head = meta[1] + layer  # the layer's list sentinel
         held_L[layer], n_admit, n_evict = lru_update(
-            prev_G, next_G, admitted_at_G, head, held_L[layer], budget_L[layer], key_U, hit_U, a0,
-            admit_out, evict_out,
+            prev_G, next_G, head, held_L[layer], budget_L[layer], key_U, hit_U, admit_out, evict_out,
         )  # fmt: skip
     return n_admit, n_evict
 
@@ -145,7 +144,7 @@ class PerLayerPolicy(Policy):
 class LRUPerLayer(PerLayerPolicy):
     name = "lru_per_layer"
     step = lru_per_layer_step
-    state_fields = ("prev_G", "next_G", "admitted_at_G", "held_L", "budget_L", "meta")
+    state_fields = ("prev_G", "next_G", "held_L", "budget_L", "meta")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n, layers = trace.num_keys, trace.num_layers
@@ -157,7 +156,6 @@ class LRUPerLayer(PerLayerPolicy):
         return (
             prev_G,
             next_G,
-            np.full(n, -1, np.int64),
             np.zeros(layers, np.int64),
             self.budgets(trace, capacity),
             np.array([trace.num_experts, n], np.int64),

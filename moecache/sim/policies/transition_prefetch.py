@@ -151,16 +151,8 @@ def transition_prefetch_step(
                     ne += 1
                 pf[npf] = k
                 npf += 1
-                undone = False  # evicted by this step's demand admission: keep its slot instead
-                for r in range(ne):
-                    if not undone and evict_out[r] == k:
-                        evict_out[r] = evict_out[ne - 1]
-                        undone = True
-                if undone:
-                    ne -= 1
-                else:
-                    admit_out[na] = k
-                    na += 1
+                admit_out[na] = k  # if this step's demand admission evicted k, apply_step keeps its slot
+                na += 1
     meta[HELD] = n
     return na, ne
 
