@@ -4,7 +4,9 @@ For each shape and T, all resident / half resident: time (triton.testing.do_benc
 every run; routings rotate over the whole expert pool, so weights come cold from HBM), achieved GB/s of
 the touched expert weights against the measured device copy bandwidth (the HBM floor), and TFLOP/s
 against a measured bf16 matmul rate. The baselines know nothing of residency: they run every routed
-expert (their rows are the same for both residency columns). Prints a table, then one JSON line.
+expert (their rows are the same for both residency columns). slot_moe runs the launch config it picks
+itself (kernels/configs/ for this device and shape, else default_config); the "config" column names it:
+the path or decode variant, and "tuned" (from a file) or "default". Prints a table, then one JSON line.
 
     python benchmarks/bench_slot_moe.py            # every shape, T = 1 4 16 64 512 4096
     python benchmarks/bench_slot_moe.py --quick    # fewer reps, baselines only at T <= 512
@@ -74,6 +76,25 @@ def graphs(slot_moe, inputs, out) -> list[tuple[torch.cuda.CUDAGraph]]:
             slot_moe(*args, out=out)
         captured.append((graph,))
     return captured
+
+
+def picked_config(num_tokens: int, num_experts: int, inter: int) -> str:
+    """What slot_moe runs for this T and shape here: "two_stage tuned", "fused default", "prefill tuned"."""
+    from moecache_kernels.slot_moe_config import (
+        CONFIG_DIR,
+        DECODE_MAX_T,
+        config_file_name,
+        decode_variant,
+        device_name,
+        get_config,
+        load_configs,
+    )
+
+    config = get_config(num_tokens, num_experts, inter, torch.bfloat16, device_name())
+    table = load_configs(CONFIG_DIR / config_file_name(num_experts, inter, device_name(), torch.bfloat16))
+    decode = num_tokens <= DECODE_MAX_T
+    tuned = any((t <= DECODE_MAX_T) == decode for t in table or {})
+    return f"{decode_variant(config) if decode else 'prefill'} {'tuned' if tuned else 'default'}"
 
 
 def touched_bytes(ids_TK: torch.Tensor, resident_E: torch.Tensor, expert_bytes: int) -> int:
@@ -155,6 +176,7 @@ def bench_shape(name, num_tokens_list, quick, ceilings, rows) -> None:
         x = torch.randn(num_tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
         w = torch.softmax(torch.randn(num_tokens, top_k, generator=gen, device="cuda"), -1).to(torch.bfloat16)
         out = torch.empty_like(x)
+        config = picked_config(num_tokens, num_experts, inter)
         for residency, slot_of_E in maps.items():
             resident = slot_of_E >= 0
             inputs = [(x, i, w, slot_of_E, w13, w2) for i in ids]
@@ -163,12 +185,14 @@ def bench_shape(name, num_tokens_list, quick, ceilings, rows) -> None:
             pairs = sum(int(resident[i].sum()) for i in ids) / len(ids)
             rows.append(
                 _row(name, num_tokens, residency, "slot_moe", ms, nbytes, pairs, hidden, inter, ceilings)
+                | {"config": config}
             )
             ms = time_ms(cycled(torch.cuda.CUDAGraph.replay, graphs(slot_moe, inputs, out)), quick)
             rows.append(
                 _row(
                     name, num_tokens, residency, "slot_moe graph", ms, nbytes, pairs, hidden, inter, ceilings
                 )
+                | {"config": config}
             )
         if quick and num_tokens > 512:
             continue
@@ -218,7 +242,19 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for name in args.shapes:
         bench_shape(name, args.tokens, args.quick, ceilings, rows)
-    cols = ("shape", "T", "resident", "impl", "us", "floor_us", "x_floor", "GB/s", "TFLOP/s", "pct_mm")
+    cols = (
+        "shape",
+        "T",
+        "resident",
+        "impl",
+        "config",
+        "us",
+        "floor_us",
+        "x_floor",
+        "GB/s",
+        "TFLOP/s",
+        "pct_mm",
+    )
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(str(row.get(c, row.get("note", "-") if c == "us" else "-")) for c in cols))

@@ -2,11 +2,16 @@
 
 For each token count T, times candidate block sizes (triton.testing.do_bench over CUDA-graph replays, L2
 flushed, routings rotating over the whole expert pool so weights are cold) and keeps the fastest, checking each result
-against the default config's. The two stages (gate/up, down) are tuned one after the other, the search
-stops at --budget-s (the best found so far is kept), and the file is written atomically:
+against the default config's. The two stages (gate/up, down) are tuned one after the other; for T <= 16
+both decode variants ("two_stage" and "fused", see kernels/slot_moe_config.py) are searched, their
+candidates taken in turns so that a short budget tries both, and the faster variant's best is kept. The
+search stops at --budget-s (the best found so far is kept), and the file is written atomically:
 `E=..,N=..,device_name=..,dtype=bfloat16.json`, which `slot_moe` then loads for this device and shape.
+With --merge-from DIR, entries of DIR's file for this shape whose T is not tuned now are kept.
 
     python benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 --budget-s 150
+    python benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 --tokens 1 4 16 \
+        --decode-variants fused --budget-s 120 --merge-from kernels/configs
 """
 
 from __future__ import annotations
@@ -28,11 +33,32 @@ DECODE_DOWN = [{"BLOCK_H": h, "BLOCK_I": i, "num_warps": w}
                for h, i, w in itertools.product((1, 2, 4, 8, 16), (128, 256, 512), (4, 8))]  # fmt: skip
 PREFILL_STAGE = [{"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": w, "num_stages": s}
                  for n, k, w, s in itertools.product((64, 128), (32, 64), (4, 8), (3, 4))]  # fmt: skip
+# the fused decode, one or two keys at a time (merged into that variant's best so far), likeliest first:
+# rows of I per program (how many programs, how long the down columns' rows are) with warps, then the
+# gate/up and down tile widths, then the reduce's tiles. Rows per warp above 2 spill registers at H 4096
+# (sm_90, ahead-of-time compile), so those pairs come last.
+FUSED = (
+    [
+        ("fused", {"BLOCK_I": i, "num_warps": w})
+        for i, w in ((16, 8), (4, 4), (8, 4), (4, 8), (32, 8), (16, 4))
+    ]
+    + [("fused", {"BLOCK_H": h}) for h in (128, 512)]
+    + [("fused", {"BLOCK_HD": h}) for h in (32, 64, 256)]
+    + [
+        ("reduce", {"BLOCK_R": r, "BLOCK_H": h})
+        for r, h in itertools.product((16, 32, 64), (16, 32, 64, 128))
+    ]
+    + [("reduce", {"num_warps": w}) for w in (2, 8)]
+)
 
 
-def candidates(num_tokens: int, default: dict):
-    """(stage, entry) pairs to try in order: each stage's options with the other stage at its best."""
+def candidates(num_tokens: int, default: dict, variant: str = "two_stage"):
+    """(stage, choice) pairs to try in order, each merged into the best entry so far (with_choice): each
+    stage's options with the other stage at its best."""
     if "BLOCK_M" not in default:
+        if variant == "fused":
+            yield from FUSED
+            return
         yield from (("gate_up", c) for c in DECODE_GATE_UP)
         yield from (("down", c) for c in DECODE_DOWN)
         return
@@ -43,15 +69,32 @@ def candidates(num_tokens: int, default: dict):
 
 
 def with_choice(best: dict, stage: str, choice) -> dict:
+    """`best` with `choice` for `stage`: a stage's dict is updated key by key, a number replaced."""
     entry = json.loads(json.dumps(best))
-    entry[stage] = choice
+    entry[stage] = entry[stage] | choice if isinstance(choice, dict) else choice
     return entry
 
 
-def tune_one(num_tokens: int, args, pool, deadline: float) -> tuple[dict, float, float]:
-    """(best entry, its ms, the default's ms) for one T."""
+def in_turns(streams: dict):
+    """(name, item) from each of the named iterables in turn until all are spent."""
+    iters = {name: iter(stream) for name, stream in streams.items()}
+    while iters:
+        for name in list(iters):
+            item = next(iters[name], None)
+            if item is None:
+                del iters[name]
+            else:
+                yield name, item
+
+
+def tune_one(
+    num_tokens: int, args, pool, deadline: float, seed: dict | None = None
+) -> tuple[dict, float, dict[str, float]]:
+    """(best entry, its ms, {what: ms} of the default and of each decode variant's best) for one T; the
+    search of the variant `seed` (an entry already tuned for this T, e.g. from --merge-from) names starts
+    from it instead of that variant's default."""
     from moecache_kernels.slot_moe import launch
-    from moecache_kernels.slot_moe_config import default_config
+    from moecache_kernels.slot_moe_config import DECODE_MAX_T, decode_variant, default_config
     from triton.testing import do_bench
 
     w13, w2, slot_of_E = pool
@@ -80,27 +123,54 @@ def tune_one(num_tokens: int, args, pool, deadline: float) -> tuple[dict, float,
 
         return do_bench(call, warmup=3, rep=25)
 
-    best = default_config(num_tokens)
-    launch(x, ids[0], w, slot_of_E, w13, w2, out, best)
-    want = out.float().clone()
-    best_ms = default_ms = timed(best)
-    for stage, choice in candidates(num_tokens, best):
-        if time.monotonic() > deadline:
-            print(f"  T={num_tokens}: budget spent, keeping the best so far")
-            break
-        entry = with_choice(best, stage, choice)
+    def checked_ms(entry, what: str) -> float | None:
+        """The entry's time, or None (printed why) when it fails or its result is off the default's."""
         try:
             launch(x, ids[0], w, slot_of_E, w13, w2, out, entry)
             if not torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
-                print(f"  T={num_tokens} {stage}={choice}: WRONG RESULT, skipped")
-                continue
-            ms = timed(entry)
+                print(f"  T={num_tokens} {what}: WRONG RESULT, skipped")
+                return None
+            return timed(entry)
         except Exception as err:  # out of shared memory / registers for this block shape
-            print(f"  T={num_tokens} {stage}={choice}: failed ({type(err).__name__}: {str(err)[:80]})")
+            print(f"  T={num_tokens} {what}: failed ({type(err).__name__}: {str(err)[:80]})")
+            return None
+
+    default = default_config(num_tokens)
+    launch(x, ids[0], w, slot_of_E, w13, w2, out, default)
+    want = out.float().clone()
+    default_ms = timed(default)
+    variants = args.decode_variants if num_tokens <= DECODE_MAX_T else ["two_stage"]
+    best, best_ms = {}, {}
+    if seed is not None and ("BLOCK_M" in seed) != (num_tokens > DECODE_MAX_T):
+        seed = None  # an entry of the other path
+    for variant in variants:  # each variant's own start first: the seed where it is of this variant
+        start = default_config(num_tokens, variant)
+        if seed is not None and ("BLOCK_M" in seed or decode_variant(seed) == variant):
+            start = seed
+        ms = default_ms if start == default else checked_ms(start, f"{variant} start")
+        if ms is not None:
+            best[variant], best_ms[variant] = start, ms
+    tried = {json.dumps(entry, sort_keys=True) for entry in best.values()}
+    streams = {v: candidates(num_tokens, best[v], v) for v in best}
+    for variant, (stage, choice) in in_turns(streams):
+        if time.monotonic() > deadline:
+            print(f"  T={num_tokens}: budget spent, keeping the best so far")
+            break
+        entry = with_choice(best[variant], stage, choice)
+        key = json.dumps(entry, sort_keys=True)
+        if key in tried:
             continue
-        if ms < best_ms:
-            best, best_ms = entry, ms
-    return best, best_ms, default_ms
+        tried.add(key)
+        ms = checked_ms(entry, f"{variant} {stage}={choice}")
+        if ms is not None and ms < best_ms[variant]:
+            best[variant], best_ms[variant] = entry, ms
+    if not best:  # no variant's default ran: keep the path's default (its failure was printed)
+        return default, default_ms, {"default": default_ms}
+    winner = min(best_ms, key=best_ms.get)
+    times = {"default": default_ms} | {f"{v} best": ms for v, ms in best_ms.items()}
+    if default_ms <= best_ms[winner]:  # e.g. only "fused" searched, and none of it beat the default
+        return default, default_ms, times
+    return best[winner], best_ms[winner], times
 
 
 def main(argv=None) -> int:
@@ -112,13 +182,33 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--budget-s", type=float, default=600.0, help="stop searching after this long")
     parser.add_argument(
+        "--decode-variants", nargs="+", choices=("two_stage", "fused"), default=["two_stage", "fused"],
+        help="decode variants searched for T <= 16 (default both)",
+    )  # fmt: skip
+    parser.add_argument(
         "--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "kernels" / "configs"
     )
+    parser.add_argument(
+        "--merge-from", type=Path, default=None,
+        help="a config folder whose file for this shape gives the entries of token counts not tuned now",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_slot_moe: needs CUDA", file=sys.stderr)
         return 2
-    from moecache_kernels.slot_moe_config import config_file_name, device_name
+    from moecache_kernels.slot_moe_config import config_file_name, device_name, load_configs
+
+    name = config_file_name(args.experts, args.inter, device_name(), torch.bfloat16)
+    merged = {}
+    if args.merge_from is not None:
+        try:
+            merged = load_configs(args.merge_from / name) or {}
+        except ValueError as err:
+            print(f"tune_slot_moe: --merge-from: {err}", file=sys.stderr)
+            return 2
+        print(f"{args.merge_from / name}: keeping T={sorted(t for t in merged if t not in args.tokens)},"
+              f" starting from its T={sorted(t for t in merged if t in args.tokens)}")  # fmt: skip
+    kept = {str(t): entry for t, entry in merged.items() if t not in args.tokens}
 
     gen = torch.Generator("cuda").manual_seed(0)
     pool = (
@@ -127,17 +217,16 @@ def main(argv=None) -> int:
         torch.arange(args.experts, dtype=torch.int32, device="cuda"),
     )  # fmt: skip
     start = time.monotonic()
-    table = {}
+    table = dict(kept)
     for n, num_tokens in enumerate(args.tokens):
         # an equal share of what is left for each remaining T
         deadline = time.monotonic() + (start + args.budget_s - time.monotonic()) / (len(args.tokens) - n)
-        best, best_ms, default_ms = tune_one(num_tokens, args, pool, deadline)
+        best, best_ms, times = tune_one(num_tokens, args, pool, deadline, merged.get(num_tokens))
         table[str(num_tokens)] = best
-        print(
-            f"T={num_tokens}: {best_ms * 1e3:.1f} us (default {default_ms * 1e3:.1f} us) {json.dumps(best)}"
-        )
+        others = ", ".join(f"{what} {ms * 1e3:.1f} us" for what, ms in times.items())
+        print(f"T={num_tokens}: {best_ms * 1e3:.1f} us ({others}) {json.dumps(best)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / config_file_name(args.experts, args.inter, device_name(), torch.bfloat16)
+    path = args.out_dir / name
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)

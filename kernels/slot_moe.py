@@ -5,10 +5,16 @@ for each token, the router-weighted sum over its RESIDENT experts (`slot_of_E[e]
 slot pool; non-resident entries add nothing (the runtime computes them on the CPU). `slot_moe_reference`
 is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
 
-- decode (T <= DECODE_MAX_T): launch 1, one program per (token, k, block of I), a GEMV of x[t] with the
-  slot's gate and up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch; a non-resident entry
-  exits at once. Launch 2, one program per (token, block of H), sums the down projections of the token's
-  resident experts times their router weights. No buffer depends on E, nothing is sorted or padded.
+- decode (T <= DECODE_MAX_T), two variants chosen by the config entry's "variant" (no buffer depends on
+  E, nothing is sorted or padded, a non-resident entry's programs exit at once and add nothing):
+  "two_stage": launch 1, one program per (token, k, block of I), a GEMV of x[t] with the slot's gate and
+  up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch. Launch 2, one program per (token,
+  block of H), sums the down projections of the token's resident experts times their router weights.
+  "fused": launch 1, one program per (block of I, pair), computes its BLOCK_I activations and at once
+  their share of the down projection (the slot's down columns of that block) into a float32
+  [T*K, I / BLOCK_I, H] scratch of partial sums, so all of an expert's weights stream in one launch;
+  launch 2, one small program per (token, block of H), sums the token's resident partial rows in a fixed
+  order (deterministic: no atomics).
 - prefill (T > DECODE_MAX_T): as vLLM's fused_moe, (token, k) pairs are sorted by expert on the device
   and each expert's run is padded to BLOCK_M; tensor-core tiles then run gate/up + activation (to a
   [T*K, I] buffer in x's dtype), then down times the router weight (to a [T*K, H] float32 buffer), and a
@@ -21,7 +27,7 @@ and slots outside [0, S) count as not resident (checking them would need a host 
 raises on them.
 
 Shape legend: T tokens, H hidden, I intermediate, E experts, K top-k, S slots, P = T*K (token, k) pairs,
-B blocks of BLOCK_M sorted pairs.
+B blocks of BLOCK_M sorted pairs (prefill) or of BLOCK_I rows of I (fused decode).
 """
 
 # ruff: noqa: E741  (kernel arguments use the shape legend: H, I, E, S, K)
@@ -33,7 +39,30 @@ import triton.language as tl
 from triton import knobs
 
 from .slot_moe_align import align_by_expert
-from .slot_moe_config import DECODE_MAX_T, device_name, get_config
+from .slot_moe_config import DECODE_MAX_T, decode_variant, device_name, get_config
+
+
+@triton.jit
+def _gate_up_rows(
+    x_ptr, w13_ptr, stride_wn, offs_i, mask_i,
+    H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """(x . gate[i], x . up[i]) in float32 for the rows offs_i of one slot's w13 (gate rows, then up rows);
+    x_ptr points at the token's row, w13_ptr at the slot's matrix."""
+    gate_ptrs = w13_ptr + offs_i[:, None] * stride_wn
+    up_ptrs = gate_ptrs + I * stride_wn
+    acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    for h0 in tl.static_range(0, H, BLOCK_H):  # unrolled: all of the row block's loads in flight at once
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        x = tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        mask = mask_i[:, None] & mask_h[None, :]
+        gate = tl.load(gate_ptrs + offs_h[None, :], mask=mask, other=0.0)
+        up = tl.load(up_ptrs + offs_h[None, :], mask=mask, other=0.0)
+        acc_gate += gate.to(tl.float32) * x[None, :]
+        acc_up += up.to(tl.float32) * x[None, :]
+    return tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
 
 
 @triton.jit
@@ -53,21 +82,10 @@ def _gate_up_decode(
     token = pair // K
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < I
-    gate_ptrs = w13_ptr + slot.to(tl.int64) * stride_ws + offs_i[:, None] * stride_wn
-    up_ptrs = gate_ptrs + I * stride_wn
-    acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-    for h0 in tl.static_range(0, H, BLOCK_H):  # unrolled: all of the row block's loads in flight at once
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        x = tl.load(x_ptr + token * stride_xt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-        mask = mask_i[:, None] & mask_h[None, :]
-        gate = tl.load(gate_ptrs + offs_h[None, :], mask=mask, other=0.0)
-        up = tl.load(up_ptrs + offs_h[None, :], mask=mask, other=0.0)
-        acc_gate += gate.to(tl.float32) * x[None, :]
-        acc_up += up.to(tl.float32) * x[None, :]
-    gate_i = tl.sum(acc_gate, axis=1)
-    up_i = tl.sum(acc_up, axis=1)
+    gate_i, up_i = _gate_up_rows(
+        x_ptr + token * stride_xt, w13_ptr + slot.to(tl.int64) * stride_ws, stride_wn, offs_i, mask_i,
+        H, I, BLOCK_I, BLOCK_H,
+    )  # fmt: skip
     act = gate_i / (1.0 + tl.exp(-gate_i)) * up_i
     tl.store(act_ptr + pair * I + offs_i, act, mask=mask_i)
 
@@ -100,6 +118,74 @@ def _down_decode(
             w = tl.load(w_ptrs + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
             acc += w.to(tl.float32) * (act * weight)[None, :]
     y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _fused_decode(
+    x_ptr, ids_ptr, slot_ptr, wts_ptr, w13_ptr, w2_ptr, part_ptr,
+    H: tl.constexpr, I: tl.constexpr, E, S, K: tl.constexpr,
+    stride_xt, stride_w13s, stride_w13n, stride_w2s, stride_w2h,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HD: tl.constexpr,
+):  # fmt: skip
+    """Program (block b of I, pair p = t*K + k): act = w[p] * silu(x[t] . gate[i]) * (x[t] . up[i]) for its
+    BLOCK_I rows, then at once its share of the down projection, part[p, b, h] = down[h, i-block] . act,
+    float32. Gate/up rows and down columns of one block of I are read by one program, in one launch."""
+    block_i = tl.program_id(0)
+    pair = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    inside = (expert >= 0) & (expert < E)
+    slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
+    if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):
+        return  # adds nothing: _sum_partials skips this pair's rows
+    token = pair // K
+    offs_i = block_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask_i = offs_i < I
+    gate_i, up_i = _gate_up_rows(
+        x_ptr + token * stride_xt, w13_ptr + slot.to(tl.int64) * stride_w13s, stride_w13n, offs_i, mask_i,
+        H, I, BLOCK_I, BLOCK_H,
+    )  # fmt: skip
+    weight = tl.load(wts_ptr + pair).to(tl.float32)
+    act = tl.where(mask_i, gate_i / (1.0 + tl.exp(-gate_i)) * up_i * weight, 0.0)
+    down_ptrs = w2_ptr + slot.to(tl.int64) * stride_w2s + offs_i[None, :]
+    part_ptrs = part_ptr + (pair * tl.num_programs(0) + block_i).to(tl.int64) * H
+    for h0 in tl.static_range(0, H, BLOCK_HD):  # unrolled, as above
+        offs_h = h0 + tl.arange(0, BLOCK_HD)
+        mask_h = offs_h < H
+        w = tl.load(
+            down_ptrs + offs_h[:, None] * stride_w2h, mask=mask_h[:, None] & mask_i[None, :], other=0.0
+        )
+        tl.store(part_ptrs + offs_h, tl.sum(w.to(tl.float32) * act[None, :], axis=1), mask=mask_h)
+
+
+@triton.jit
+def _sum_partials(
+    part_ptr, ids_ptr, slot_ptr, y_ptr,
+    H, E, S, K: tl.constexpr, NUM_BLOCKS_I: tl.constexpr,
+    stride_yt,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (token t, block of H): y[t, h] = sum of part[p, b, h] over the token's K * NUM_BLOCKS_I rows
+    whose pair p is resident, in one fixed order (tiles of BLOCK_R rows, then a tree over the tile)."""
+    token = tl.program_id(0)  # its K * NUM_BLOCKS_I rows are contiguous: pair-major, then block of I
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    for r0 in tl.static_range(0, K * NUM_BLOCKS_I, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        in_rows = offs_r < K * NUM_BLOCKS_I
+        pair = token * K + offs_r // NUM_BLOCKS_I
+        expert = tl.load(ids_ptr + pair, mask=in_rows, other=-1).to(tl.int32)
+        inside = in_rows & (expert >= 0) & (expert < E)
+        slot = tl.load(slot_ptr + tl.where(inside, expert, 0), mask=inside, other=-1).to(tl.int32)
+        resident = inside & (slot >= 0) & (slot < S)  # rows of non-resident pairs were never written
+        rows = (token * (K * NUM_BLOCKS_I) + offs_r).to(tl.int64)
+        acc += tl.load(
+            part_ptr + rows[:, None] * H + offs_h[None, :],
+            mask=resident[:, None] & mask_h[None, :],
+            other=0.0,
+        )
+    y = tl.sum(acc, axis=0)
     tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
 
 
@@ -309,6 +395,13 @@ def launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH,
 
 
 def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
+    """The decode entry's variant: "two_stage" (the default) or "fused"."""
+    variant = decode_variant(config)
+    run = _decode_fused if variant == "fused" else _decode_two_stage
+    run(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
+
+
+def _decode_two_stage(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
     """Two launches: gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch, then down."""
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
@@ -328,6 +421,32 @@ def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) 
         hidden, inter, num_experts, num_slots, top_k,
         w2_SHI.stride(0), w2_SHI.stride(1), y_TH.stride(0),
         BLOCK_H=down["BLOCK_H"], BLOCK_I=down["BLOCK_I"], num_warps=down["num_warps"],
+    )  # fmt: skip
+
+
+def _decode_fused(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
+    """One launch per (block of I, pair): gate/up + SiLU + that block's down columns into a float32
+    [P, I / BLOCK_I, H] scratch of partial sums; a second, small launch sums each token's rows in order."""
+    num_tokens, hidden = x_TH.shape
+    top_k = ids_TK.shape[1]
+    num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
+    fused, reduce = config["fused"], config["reduce"]
+    num_blocks_i = triton.cdiv(inter, fused["BLOCK_I"])
+    part_PBH = torch.empty(
+        (num_tokens * top_k, num_blocks_i, hidden), dtype=torch.float32, device=x_TH.device
+    )
+    _fused_decode[(num_blocks_i, num_tokens * top_k)](
+        x_TH, ids_TK, slot_of_E, weights_TK, w13_SIH, w2_SHI, part_PBH,
+        hidden, inter, num_experts, num_slots, top_k,
+        x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1), w2_SHI.stride(0), w2_SHI.stride(1),
+        BLOCK_I=fused["BLOCK_I"], BLOCK_H=fused["BLOCK_H"], BLOCK_HD=fused["BLOCK_HD"],
+        num_warps=fused["num_warps"],
+    )  # fmt: skip
+    _sum_partials[(num_tokens, triton.cdiv(hidden, reduce["BLOCK_H"]))](
+        part_PBH, ids_TK, slot_of_E, y_TH,
+        hidden, num_experts, num_slots, top_k, num_blocks_i,
+        y_TH.stride(0),
+        BLOCK_R=reduce["BLOCK_R"], BLOCK_H=reduce["BLOCK_H"], num_warps=reduce["num_warps"],
     )  # fmt: skip
 
 

@@ -5,8 +5,11 @@ token count T (a JSON string key) to the block sizes measured fastest for it by
 `benchmarks/tune_slot_moe.py`; the entry of the nearest T is used. With no file for the device and shape,
 `default_config` gives a sane one. Two kinds of entry, one per path of the kernel:
 
-- decode (T <= DECODE_MAX_T): {"gate_up": {"BLOCK_I", "BLOCK_H", "num_warps"},
-                               "down": {"BLOCK_H", "BLOCK_I", "num_warps"}}
+- decode (T <= DECODE_MAX_T), one of two variants, named by the optional "variant" key:
+    "two_stage" (the default when the key is absent): {"gate_up": {"BLOCK_I", "BLOCK_H", "num_warps"},
+                                                       "down": {"BLOCK_H", "BLOCK_I", "num_warps"}}
+    "fused": {"variant": "fused", "fused": {"BLOCK_I", "BLOCK_H", "BLOCK_HD", "num_warps"},
+              "reduce": {"BLOCK_R", "BLOCK_H", "num_warps"}}
 - prefill (T > DECODE_MAX_T): {"BLOCK_M", "gate_up": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
                                "num_stages"}, "down": {the same keys}}
 """
@@ -24,7 +27,20 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # prefill path sorts (token, k) pairs by expert and runs tensor-core tiles.
 DECODE_MAX_T = 16
 
-DECODE_KEYS = {"gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"), "down": ("BLOCK_H", "BLOCK_I", "num_warps")}
+# decode variant -> its stages' keys. "two_stage": gate/up launch, then down launch; "fused": one launch of
+# gate/up + that block of I's down columns into float32 partial sums, then a small launch summing them.
+DECODE_VARIANTS = {
+    "two_stage": {
+        "gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"),
+        "down": ("BLOCK_H", "BLOCK_I", "num_warps"),
+    },
+    "fused": {
+        "fused": ("BLOCK_I", "BLOCK_H", "BLOCK_HD", "num_warps"),
+        "reduce": ("BLOCK_R", "BLOCK_H", "num_warps"),
+    },
+}
+DEFAULT_DECODE_VARIANT = "two_stage"
+DECODE_KEYS = DECODE_VARIANTS["two_stage"]
 PREFILL_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 
@@ -51,13 +67,23 @@ def validate_entry(entry: object, where: str) -> dict:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: want an object, got {entry!r}")
     if "BLOCK_M" in entry:
+        if "variant" in entry:
+            raise ValueError(f"{where}.variant: only decode entries (no BLOCK_M) have a variant")
         _positive_ints(entry, ("BLOCK_M",), where)
         for stage in ("gate_up", "down"):
             _positive_ints(entry.get(stage), PREFILL_STAGE_KEYS, f"{where}.{stage}")
     else:
-        for stage, keys in DECODE_KEYS.items():
+        variant = entry.get("variant", DEFAULT_DECODE_VARIANT)
+        if variant not in DECODE_VARIANTS:
+            raise ValueError(f"{where}.variant: want one of {sorted(DECODE_VARIANTS)}, got {variant!r}")
+        for stage, keys in DECODE_VARIANTS[variant].items():
             _positive_ints(entry.get(stage), keys, f"{where}.{stage}")
     return entry
+
+
+def decode_variant(entry: dict) -> str:
+    """The decode variant a (validated) decode entry names: "two_stage" when it names none."""
+    return entry.get("variant", DEFAULT_DECODE_VARIANT)
 
 
 def _positive_ints(block: object, keys: tuple[str, ...], where: str) -> None:
@@ -90,9 +116,24 @@ def load_configs(path: Path) -> dict[int, dict] | None:
     return table
 
 
-def default_config(num_tokens: int) -> dict:
-    """A config that is sound on any GPU (and in the interpreter): small GEMV blocks for decode, vLLM-like
-    bf16 tiles for prefill, larger BLOCK_M as T grows."""
+def default_config(num_tokens: int, variant: str = DEFAULT_DECODE_VARIANT) -> dict:
+    """A config that is sound on any GPU (and in the interpreter): small GEMV blocks for decode (of
+    `variant`, which only decode entries have), vLLM-like bf16 tiles for prefill, larger BLOCK_M as T
+    grows."""
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(
+            f"default_config: decode variant must be one of {sorted(DECODE_VARIANTS)}, got {variant!r}"
+        )
+    if num_tokens <= DECODE_MAX_T and variant == "fused":
+        # Not timed yet (benchmarks/tune_slot_moe.py searches it). 8 rows of I per program: T*K*I/8
+        # programs (512 at the Qwen3.6 shape, T = 1); compiled for sm_90 (triton 3.9, ahead of time) it
+        # holds 128-175 registers per thread and spills none at H 2048 and 4096, where 16 rows with 8 warps
+        # spill at H 4096 (the unrolled loads of a whole row block are all in flight at once).
+        return {
+            "variant": "fused",
+            "fused": {"BLOCK_I": 8, "BLOCK_H": 256, "BLOCK_HD": 128, "num_warps": 8},
+            "reduce": {"BLOCK_R": 64, "BLOCK_H": 16, "num_warps": 4},
+        }
     if num_tokens <= DECODE_MAX_T:
         # Many small programs: at T = 1 the down launch has only T * H / BLOCK_H of them, and fewer than
         # ~4 per SM leave HBM idle (H200, Qwen3.6 shape: BLOCK_H 16 -> 4 took 38.9 -> 25.6 us).

@@ -4,6 +4,8 @@ Triton decides when it is first imported whether its library functions are inter
 tests cannot switch TRITON_INTERPRET=1 on inside a pytest process that may have imported triton already.
 `python interpret_slot_moe.py CASES OUTPUTS` loads a list of input dicts (torch.save), runs each into an
 output buffer poisoned with NaN and once without `out=`, and saves the list of (out=, returned) pairs.
+A case with a "config" entry runs the public `slot_moe` with that launch config in place of the one
+`get_config` would pick (how the CPU tests reach the decode variant that is not the default).
 """
 
 from __future__ import annotations
@@ -13,16 +15,24 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, by moecache_kernels.slot_moe
 
+import importlib  # noqa: E402
+
 import torch  # noqa: E402
 from moecache_kernels import slot_moe  # noqa: E402
+
+# the module (its name is shadowed by the function in the package namespace), whose get_config slot_moe calls
+KERNEL = importlib.import_module("moecache_kernels.slot_moe")
 
 ARGS = ("x_TH", "topk_ids_TK", "topk_weights_TK", "slot_of_E", "w13_SIH", "w2_SHI")
 
 
 def main(cases_path: str, outputs_path: str) -> None:
     results = []
+    picked = KERNEL.get_config
     for case in torch.load(cases_path):
         args = [case[name] for name in ARGS]
+        config = case.get("config")
+        KERNEL.get_config = picked if config is None else (lambda *_, config=config: config)
         out = torch.full_like(case["x_TH"], float("nan"))
         returned = slot_moe(*args, out=out)
         assert returned is out, "slot_moe(out=buf) must return buf"

@@ -63,3 +63,30 @@ def make_case(
     }
     floats = ("x_TH", "topk_weights_TK", "w13_SIH", "w2_SHI")
     return {k: (v.to(dtype) if k in floats else v).to(device) for k, v in case.items()}
+
+
+def out_of_range_case(
+    num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, num_slots: int,
+    dtype: torch.dtype, seed: int, device: str = "cpu",
+) -> tuple[dict, dict]:  # fmt: skip
+    """(case, its meaning): a "some" case whose routing also holds ids -1 and E and an expert whose slot
+    is S (all three must count as not resident), and the same case with those entries' router weights
+    zeroed and their ids/slot made valid (what slot_moe_reference, which refuses such values, can run)."""
+    if num_tokens < 2 or top_k < 2:
+        raise ValueError("out_of_range_case needs two tokens and top-k of at least two")
+    case = make_case(num_tokens, hidden, inter, num_experts, top_k, num_slots, "some", dtype, seed, device)
+    ids_TK, slot_of_E = case["topk_ids_TK"].clone(), case["slot_of_E"].clone()
+    bad_TK = torch.zeros(ids_TK.shape, dtype=torch.bool, device=ids_TK.device)
+    ids_TK[0, 0], ids_TK[1, 0] = -1, num_experts  # ids outside [0, E)
+    bad_TK[0, 0] = bad_TK[1, 0] = True
+    expert = int(ids_TK[0, 1])
+    slot_of_E[expert] = case["w13_SIH"].shape[0]  # a slot outside [0, S)
+    bad_TK |= ids_TK == expert
+    meant = dict(case)
+    meant["topk_ids_TK"] = torch.where(bad_TK, 0, ids_TK)
+    meant["topk_weights_TK"] = torch.where(bad_TK, 0, case["topk_weights_TK"])
+    meant["slot_of_E"] = torch.where(
+        torch.arange(num_experts, device=slot_of_E.device) == expert, -1, slot_of_E
+    )
+    case["topk_ids_TK"], case["slot_of_E"] = ids_TK, slot_of_E
+    return case, meant

@@ -13,8 +13,15 @@ import pytest
 import torch
 from moecache_kernels import slot_moe_reference
 from moecache_kernels.slot_moe_align import align_by_expert
-from moecache_kernels.slot_moe_config import DECODE_MAX_T, default_config, get_config, load_configs
-from slot_moe_cases import PATTERNS, make_case
+from moecache_kernels.slot_moe_config import (
+    DECODE_MAX_T,
+    DECODE_VARIANTS,
+    default_config,
+    get_config,
+    load_configs,
+    validate_entry,
+)
+from slot_moe_cases import PATTERNS, make_case, out_of_range_case
 
 HERE = Path(__file__).resolve().parent
 ARGS = ("x_TH", "topk_ids_TK", "topk_weights_TK", "slot_of_E", "w13_SIH", "w2_SHI")
@@ -22,13 +29,30 @@ SEED = random.SystemRandom().randrange(2**31)  # fresh inputs each run; printed 
 CUDA = torch.cuda.is_available()
 
 # CPU: tiny shapes (the interpreter is slow); I = 40 is not a multiple of any block, T = 5, 37, 100 are not
-# multiples of BLOCK_I/BLOCK_M. (T, dtype, patterns): decode at T <= 16, prefill above.
+# multiples of BLOCK_I/BLOCK_M. (T, dtype, pattern, config): decode at T <= 16, prefill above; config None =
+# what get_config picks (the two-stage decode on the CPU), "fused" = FUSED_CPU.
 SMALL = {"hidden": 64, "inter": 40, "num_experts": 8, "top_k": 3, "num_slots": 6}
-CPU_CASES = [(t, torch.float32, p) for t in (1, 5, 16, 17, 37) for p in PATTERNS] + [
-    (5, torch.bfloat16, "some"),
-    (37, torch.bfloat16, "all"),
-    (100, torch.float32, "some"),
-]
+# The fused decode with blocks that cut every dimension unevenly: 2 blocks of I (40 = 32 + 8), 2 of H for
+# gate/up, 4 of H for down, and a token's K * 2 = 6 partial rows summed in tiles of 4.
+FUSED_CPU = {
+    "variant": "fused",
+    "fused": {"BLOCK_I": 32, "BLOCK_H": 32, "BLOCK_HD": 16, "num_warps": 4},
+    "reduce": {"BLOCK_R": 4, "BLOCK_H": 32, "num_warps": 4},
+}
+CPU_CASES = (
+    [(t, torch.float32, p, None) for t in (1, 5, 16, 17, 37) for p in PATTERNS]
+    + [
+        (5, torch.bfloat16, "some", None),
+        (37, torch.bfloat16, "all", None),
+        (100, torch.float32, "some", None),
+    ]
+    + [(5, torch.float32, p, "fused") for p in PATTERNS]
+    + [(1, torch.float32, "some", "fused"), (16, torch.float32, "all", "fused")]
+    + [(5, torch.bfloat16, "some", "fused")]
+)
+# ids -1 and E and a slot S count as not resident: (T, config), run on out_of_range_case
+OUT_OF_RANGE_CASES = [(5, None), (5, "fused")]
+CONFIGS = {None: None, "fused": FUSED_CPU}
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -51,34 +75,62 @@ def _assert_matches(got: torch.Tensor, case: dict, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory) -> list[tuple[dict, tuple[torch.Tensor, torch.Tensor]]]:
-    """Every CPU case, run by slot_moe under TRITON_INTERPRET=1 in one subprocess."""
+def interpreted(tmp_path_factory) -> dict:
+    """Every CPU case (CPU_CASES, then OUT_OF_RANGE_CASES), run by slot_moe under TRITON_INTERPRET=1 in
+    one subprocess: {"cases": [(case, (out=, returned))], "out_of_range": [(meant case, (out=, returned))]}."""
     cases = [
-        make_case(t, **SMALL, pattern=p, dtype=d, seed=SEED + i) for i, (t, d, p) in enumerate(CPU_CASES)
+        make_case(t, **SMALL, pattern=p, dtype=d, seed=SEED + i) | {"config": CONFIGS[c]}
+        for i, (t, d, p, c) in enumerate(CPU_CASES)
     ]
+    pairs = [
+        out_of_range_case(t, **SMALL, dtype=torch.float32, seed=SEED - i)
+        for i, (t, _) in enumerate(OUT_OF_RANGE_CASES)
+    ]
+    odd = [case | {"config": CONFIGS[c]} for (case, _), (_, c) in zip(pairs, OUT_OF_RANGE_CASES, strict=True)]
     folder = tmp_path_factory.mktemp("slot_moe")
-    torch.save(cases, folder / "cases.pt")
+    torch.save(cases + odd, folder / "cases.pt")
     run = subprocess.run(
         [sys.executable, str(HERE / "interpret_slot_moe.py"), str(folder / "cases.pt"), str(folder / "out.pt")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, f"interpreted slot_moe failed:\n{run.stderr[-4000:]}"
-    return list(zip(cases, torch.load(folder / "out.pt"), strict=True))
+    outputs = torch.load(folder / "out.pt")
+    return {
+        "cases": list(zip(cases, outputs[: len(cases)], strict=True)),
+        "out_of_range": list(zip([meant for _, meant in pairs], outputs[len(cases) :], strict=True)),
+    }
 
 
-@pytest.mark.parametrize(
-    "index", range(len(CPU_CASES)), ids=[f"T{t}-{str(d)[6:]}-{p}" for t, d, p in CPU_CASES]
-)
+def _case_id(t: int, dtype: torch.dtype, pattern: str, config: str | None) -> str:
+    return f"T{t}-{str(dtype)[6:]}-{pattern}" + (f"-{config}" if config else "")
+
+
+@pytest.mark.parametrize("index", range(len(CPU_CASES)), ids=[_case_id(*c) for c in CPU_CASES])
 def test_interpreted_kernel_matches_reference(interpreted, index: int) -> None:
-    case, (into_out, returned) = interpreted[index]
+    case, (into_out, returned) = interpreted["cases"][index]
     _assert_matches(into_out, case, f"case {CPU_CASES[index]} with out=")
     _assert_matches(returned, case, f"case {CPU_CASES[index]} without out=")
 
 
 def test_none_resident_gives_exact_zeros(interpreted) -> None:
-    for (t, _, pattern), (_, (into_out, _)) in zip(CPU_CASES, interpreted, strict=True):
+    for (t, _, pattern, config), (_, (into_out, _)) in zip(CPU_CASES, interpreted["cases"], strict=True):
         if pattern == "none":
-            assert torch.equal(into_out, torch.zeros_like(into_out)), f"T={t}"
+            assert torch.equal(into_out, torch.zeros_like(into_out)), f"T={t} config {config}"
+
+
+def test_interpreted_runs_are_bit_identical(interpreted) -> None:
+    """The two runs of each case (into a poisoned out=, into a fresh buffer) agree to the bit."""
+    for spec, (_, (into_out, returned)) in zip(CPU_CASES, interpreted["cases"], strict=True):
+        assert torch.equal(into_out, returned), f"case {spec}: two runs differ"
+
+
+@pytest.mark.parametrize(
+    "index", range(len(OUT_OF_RANGE_CASES)), ids=[f"T{t}-{c or 'picked'}" for t, c in OUT_OF_RANGE_CASES]
+)
+def test_interpreted_ids_and_slots_out_of_range_add_nothing(interpreted, index: int) -> None:
+    meant, (into_out, returned) = interpreted["out_of_range"][index]
+    _assert_matches(into_out, meant, f"out-of-range case {OUT_OF_RANGE_CASES[index]} with out=")
+    _assert_matches(returned, meant, f"out-of-range case {OUT_OF_RANGE_CASES[index]} without out=")
 
 
 # -- the device-side sort of the prefill path (torch only) ------------------------------------------------
@@ -131,6 +183,71 @@ def test_config_file_with_a_bad_value_is_refused_by_name(tmp_path) -> None:
     folder = _write(tmp_path, {"1": bad})
     with pytest.raises(ValueError, match=r"device_name=Test_GPU.*\[1\]\.down\.BLOCK_H.*power of two"):
         get_config(1, 8, 40, torch.float32, "Test_GPU", folder)
+
+
+def test_config_picks_a_fused_decode_entry(tmp_path) -> None:
+    fused = default_config(1, "fused") | {"reduce": {"BLOCK_R": 64, "BLOCK_H": 16, "num_warps": 2}}
+    folder = _write(tmp_path, {"1": fused, "16": default_config(16)})
+    assert get_config(2, 8, 40, torch.float32, "Test_GPU", folder) == fused
+    assert get_config(12, 8, 40, torch.float32, "Test_GPU", folder) == default_config(16)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            default_config(4) | {"variant": "unrolled"},
+            r"\[4\]\.variant: want one of \['fused', 'two_stage'\], got 'unrolled'",
+        ),
+        (default_config(4) | {"variant": "fused"}, r"\[4\]\.fused: want an object"),
+        (
+            {"variant": "fused", "fused": default_config(4, "fused")["fused"]},
+            r"\[4\]\.reduce: want an object",
+        ),
+        (
+            default_config(4, "fused") | {"reduce": {"BLOCK_R": 24, "BLOCK_H": 32, "num_warps": 4}},
+            r"\[4\]\.reduce\.BLOCK_R.*power of two",
+        ),
+        (
+            default_config(4, "fused") | {"fused": {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 8}},
+            r"\[4\]\.fused\.BLOCK_HD.*None",
+        ),
+        (default_config(64) | {"variant": "fused"}, r"\[4\]\.variant: only decode entries"),
+    ],
+    ids=[
+        "unknown-variant",
+        "fused-without-its-stages",
+        "no-reduce",
+        "block-not-power-of-two",
+        "missing-key",
+        "prefill-variant",
+    ],
+)
+def test_config_with_a_bad_decode_variant_is_refused_naming_file_and_T(
+    tmp_path, entry: dict, message: str
+) -> None:
+    folder = _write(tmp_path, {"4": entry})
+    with pytest.raises(ValueError, match=r"E=8,N=40,device_name=Test_GPU,dtype=float32\.json" + message):
+        get_config(4, 8, 40, torch.float32, "Test_GPU", folder)
+
+
+@pytest.mark.parametrize("variant", sorted(DECODE_VARIANTS))
+@pytest.mark.parametrize("num_tokens", [1, DECODE_MAX_T, DECODE_MAX_T + 1])
+def test_default_configs_are_valid_entries(variant: str, num_tokens: int) -> None:
+    entry = default_config(num_tokens, variant)
+    assert validate_entry(entry, "default") is entry
+    assert ("BLOCK_M" in entry) == (num_tokens > DECODE_MAX_T)
+    if num_tokens <= DECODE_MAX_T:
+        assert set(entry) - {"variant"} == set(DECODE_VARIANTS[variant]), entry
+
+
+def test_default_decode_variant_is_two_stage_and_unknown_ones_are_refused() -> None:
+    from moecache_kernels.slot_moe_config import decode_variant
+
+    assert decode_variant(default_config(1)) == "two_stage"
+    assert decode_variant(default_config(1, "fused")) == "fused"
+    with pytest.raises(ValueError, match="variant must be one of .*'unrolled'"):
+        default_config(1, "unrolled")
 
 
 def test_shipped_configs_are_valid() -> None:
@@ -214,8 +331,32 @@ def test_reference_matches_onnxruntime_moe(num_tokens: int) -> None:
 # -- CUDA at real shapes -----------------------------------------------------------------------------------
 
 QWEN36 = {"hidden": 2048, "inter": 512, "num_experts": 256, "top_k": 8, "num_slots": 64}
+QWEN3_30B = {"hidden": 2048, "inter": 768, "num_experts": 128, "top_k": 8, "num_slots": 64}
 DSV2 = {"hidden": 2048, "inter": 1408, "num_experts": 64, "top_k": 6, "num_slots": 32}
+LARGE = {"hidden": 4096, "inter": 1536, "num_experts": 128, "top_k": 8, "num_slots": 32}
 GPU_T = [1, 5, 16, 17, 600]
+GPU_DECODE_T = [1, 5, 16]
+# the fused decode's default and a config with other blocks (16 rows of I, 128-wide gate/up tiles, 64-row
+# down tiles, the reduce in 16 x 64 tiles)
+FUSED_GPU = {
+    "default": default_config(1, "fused"),
+    "other": {
+        "variant": "fused",
+        "fused": {"BLOCK_I": 16, "BLOCK_H": 128, "BLOCK_HD": 64, "num_warps": 8},
+        "reduce": {"BLOCK_R": 16, "BLOCK_H": 64, "num_warps": 4},
+    },
+}
+PINNED = {"picked": None, "two_stage": default_config(1), "fused": FUSED_GPU["default"]}
+
+
+def _pin_config(monkeypatch, config: dict | str) -> None:
+    """slot_moe runs `config` (or PINNED[config]) instead of what get_config picks ("picked": as picked)."""
+    import importlib
+
+    config = PINNED[config] if isinstance(config, str) else config
+    if config is not None:
+        kernel = importlib.import_module("moecache_kernels.slot_moe")
+        monkeypatch.setattr(kernel, "get_config", lambda *_: config)
 
 
 @pytest.mark.gpu
@@ -234,11 +375,65 @@ def test_cuda_kernel_matches_reference(shape: dict, num_tokens: int, pattern: st
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("num_tokens", [1, 64])
-def test_cuda_kernel_replays_in_a_graph(num_tokens: int) -> None:
+@pytest.mark.parametrize("config", sorted(FUSED_GPU))
+@pytest.mark.parametrize(
+    "shape", [QWEN36, QWEN3_30B, DSV2, LARGE], ids=["qwen3.6", "qwen3-30b", "dsv2-lite", "large"]
+)
+@pytest.mark.parametrize("num_tokens", GPU_DECODE_T)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_cuda_fused_decode_matches_reference(
+    monkeypatch, shape: dict, num_tokens: int, pattern: str, config: str
+) -> None:
+    from moecache_kernels.slot_moe import slot_moe
+
+    _pin_config(monkeypatch, FUSED_GPU[config])
+    case = make_case(num_tokens, **shape, pattern=pattern, dtype=torch.bfloat16, seed=SEED, device="cuda")
+    out = torch.full_like(case["x_TH"], float("nan"))
+    assert slot_moe(*(case[name] for name in ARGS), out=out) is out
+    _assert_matches(out, case, f"fused {config} T={num_tokens} {pattern}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["two_stage", "fused"])
+def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch, variant: str) -> None:
+    from moecache_kernels.slot_moe import slot_moe
+
+    _pin_config(monkeypatch, variant)
+    case, meant = out_of_range_case(5, **QWEN36, dtype=torch.bfloat16, seed=SEED, device="cuda")
+    out = torch.full_like(case["x_TH"], float("nan"))
+    slot_moe(*(case[name] for name in ARGS), out=out)
+    _assert_matches(out, meant, f"{variant}: ids -1 / E and slot S")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["two_stage", "fused"])
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_tokens: int) -> None:
+    """Many programs add into each output element; their order must not depend on scheduling."""
+    from moecache_kernels.slot_moe import slot_moe
+
+    _pin_config(monkeypatch, variant)
+    case = make_case(num_tokens, **QWEN36, pattern="all", dtype=torch.bfloat16, seed=SEED, device="cuda")
+    args = [case[name] for name in ARGS]
+    first = slot_moe(*args)
+    for run in range(20):
+        assert torch.equal(slot_moe(*args), first), (
+            f"{variant} T={num_tokens}: run {run + 1} differs, seed {SEED}"
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("num_tokens", "variant"), [(1, "picked"), (64, "picked"), (1, "two_stage"), (1, "fused"), (16, "fused")]
+)
+def test_cuda_kernel_replays_in_a_graph(monkeypatch, num_tokens: int, variant: str) -> None:
     """No host sync: the call captures into a CUDA graph, and replays with new routing copied in."""
     from moecache_kernels.slot_moe import slot_moe
 
+    _pin_config(monkeypatch, variant)
     first = make_case(num_tokens, **QWEN36, pattern="some", dtype=torch.bfloat16, seed=SEED, device="cuda")
     static = {name: first[name].clone() for name in ARGS}
     out = torch.empty_like(static["x_TH"])
@@ -254,7 +449,7 @@ def test_cuda_kernel_replays_in_a_graph(num_tokens: int) -> None:
         static[name].copy_(second[name])
     out.fill_(float("nan"))
     graph.replay()
-    _assert_matches(out, static, f"graph replay T={num_tokens}")
+    _assert_matches(out, static, f"graph replay T={num_tokens} {variant}")
 
 
 @pytest.mark.gpu
