@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One device-tool call's worth of H200 measurements, by section (each bounded by `timeout`, the whole
+# under the tool's 10-minute limit): `bash benchmarks/h200_round.sh runtime|kernels|decode|forced|fidelity`.
+# runtime: the runtime / validation / calibration GPU tests, bench_runtime (copy, overlap, manager),
+#   bench_cpu_experts with kt-kernel where .whl/kt is carried.
+# kernels: tests/kernels' GPU tests, tuning the Qwen3.6 decode (fused and two-stage variants, prefill entries
+#   kept), bench_slot_moe at T = 1, 4, 16.
+# decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; --compile).
+# forced: bench_decode's validate baselines at 25% under the real DeepSeek-V2-Lite law trace.
+# Results go to $OUT; docs/benchmarks.md records them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/h200-round}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MOECACHE_OUTPUT_ROOT=${MOECACHE_OUTPUT_ROOT:-/tmp/moecache-outputs}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)';
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"; } >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+QWEN=conf/model/qwen3_6_35b_a3b.yaml
+for section in "$@"; do
+  case "$section" in
+  runtime)
+    echo "== runtime GPU tests"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime tests/validation tests/test_calibration.py 2>&1 | tail -12 | tee "$OUT/runtime_tests.txt"
+    echo "== bench_runtime"
+    timeout 120 python3 benchmarks/bench_runtime.py --device cuda --sections copy,overlap,manager 2>&1 | tail -24 | tee "$OUT/bench_runtime.txt"
+    echo "== bench_cpu_experts (cpp, torch, kt)"
+    if [ -d .whl/kt ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-kt .whl/kt/*.whl; fi
+    PYTHONPATH=/tmp/site-kt:${PYTHONPATH:-} timeout 200 python3 benchmarks/bench_cpu_experts.py --backends cpp,torch,kt \
+      --dtypes bfloat16 --shapes qwen3.6 --threads 8,15,16 --tokens 1,16 --experts 1,8 --repeats 20 --warmup 3 \
+      --max-pool-mib 1024 2>"$OUT/kt_stderr.txt" | tail -40 | tee "$OUT/bench_cpu_experts.txt" ;;
+  kernels)
+    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
+    echo "== kernel GPU tests"
+    PYTHONPATH=/tmp/mk:$PWD timeout 240 python3 -m pytest tests/kernels -q -p no:cacheprovider -m gpu 2>&1 | tail -8 | tee "$OUT/kernel_tests.txt"
+    echo "== tune the Qwen3.6 decode"
+    PYTHONPATH=/tmp/mk:$PWD timeout 170 python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 \
+      --tokens 1 4 16 --budget-s "${TUNE_S:-120}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune.txt"
+    for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-qwen3_6.json"; done
+    echo "== bench_slot_moe T = 1, 4, 16"
+    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16 2>&1 | tail -40 | tee "$OUT/bench_slot_moe.txt" ;;
+  decode)
+    echo "== bench_decode Qwen3.6, all resident, fused vs split"
+    timeout 420 python3 benchmarks/bench_decode.py --model $QWEN --capacities 100% --prompt-tokens 512 \
+      --new-tokens 64 --skip hf ${COMPILE:+--compile} 2>&1 | grep -v '^\[transformers\]' | tail -30 | tee "$OUT/bench_decode_qwen.txt" ;;
+  forced)
+    echo "== bench_decode DeepSeek-V2-Lite, forced by the law trace, 25%"
+    timeout 540 python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml --dtype bfloat16 \
+      --strategies all --policy "${POLICY:-transition_prefetch}" --capacities 25% --forced-trace .device-data/esft_law_routing.npz \
+      --requests 2 --prompt-tokens 32 --new-tokens 64 2>&1 | grep -v '^\[transformers\]' | tail -30 | tee "$OUT/bench_decode_forced.txt" ;;
+  *) echo "unknown section $section"; exit 2 ;;
+  esac
+done
