@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of H200 measurements, by section (each bounded by `timeout`, the whole
 # under the tool's 10-minute limit): `bash benchmarks/h200_round.sh runtime|kernels|decode|forced|fidelity`.
-# runtime: the runtime / validation / calibration GPU tests, bench_runtime (copy, overlap, manager),
+# runtime: the runtime / validation / calibration GPU tests (runtime_quick: device, manager, decode loop), bench_runtime (copy, overlap, manager),
 #   bench_cpu_experts with kt-kernel where .whl/kt is carried.
 # kernels: tests/kernels' GPU tests, tuning the Qwen3.6 decode (fused and two-stage variants, prefill entries
 #   kept), bench_slot_moe at T = 1, 4, 16.
@@ -33,6 +33,12 @@ for section in "$@"; do
     PYTHONPATH=/tmp/site-kt:${PYTHONPATH:-} timeout 200 python3 benchmarks/bench_cpu_experts.py --backends cpp,torch,kt \
       --dtypes bfloat16 --shapes qwen3.6 --threads 8,15,16 --tokens 1,16 --experts 1,8 --repeats 20 --warmup 3 \
       --max-pool-mib 1024 2>"$OUT/kt_stderr.txt" | tail -40 | tee "$OUT/bench_cpu_experts.txt" ;;
+  runtime_quick)
+    echo "== device, manager and decode-loop GPU tests"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_device.py tests/runtime/test_manager_gpu.py \
+      tests/runtime/test_decode_loop.py -k "not compiled" 2>&1 | tail -6 | tee "$OUT/runtime_quick_tests.txt"
+    echo "== bench_runtime copy, manager"
+    timeout 100 python3 benchmarks/bench_runtime.py --device cuda --sections copy,manager 2>&1 | tail -16 | tee "$OUT/bench_runtime_quick.txt" ;;
   kernels)
     mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
     echo "== kernel GPU tests"

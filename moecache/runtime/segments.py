@@ -239,7 +239,7 @@ class ExpertsTaps:
         waits on that event, not on the stream, so B(l), replayed next, is not waited for. (A side
         stream would keep the copy off B's path, at two more host calls per layer.)"""
         if self.is_cuda:
-            self.host_B.copy_(self.tap_B, non_blocking=True)
+            self.device.copy(self.host_B, self.tap_B, self.manager.compute)
             self._read_back.record(self.manager.compute)
 
     def _visit(self, layer: int) -> None:

@@ -62,8 +62,9 @@ def test_standin_copy_happens_at_execution_and_modes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_event_orders_a_side_stream_after_compute():
-    d = CudaDevice()
+@pytest.mark.parametrize("raw", [None, False], ids=["raw_calls_where_loaded", "torch_calls"])
+def test_cuda_event_orders_a_side_stream_after_compute(raw):
+    d = CudaDevice(raw=raw)
     side = d.new_stream()
     x = torch.zeros(1 << 22, device="cuda")
     y = torch.empty_like(x)
@@ -78,3 +79,12 @@ def test_cuda_event_orders_a_side_stream_after_compute():
     ready.record(side)
     d.synchronize()
     assert ready.query() and torch.equal(x, y)
+    start = d.new_event(timing=True)
+    start.record(side)
+    d.copy(y, x, side)
+    ready.record(side)
+    assert ready.elapsed_ns(start) > 0
+    assert d.new_event().query()  # never recorded: complete
+    if d.rt is not None:  # the raw copy refuses what cudaMemcpyAsync cannot do as one copy
+        with pytest.raises(MoecacheError, match="contiguous buffers of one size"):
+            d.copy(y[:4], x[:8], side)
