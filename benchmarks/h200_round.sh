@@ -39,6 +39,18 @@ for section in "$@"; do
       tests/runtime/test_decode_loop.py -k "not compiled" 2>&1 | tail -6 | tee "$OUT/runtime_quick_tests.txt"
     echo "== bench_runtime copy, manager"
     timeout 100 python3 benchmarks/bench_runtime.py --device cuda --sections copy,manager 2>&1 | tail -16 | tee "$OUT/bench_runtime_quick.txt" ;;
+  ab)  # the raw CUDA calls against torch's, same machine, same process kind
+    echo "== GPU tests of the decode loop and device"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_device.py tests/runtime/test_decode_loop.py -k "not compiled" 2>&1 | tail -4 | tee "$OUT/ab_tests.txt"
+    for raw in 0 1 0 1; do
+      echo "== bench_runtime manager, MOECACHE_RAW_CUDA=$raw"
+      MOECACHE_RAW_CUDA=$raw timeout 60 python3 benchmarks/bench_runtime.py --device cuda --sections manager 2>&1 | tail -6 | tee -a "$OUT/ab_manager.txt"
+    done
+    for raw in 1 0; do
+      echo "== bench_decode Qwen3.6 all resident, MOECACHE_RAW_CUDA=$raw"
+      MOECACHE_RAW_CUDA=$raw timeout 200 python3 benchmarks/bench_decode.py --model $QWEN --capacities 100% --prompt-tokens 512 \
+        --new-tokens 64 --skip hf 2>&1 | grep -v '^\[transformers\]' | tail -12 | tee -a "$OUT/ab_decode.txt"
+    done ;;
   kernels)
     mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
     echo "== kernel GPU tests"

@@ -255,6 +255,8 @@ class FastDecoder:
                 if token in eos:
                     budget = step + 1
                     break
+        if self._taps is not None:
+            self._taps.flush()  # the last step's deferred visit (segments.py), timed with the steps
         decode_s = 0.0
         if t_start is not None:
             self._sync()

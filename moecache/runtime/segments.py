@@ -14,7 +14,10 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
           missed)
       return y_TH + cpu_TH                                       | the next segment: the rest of the model
   So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
-  routing back and runs the manager. With on_miss="wait" (synchronous copies) the visit runs at `_route`
+  routing back and runs the manager. On CUDA, when every entry of the layer is in its prepared row
+  (no CPU work), `_combine` only zeroes the CPU buffer and the visit itself runs at the next host
+  point, after the next segment has been replayed (`flush`; the decode loop flushes after its last
+  step): the host then never stands between the GPU's segments of a layer without misses. With on_miss="wait" (synchronous copies) the visit runs at `_route`
   instead, before B(l), which reads the row that visit sets.
   With no slots (capacity 0) segment B is empty and both host points are one.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
@@ -160,6 +163,7 @@ class ExpertsTaps:
         self._visit_result = None
         self._ids_host_TK: np.ndarray | None = None
         self._prepared: int | None = None  # the layer whose visit `_route` left to `_combine`
+        self._deferred: int | None = None  # the layer whose visit `_combine` left to the next host point
         if self.is_cuda:  # recorded after the read-back's copy
             self._read_back = self.device.new_event()
         self.mode = "split"
@@ -222,6 +226,7 @@ class ExpertsTaps:
         the side stream. With on_miss="cpu" the layer's mapping is published now (`manager.prepare`) and
         B(l) is replayed at once: the visit waits for the read-back in `_combine` while the GPU runs the
         resident experts. With waits the visit runs here: B(l) reads the row that visit sets."""
+        self.flush()
         if self.forced is not None:
             self._substitute(layer)
         self._start_readback()
@@ -241,6 +246,20 @@ class ExpertsTaps:
         if self.is_cuda:
             self.device.copy(self.host_B, self.tap_B, self.manager.compute)
             self._read_back.record(self.manager.compute)
+
+    def flush(self) -> None:
+        """Run the visit `_combine` deferred (if any): the decode loop calls it after its last step."""
+        layer, self._deferred = self._deferred, None
+        if layer is not None:
+            self._visit(layer)
+            self.manager.commit()
+            self._visit_result = None
+
+    def _every_entry_resident(self, layer: int) -> bool:
+        """Whether every entry of the read-back routing is in the layer's prepared (published) row:
+        then the layer has no CPU work and its visit can wait (`_combine`)."""
+        self._read_back.synchronize()
+        return bool((self.manager.published_LE[layer][self.host_ids_TK.numpy()] >= 0).all())
 
     def _visit(self, layer: int) -> None:
         """The layer's visit on the read-back routing."""
@@ -278,6 +297,14 @@ class ExpertsTaps:
         (computed while B runs) into `cpu_TH`."""
         if self._prepared == layer:
             self._prepared = None
+            if self.is_cuda and self._every_entry_resident(layer):
+                # nothing for the CPU: the next segment is replayed first, the visit (policy, copies)
+                # runs at the next host point while the GPU computes it (flush)
+                self._deferred = layer
+                if self._cpu_dirty:
+                    self.cpu_TH.zero_()
+                    self._cpu_dirty = False
+                return
             self._visit(layer)
         self.manager.commit()
         hit_TK = self._visit_result.hit_TK

@@ -299,6 +299,17 @@ def test_one_graph_per_step_for_an_unmodified_model_and_a_frozen_mapping():
     again = decoder.generate(torch.tensor([PROMPT_T]), new)  # replayed from the first decode step on
     assert fused.mode == "fused" and fused.graphs_per_step == 1 and torch.equal(fused.tokens, want)
     assert torch.equal(again.tokens, want) and again.timed_steps == new - 1
+    # the same mapping with host points: every layer has every entry resident, so every visit is
+    # deferred to the next host point (segments.py, flush) and still happens, once per layer and step
+    split = FastDecoder(model, len(PROMPT_T) + new, graphs="on", host_points="always")
+    split.generate(torch.tensor([PROMPT_T]), new)  # warm-up, capture
+    L = adapter_for(plain).num_layers
+    before = model.moecache.stats()
+    replayed = split.generate(torch.tensor([PROMPT_T]), new)
+    after = model.moecache.stats()
+    assert replayed.mode == "split" and torch.equal(replayed.tokens, want)
+    assert after["visits"] - before["visits"] == new * L  # the prompt's visit and new - 1 decode steps
+    assert after["fallback_entries"] == before["fallback_entries"] and split._taps._deferred is None
 
 
 @pytest.mark.gpu
