@@ -306,7 +306,6 @@ def main() -> None:
     device = make_device(args.device)
     sections = set(args.sections.split(","))
     result: dict = {"bench": "runtime", "device": device.name, "args": vars(args)}
-    result["raw_cuda_calls"] = getattr(device, "rt", None) is not None  # device.py's Cudart, or torch's calls
     if device.is_cuda:
         result["gpu"] = torch.cuda.get_device_name()
     skipped = {}
@@ -330,7 +329,7 @@ def main() -> None:
 
 
 def print_table(r: dict) -> None:
-    print(f"runtime benchmark on {r.get('gpu', r['device'])} (raw CUDA calls: {r['raw_cuda_calls']})")
+    print(f"runtime benchmark on {r.get('gpu', r['device'])}")
     print(f"{'measure':<52} | {'value':>14}")
     rows = []
     if "copy" in r:

@@ -15,9 +15,6 @@ Semantics shared by both (those of CUDA):
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -66,181 +63,63 @@ class Device:
 # ------------------------------------------------------------------------------------------ CUDA
 
 
-class Cudart:
-    """The CUDA runtime calls of the runtime's hot path (copies, event record/query/sync, stream waits),
-    made through ctypes on the libcudart the process already has loaded (torch's). The same calls
-    through torch cost several microseconds more each (dispatch, argument checks, the caching host
-    allocator's bookkeeping of pinned buffers), and a layer visit makes several. `load()` returns None
-    where no libcudart is mapped (a CUDA runtime linked statically into torch) or MOECACHE_RAW_CUDA=0:
-    the torch calls are used then."""
-
-    NOT_READY = 600  # cudaErrorNotReady
-    MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
-    DISABLE_TIMING = 2  # cudaEventDisableTiming
-
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        for name, args in (
-            ("cudaMemcpyAsync", (vp, vp, sz, ctypes.c_int, vp)),
-            ("cudaEventCreateWithFlags", (ctypes.POINTER(vp), ctypes.c_uint)),
-            ("cudaEventDestroy", (vp,)),
-            ("cudaEventRecord", (vp, vp)),
-            ("cudaEventQuery", (vp,)),
-            ("cudaEventSynchronize", (vp,)),
-            ("cudaEventElapsedTime", (ctypes.POINTER(ctypes.c_float), vp, vp)),
-            ("cudaStreamWaitEvent", (vp, vp, ctypes.c_uint)),
-            ("cudaGetErrorString", (ctypes.c_int,)),
-        ):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        self.memcpy_async = lib.cudaMemcpyAsync
-        self.event_record = lib.cudaEventRecord
-        self.event_query = lib.cudaEventQuery
-        self.event_sync = lib.cudaEventSynchronize
-        self.stream_wait = lib.cudaStreamWaitEvent
-
-    @staticmethod
-    @functools.cache
-    def load() -> Cudart | None:
-        if os.environ.get("MOECACHE_RAW_CUDA", "1") == "0" or not torch.cuda.is_available():
-            return None
-        torch.cuda.init()
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
-        except OSError:
-            return None
-        for path in sorted(paths):
-            try:
-                return Cudart(ctypes.CDLL(path))
-            except (OSError, AttributeError):
-                continue
-        return None
-
-    def check(self, code: int, what: str) -> None:
-        if code != 0:
-            raise MoecacheError(
-                f"runtime device cuda: {what} failed: {self.lib.cudaGetErrorString(code).decode()}"
-            )
-
-
 class CudaEvent:
-    """A CUDA event with the interface the runtime uses: a raw cudaEvent_t through `Cudart`, or a
-    torch.cuda.Event where the raw calls are not available."""
+    """A torch.cuda.Event with the interface the runtime uses; host time of record for the log."""
 
-    def __init__(self, timing: bool, rt: Cudart | None):
+    def __init__(self, timing: bool):
+        self.event = torch.cuda.Event(enable_timing=timing)
         self.timing = timing
-        self.rt = rt
-        if rt is None:
-            self.event = torch.cuda.Event(enable_timing=timing)
-            return
-        handle = ctypes.c_void_p()
-        rt.check(
-            rt.lib.cudaEventCreateWithFlags(ctypes.byref(handle), 0 if timing else rt.DISABLE_TIMING),
-            "event create",
-        )
-        self.handle = handle
-
-    def __del__(self):
-        if self.rt is not None and getattr(self, "handle", None) is not None:
-            self.rt.lib.cudaEventDestroy(self.handle)
 
     def record(self, stream) -> None:
-        if self.rt is None:
-            self.event.record(stream.stream)
-        else:
-            self.rt.check(self.rt.event_record(self.handle, stream.handle), "event record")
+        self.event.record(stream.stream)
 
     def query(self) -> bool:
-        if self.rt is None:
-            return self.event.query()
-        code = self.rt.event_query(self.handle)
-        if code == Cudart.NOT_READY:
-            return False
-        self.rt.check(code, "event query")
-        return True
+        return self.event.query()
 
     def synchronize(self) -> None:
-        if self.rt is None:
-            self.event.synchronize()
-        else:
-            self.rt.check(self.rt.event_sync(self.handle), "event synchronize")
+        self.event.synchronize()
 
     def elapsed_ns(self, start: CudaEvent) -> int | None:
         """Device time from `start` to this event (both timing events, recorded), else None. Waits for
         this event to complete (a timing read happens off the hot path: the logger's writer thread)."""
         if not (self.timing and start.timing):
             return None
-        self.synchronize()
-        if self.rt is None:
-            return int(start.event.elapsed_time(self.event) * 1e6)
-        ms = ctypes.c_float()
-        self.rt.check(
-            self.rt.lib.cudaEventElapsedTime(ctypes.byref(ms), start.handle, self.handle), "elapsed time"
-        )
-        return int(ms.value * 1e6)
+        self.event.synchronize()
+        return int(start.event.elapsed_time(self.event) * 1e6)
 
 
 class CudaStream:
     """`current`: the stream was the current stream when wrapped (the compute stream), so work for it
-    is enqueued without entering a stream context (which costs microseconds per entry). `handle`: the
-    raw cudaStream_t."""
+    is enqueued without entering a stream context (which costs microseconds per entry)."""
 
-    def __init__(self, stream: torch.cuda.Stream, current: bool = False, rt: Cudart | None = None):
+    def __init__(self, stream: torch.cuda.Stream, current: bool = False):
         self.stream = stream
         self.current = current
-        self.rt = rt
-        self.handle = ctypes.c_void_p(stream.cuda_stream)
 
     def wait_event(self, event: CudaEvent) -> None:
-        if self.rt is None:
-            self.stream.wait_event(event.event)
-        else:
-            self.rt.check(self.rt.stream_wait(self.handle, event.handle, 0), "stream wait")
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
+        self.stream.wait_event(event.event)
 
 
 class CudaDevice(Device):
     name = "cuda"
     is_cuda = True
 
-    def __init__(self, index: int | None = None, raw: bool | None = None):
+    def __init__(self, index: int | None = None):
         if not torch.cuda.is_available():
             raise MoecacheError("runtime device cuda: torch.cuda.is_available() is false on this machine")
         self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
-        self.rt = Cudart.load() if raw is not False else None
-        if raw and self.rt is None:
-            raise MoecacheError("runtime device cuda: raw=True but no libcudart is loaded in this process")
 
     def new_stream(self) -> CudaStream:
-        return CudaStream(torch.cuda.Stream(device=self.torch_device), rt=self.rt)
+        return CudaStream(torch.cuda.Stream(device=self.torch_device))
 
     def compute_stream(self) -> CudaStream:
         """The current stream (at the time of the call): the manager's user runs its kernels there."""
-        return CudaStream(torch.cuda.current_stream(self.torch_device), current=True, rt=self.rt)
+        return CudaStream(torch.cuda.current_stream(self.torch_device), current=True)
 
     def new_event(self, timing: bool = False) -> CudaEvent:
-        return CudaEvent(timing, self.rt)
+        return CudaEvent(timing)
 
     def copy_many(self, pairs, stream: CudaStream) -> None:
-        rt = self.rt
-        if rt is not None:
-            for dst, src in pairs:
-                n = dst.nbytes
-                if n != src.nbytes or not (dst.is_contiguous() and src.is_contiguous()):
-                    raise MoecacheError(
-                        f"runtime device cuda: copy of {tuple(src.shape)} into {tuple(dst.shape)}: the runtime "
-                        "copies contiguous buffers of one size"
-                    )
-                rt.check(
-                    rt.memcpy_async(dst.data_ptr(), src.data_ptr(), n, rt.MEMCPY_DEFAULT, stream.handle),
-                    "copy",
-                )
-            return
         if stream.current:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
