@@ -12,9 +12,9 @@ What the replay driver does at every layer step (docs/simulator.md; moecache/sim
 2. calls `step(...)`: the policy first updates its state with the whole step (recency, counts, next
    use of every hit), then decides admissions (keys that get a slot; `loading` until their copy
    completes, never usable by this step) and evictions for the step's misses;
-3. cancels every admission that the same step evicts again (visit.apply_step, once for every
-   policy), applies the evictions, then the admissions, and checks that at most `capacity` keys hold
-   slots.
+3. cancels every admission that the same step evicts again, and every eviction of a key the step
+   then admits again (visit.apply_step, once for every policy), applies the evictions, then the
+   admissions, and checks that at most `capacity` keys hold slots.
 
 `step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out)
    -> (n_admit, n_evict)`
@@ -26,8 +26,10 @@ What the replay driver does at every layer step (docs/simulator.md; moecache/sim
   them. It lists every admission and every victim, even a victim it admitted itself earlier in the
   same step: apply_step removes that key's first admission (the others keep their order) and the
   eviction, so the two cancel out (no copy, no eviction); the policy keeps no bookkeeping for it.
-  Otherwise an evicted key must hold a slot before the step, no key may be evicted twice, and an
-  admitted key must not hold a slot (after the step's evictions); apply_step raises ValueError else.
+  Likewise a key it evicts while it holds a slot and then admits again keeps its slot (neither an
+  eviction nor a copy). Otherwise an evicted key must hold a slot before the step, no key may be
+  evicted twice, and an admitted key must not hold a slot (after the step's evictions); apply_step
+  raises ValueError else.
 
 How to add a policy: see docs/simulator.md, "Adding a policy".
 """
