@@ -85,7 +85,7 @@ class ExpertsRuntime:
             y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E)
             if timed:
                 visit.gpu_events = self._record_event(visit.gpu_events[0])
-        self.manager.commit()  # the GPU half is enqueued: slots it read get their last-use event
+        self.manager.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
         if n_hit < hit_TK.size:
             started_ns = time.perf_counter_ns()
             cpu_TH = self._cpu_part(layer, x_TH, ids_host_TK, weights_TK, hit_TK)

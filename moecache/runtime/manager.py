@@ -12,11 +12,16 @@ Per layer visit (`visit(layer, topk_ids_TK)`, called after the router, before th
    simulator replays) updates the counters and returns admissions and evictions. The policy counts a
    key that holds a slot as resident even while its copy is in flight (the timed simulator's rule).
 4. evictions forget a slot (CPU weights are never touched); admissions take a free slot and their copy
-   is enqueued at once (transfer.py), after the slot's last-use event. A slot freed by this visit's
+   is enqueued at once (transfer.py), after the slot's last reader (below). A slot freed by this visit's
    eviction of an expert this very visit runs on the GPU is safe only after this layer's kernels: such
    an admission's copy is enqueued by `commit` (below), right after those kernels.
 `commit()` (the executor calls it once the layer's GPU work is enqueued; otherwise the next visit does)
-records the compute stream's last-use event for the slots this visit read, and enqueues deferred copies.
+makes this visit the last reader of the slots it read, and enqueues deferred copies.
+
+Last readers are visit serials, not events: a copy into a slot waits for nothing once its last reader is
+past the fence (the caller of a visit saw the compute stream finish the work before it:
+`visit(compute_done=True)`, or the stand-in ran everything), else on ONE covering event recorded on the
+compute stream when such a wait is first needed. Mapping rows' staging buffers are reused the same way.
 
 `on_miss` says what a miss does: "cpu" (the default, the design above) runs it on the CPU while its copy
 (if admitted) is in flight; "wait" (synchronous on-demand copies, the mixtral-offloading baseline) makes
@@ -288,7 +293,7 @@ class CacheManager:
 
     def reset(self) -> None:
         """Counters and residency back to the start (before a benchmark repetition). Slots keep their
-        last-use events: a copy into a slot still read by queued work still waits for it."""
+        last readers: a copy into a slot still read by queued work still waits for it."""
         with self._lock:
             self.commit()
             self._init_session()

@@ -1,8 +1,8 @@
 """The transfer engine: host-to-device copies of expert weights into slots, on one dedicated stream.
 
 `enqueue(key, slot, after)` is called the moment the policy admits `key` (a demand admission or a
-prefetch of a later layer's expert): if `after` (the slot's last-use event: CUDA work that reads the
-slot's previous expert may still be queued) is given, the copy stream first waits on it; then the
+prefetch of a later layer's expert): if `after` (an event after the slot's last reader: CUDA work that reads
+the slot's previous expert may still be queued) is given, the copy stream first waits on it; then the
 expert's row (w13 then w2, one contiguous copy) is enqueued from the pinned store and a ready event is recorded. Nothing
 here blocks the caller: the manager later queries (never waits on) the ready event.
 
