@@ -23,6 +23,13 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
 4. an admission of a key the step did not access is a prefetch. Its copy is pending until the key is
    next accessed while it still holds the slot (the prefetch is used then; timely if the copy was
    complete at that routing time) or until the key is evicted (unused).
+5. `wait=True` models the runtime's on_miss="wait" (synchronous on-demand copies, the lru_sync
+   baseline): the step's copies into safe slots are enqueued first and the step waits for them
+   (wait = last ready - tr); the misses they admitted then run on the GPU with the hits, the other
+   misses on the CPU; the step takes non_expert + wait + max (or, serial, the sum) of the two halves.
+   Copies into slots freed by the step's own GPU work are enqueued after that work (the runtime's
+   deferred copies) and their misses stay on the CPU. Hits and misses are counted as the cache was
+   when the step began (hit_A), as the runtime counts them.
 """
 
 from __future__ import annotations
@@ -100,17 +107,18 @@ class TimedResult(ReplayResult):
 # visit goes through visit.apply_step, as in instant mode.
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
-    cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, serial,
+    cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, serial, wait,
     hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
-    copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G,
+    copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G, uses_G,
 ):  # fmt: skip
     """Returns (copies, CPU fallback selections, prefetches, prefetches used); copies = -1 when the
     copy arrays are too short (the caller retries with longer ones: arrays reassigned inside the loop
     would cost reference counting on every iteration). Scratch per key: admit_buf, evict_buf (int32),
     ready_G (float64, zeros: copy completion of keys holding a slot), copy_of_G (int64, -1: the key's
     latest copy), gpu_step_G (int64, -1: last step that ran the key on the GPU), seen_G (int64, -1:
-    last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy).
+    last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy), uses_G
+    (int64: the key's uses in the step that last accessed it).
     With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
     the operator's row at the step's usable resident entries, a step with a miss adds cpu_call_us to
     its CPU time, and `serial` adds the two halves instead of taking their max."""
@@ -143,6 +151,7 @@ def _replay_timed(
             held_k = resident_G[k]
             slot_A[a] = held_k
             seen_G[k] = s
+            uses_G[k] = m
             if n_pending > 0 and pending_G[k] >= 0:  # a prefetched key accessed while it holds the slot
                 c = pending_G[k]
                 copy_used_C[c] = True  # used (timely if its copy is complete: ready_G[k] <= tr)
@@ -160,12 +169,13 @@ def _replay_timed(
                 cpu += cpu_us_M[m]
                 misses += 1
                 cpu_fallback_sel += m
-        if fused:
-            gpu = kernel_us_X[kernel_off_V[s] + entries]
-            if misses > 0:
+        gpu_hits = kernel_us_X[kernel_off_V[s] + entries] if fused else gpu
+        gpu_end = tr + gpu_hits  # with wait: provisional, for the eviction's busy-slot test only
+        if not wait:
+            gpu = gpu_hits
+            if fused and misses > 0:
                 cpu += cpu_call_us
-        gpu_end = tr + gpu
-        step_us = non_expert_V[s] + (gpu + cpu if serial else max(gpu, cpu))
+            step_us = non_expert_V[s] + (gpu + cpu if serial else max(gpu, cpu))
         n_admit, n_evict, held = apply_step(
             state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_V[s], request_V[s], resident_G,
             held, capacity, admit_buf, evict_buf,
@@ -182,6 +192,24 @@ def _replay_timed(
                 busy_slots += 1
             else:
                 safe_slots += 1
+        if wait:  # 5.: the step waits for its copies into safe slots (the first ones admitted)
+            free = engine_free
+            for j in range(min(n_admit, safe_slots)):
+                k = admit_buf[j]
+                free = max(tr, free) + copy_us
+                if seen_G[k] == s:  # this step's miss, run on the device once its copy landed
+                    m = uses_G[k]
+                    cpu -= cpu_us_M[m]
+                    gpu += gpu_us_M[m]
+                    entries += m
+                    misses -= 1
+            wait_us = free - tr if min(n_admit, safe_slots) > 0 else 0.0
+            if fused:
+                gpu = kernel_us_X[kernel_off_V[s] + entries]
+                if misses > 0:
+                    cpu += cpu_call_us
+            gpu_end = tr + wait_us + gpu
+            step_us = non_expert_V[s] + wait_us + (gpu + cpu if serial else max(gpu, cpu))
         n_pf = 0
         for j in range(n_admit):
             k = admit_buf[j]
@@ -240,8 +268,11 @@ def _next_visit(
         next_L[layer_V[s]] = s
 
 
-def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostModel) -> TimedResult:
-    """Replay `trace` through `policy` with `capacity` GPU slots on the timeline of `cost`."""
+def replay_timed(
+    trace: TraceArrays, policy: Policy, capacity: int, cost: CostModel, *, wait: bool = False
+) -> TimedResult:
+    """Replay `trace` through `policy` with `capacity` GPU slots on the timeline of `cost`; `wait`: a
+    step waits for its own admissions' copies (module docstring, 5.: the runtime's on_miss="wait")."""
     check_capacity(trace, capacity)
     cost.check_trace(trace)
     if policy.cost is None:
@@ -266,6 +297,7 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
         scratch = (
             *(np.empty(k, np.int32), np.empty(k, np.int32), np.zeros(k)),
             *(np.full(k, -1, np.int64) for _ in range(4)),  # copy_of_G, gpu_step_G, seen_G, pending_G
+            np.zeros(k, np.int64),  # uses_G
         )
         start_C, ready_C, wasted_C = np.empty(cap_C), np.empty(cap_C), np.empty(cap_C, np.bool_)
         prefetch_C, used_C, use_C = np.empty(cap_C, np.bool_), np.empty(cap_C, np.bool_), np.empty(cap_C)
@@ -274,7 +306,7 @@ def replay_timed(trace: TraceArrays, policy: Policy, capacity: int, cost: CostMo
                 policy.named_state(state), trace.key_A, trace.uses_A, trace.start_V, trace.clock_V,
                 trace.request_V, resident_G, int(capacity), cpu_us_M, cost.gpu_table(),
                 cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
-                cost.cpu_call_us(), cost.serial,
+                cost.cpu_call_us(), cost.serial, bool(wait),
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
             )  # fmt: skip

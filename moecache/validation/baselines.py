@@ -5,7 +5,7 @@
 | `all_resident` | every expert | static_cold (every key resident) | - | static_cold at all keys |
 | `all_cpu` | 0 (llama.cpp `--cpu-moe`) | static_cold at 0 | CPU | static_cold at 0 |
 | `n_cpu_moe` | each of validate.capacities | static_layers: the last whole layers resident, the first layers' experts on the CPU (`--n-cpu-moe`) | CPU | static_layers |
-| `lru_sync` | each | lru_per_layer (split equal) | wait for the copy, run on the device (mixtral-offloading) | lru_per_layer (instant hits; its timed model assumes CPU fallbacks) |
+| `lru_sync` | each | lru_per_layer (split equal) | wait for the copy, run on the device (mixtral-offloading) | lru_per_layer, timed mode waiting for its copies (moecache/sim/timed.py, 5.) |
 | `hindsight_static` | each | the `capacity` most used experts of the workload's own trace, fixed (see below) | CPU | static_hindsight |
 | `selected` | each | the decision's `selected` policy | CPU | the same policy |
 

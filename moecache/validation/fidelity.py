@@ -9,7 +9,8 @@ policy and capacity:
   (every copy complete before the next visit; docs/runtime.md): the manager's measured hit rate equals it
   exactly (tests/validation/test_fidelity.py);
 - timed mode with the cost profile (`moecache calibrate`; a schema-2 profile prices the runtime's own
-  step, moecache/sim/cost_model.py) gives `time_per_token_ms`: the time of every forward step of the
+  step, moecache/sim/cost_model.py; a run whose manager waits for its copies, on_miss="wait", is
+  replayed waiting too) gives `time_per_token_ms`: the time of every forward step of the
   trace over its routed tokens (prompt and generated tokens less one per request: what `moecache
   validate` measures as generate's wall time over the routed tokens), plus `decode_ms_per_token` (the
   mean inter-token latency), `prefill_ms_per_token`, `total_ms` and the timed hit rate (a resident
@@ -39,15 +40,20 @@ TIME_TARGET_PCT = 15.0  # |predicted - measured| / measured time per token
 HIT_RATE_TARGET_PP = 1.0  # |predicted - measured| hit rate, percentage points
 
 
-def predict_run(trace_path, *, policy: PolicySpec, capacity: int, profile_path: str | None) -> dict:
+def predict_run(
+    trace_path, *, policy: PolicySpec, capacity: int, profile_path: str | None, on_miss: str = "cpu"
+) -> dict:
     """What the simulator predicts for the run that recorded `trace_path` (module docstring). Keys:
     hit_rate, time_per_token_ms (None without a profile), tokens, accesses, decode_ms_per_token,
-    prefill_ms_per_token, total_ms, timed_hit_rate, cost_notes."""
+    prefill_ms_per_token, total_ms, timed_hit_rate, cost_notes. `on_miss`: the run's manager setting;
+    "wait" replays the timed mode with the step waiting for its own copies (timed.py, 5.)."""
     path = Path(trace_path)
     if not path.is_file():
         raise MoecacheError(f"fidelity: {path}: no such trace file")
     if not isinstance(policy, PolicySpec):
         raise MoecacheError(f"fidelity: policy must be a PolicySpec, got {type(policy).__name__}")
+    if on_miss not in ("cpu", "wait"):
+        raise MoecacheError(f"fidelity: on_miss={on_miss!r}: expected cpu or wait")
     trace = load_trace(path)
     check_capacity(trace, int(capacity))
     cost = None
@@ -69,7 +75,7 @@ def predict_run(trace_path, *, policy: PolicySpec, capacity: int, profile_path: 
     }
     if cost is None:
         return out
-    timed = replay_timed(trace, _policy(policy, cost), int(capacity), cost)
+    timed = replay_timed(trace, _policy(policy, cost), int(capacity), cost, wait=on_miss == "wait")
     metrics = summarize(trace, timed, cost)
     out.update(
         time_per_token_ms=metrics["est_ms_per_token"],

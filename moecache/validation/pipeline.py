@@ -119,7 +119,11 @@ def validate_all(
         if spec.strategy is None:
             row.update(predict.EMPTY)
         else:
-            row.update(predict.predict(trace, spec.strategy.sim_policy, spec.slots, s.profile, row))
+            row.update(
+                predict.predict(
+                    trace, spec.strategy.sim_policy, spec.slots, s.profile, row, on_miss=spec.strategy.on_miss
+                )
+            )
         row["reference"] = is_reference
         rows_of[w.name].append(row)
         latencies.extend(outcome.latencies)

@@ -17,10 +17,18 @@ from moecache.validation import fidelity
 EMPTY = {"predicted_hit_rate": None, "predicted_time_per_token_ms": None, "fidelity_errors": None}
 
 
-def predict(trace_path: Path, policy: PolicySpec, slots: int, profile_path: str | None, row: dict) -> dict:
-    """The predicted columns of one run; `row` holds the measured `hit_rate` and `time_per_token_ms`."""
+def predict(
+    trace_path: Path,
+    policy: PolicySpec,
+    slots: int,
+    profile_path: str | None,
+    row: dict,
+    on_miss: str = "cpu",
+) -> dict:
+    """The predicted columns of one run; `row` holds the measured `hit_rate` and `time_per_token_ms`;
+    `on_miss` the run's manager setting (the lru_sync baseline waits for its copies)."""
     predicted = fidelity.predict_run(
-        str(trace_path), policy=policy, capacity=slots, profile_path=profile_path
+        str(trace_path), policy=policy, capacity=slots, profile_path=profile_path, on_miss=on_miss
     )
     measured = {"hit_rate": row["hit_rate"], "time_per_token_ms": row["time_per_token_ms"]}
     errors = fidelity.compare(predicted, measured)

@@ -137,6 +137,35 @@ def test_fifo_copy_engine(make_trace):
     assert row["est_ms_per_token"] == pytest.approx(0.032 / 4)
 
 
+def test_wait_mode_waits_for_its_copies_and_runs_those_misses_on_the_gpu(make_trace):
+    """wait=True (the runtime's on_miss="wait"): one layer, LRU with 4 slots; cpu 6, gpu 1 per call,
+    copy 10 us.
+    t=0  [0,1]: both miss, both admitted: copies [0, 10], [10, 20]; the step waits 20, then runs both on
+         the GPU (2): 22. The cache's hits are counted as the step began: none.
+    t=22 [0,2]: 0 hits; 2 admitted: copy [22, 32], wait 10, then 2 on the GPU: 10 + 2 = 12.
+    t=34 [1,2]: both hit: 2."""
+    trace = make_trace([(0, i, 0, [e]) for i, e in enumerate([[0, 1], [0, 2], [1, 2]])], 1, 8)
+    r = replay_timed(trace, make_policy("lru"), 4, hand_cost(), wait=True)
+    assert r.step_us_V.tolist() == [22, 12, 2]
+    assert r.route_us_V.tolist() == [0, 22, 34]
+    assert r.hit_A.tolist() == [False, False, True, False, True, True]
+    assert r.copy_start_us_C.tolist() == [0, 10, 22] and r.copy_ready_us_C.tolist() == [10, 20, 32]
+    no_wait = replay_timed(trace, make_policy("lru"), 4, hand_cost())
+    assert no_wait.step_us_V.tolist() == [12, 6, 12]  # the CPU runs the misses (and the loading keys)
+
+
+def test_wait_mode_leaves_a_copy_into_a_busy_slot_to_the_cpu(make_trace):
+    """wait=True, one slot; cpu 6, gpu 1 per call; copy 10 us.
+    t=0  [0,1]: LRU admits 1 (0's admission cancelled): copy [0, 10] waited, 1 on the GPU, 0 on the
+         CPU: 10 + max(1, 6) = 16.
+    t=16 [1,2]: 1 hits (GPU until 17); 2 evicts it, so 2's copy can only take the slot this step's own
+         GPU work reads: enqueued after it (starts 17), not waited for; 2 runs on the CPU: max(1, 6)."""
+    trace = make_trace([(0, i, 0, [e]) for i, e in enumerate([[0, 1], [1, 2]])], 1, 4)
+    r = replay_timed(trace, make_policy("lru"), 1, hand_cost(), wait=True)
+    assert r.step_us_V.tolist() == [16, 6]
+    assert r.copy_key_C.tolist() == [1, 2] and r.copy_start_us_C.tolist() == [0, 17]
+
+
 def test_slot_reuse_waits_for_gpu_work_of_the_evicted_key(make_trace):
     """One slot; cpu 6, gpu 4 per call; copy 10 us.
     t=0  [0,1]: misses (cpu 12); LRU admits 0, then 1 evicts it (the two cancel): copy key 1 [0, 10].
