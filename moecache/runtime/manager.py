@@ -211,6 +211,7 @@ class CacheManager:
         # timing events (VisitResult.gpu_events), which costs two event records per visit.
         self.time_gpu = False
         self._init_session()
+        self._warm_compiled()
 
     @property
     def on_miss(self) -> str:
@@ -364,6 +365,22 @@ class CacheManager:
             self._step_tokens = int(trace.tokens_V[last]) if last >= 0 else 0
             self.request = int(trace.request_V[last]) + 1 if last >= 0 else 0
             self._last_layer = None
+
+    def _warm_compiled(self) -> None:
+        """Compile (or load from numba's cache) the visit's compiled functions now, on throwaway copies of
+        the session state, so that the first visit of a run does not pay for it (a few ms from the
+        cache, ~0.3-1 s when the code changed: a cold run's first token would carry it)."""
+        K = self.shape.top_k
+        _prepare(
+            np.zeros((0, K), np.int64), 0, self.shape.num_experts, self.published_LE[0], self._stamp_E,
+            self._pos_E, 0, self._key_U, self._uses_U, self._slot_U, np.empty((0, K), np.bool_), self._miss_U,
+        )  # fmt: skip
+        state = type(self.state)(*(np.array(field, copy=True) for field in self.state))
+        key_U, uses_U = np.zeros(1, np.int32), np.ones(1, np.int32)
+        self._visit_fn(
+            state, key_U, uses_U, 0, 0, 0, self.resident_G.copy(), self._held_capacity.copy(),
+            self._hit_U[:1], self._admit_out, self._evict_out,
+        )  # fmt: skip
 
     # ---- the hot path ----------------------------------------------------------------------------
 
