@@ -134,3 +134,21 @@ def test_compare_errors_and_targets():
 def test_predict_run_refuses_a_missing_trace(tmp_path):
     with pytest.raises(MoecacheError, match="no such trace"):
         predict_run(tmp_path / "absent.parquet", policy=PolicySpec.of("lru"), capacity=1, profile_path=None)
+
+
+def test_a_waiting_run_is_predicted_waiting(tiny_model, tmp_path):
+    """on_miss="wait" (the lru_sync baseline): the timed replay waits for the step's copies and runs those
+    misses on the device. Copies are free on this profile, so with LRU (every miss admitted) a decode layer
+    step is non-expert 100 + visit 3 + the operator at all 4 entries 40 = 143 us; the CPU-fallback replay
+    of the same trace prices its misses on the CPU and is slower. Hits count as the cache began either way."""
+    stats, trace = recorded_run(tiny_model, tmp_path, "lru", 16)
+    profile = _profile(tmp_path)
+    cpu = predict_run(trace, policy=PolicySpec.of("lru"), capacity=16, profile_path=profile)
+    wait = predict_run(trace, policy=PolicySpec.of("lru"), capacity=16, profile_path=profile, on_miss="wait")
+    assert wait["hit_rate"] == cpu["hit_rate"] == stats["hit_rate"] and 0 < stats["hit_rate"] < 1
+    assert wait["decode_ms_per_token"] == pytest.approx(4 * 143.0 / 1e3)
+    assert cpu["decode_ms_per_token"] > wait["decode_ms_per_token"]
+    with pytest.raises(MoecacheError, match="on_miss='sometimes'"):
+        predict_run(
+            trace, policy=PolicySpec.of("lru"), capacity=16, profile_path=profile, on_miss="sometimes"
+        )
