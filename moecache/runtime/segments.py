@@ -259,7 +259,10 @@ class ExpertsTaps:
         """Whether every entry of the read-back routing is in the layer's prepared (published) row:
         then the layer has no CPU work and its visit can wait (`_combine`)."""
         self._read_back.synchronize()
-        return bool((self.manager.published_LE[layer][self.host_ids_TK.numpy()] >= 0).all())
+        ids_TK = self.host_ids_TK.numpy()
+        if ids_TK.min() < 0 or ids_TK.max() >= self.num_experts:  # the visit now: it refuses them
+            return False
+        return bool((self.manager.published_LE[layer][ids_TK] >= 0).all())
 
     def _visit(self, layer: int) -> None:
         """The layer's visit on the read-back routing."""
