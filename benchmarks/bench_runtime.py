@@ -8,7 +8,8 @@ Sections (each skipped, with the reason printed, where the device cannot run it)
   CUDA only.
 - overlap: two compute kernels (bf16 matmuls; a 1 GiB device copy, HBM-bound) timed alone and while the
   engine copies `--overlap-copies` experts on its stream (enqueued after the compute). CUDA only.
-- manager: `CacheManager.visit` per layer visit at the Qwen3.6 shape (40 x 256 experts, top-8,
+- manager (`--device null`: a device whose operations do nothing, for the manager's host work alone):
+  `CacheManager.visit` per layer visit at the Qwen3.6 shape (40 x 256 experts, top-8,
   capacity 2048, policy --policy) on synthetic skewed routing, warmed first; with routing already on
   the host, and (CUDA) with the routing read back from the device (the hot path's one read-back): by
   `visit` itself (a copy and a stream synchronize), and as the fast decode loop does it (the read-back
@@ -32,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from moecache.runtime.device import make_device
+from moecache.runtime.device import Device, make_device
 from moecache.runtime.expert_store import ExpertStore
 from moecache.runtime.manager import CacheManager
 from moecache.runtime.slot_pool import SlotPool
@@ -172,6 +173,50 @@ def bench_overlap(device, reps: int, copies: int) -> dict:
 # ---- manager -----------------------------------------------------------------------------------
 
 
+class _NullEvent:
+    timing = False
+
+    def record(self, stream) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_ns(self, start) -> None:
+        return None
+
+
+class _NullStream:
+    def wait_event(self, event) -> None:
+        pass
+
+
+class NullDevice(Device):
+    """`--device null`: every device operation does nothing (copies are not made), so the manager
+    section times the manager's own host work alone: Python and its compiled calls, no device calls."""
+
+    name = "null"
+    torch_device = torch.device("cpu")
+
+    def new_stream(self):
+        return _NullStream()
+
+    def compute_stream(self):
+        return _NullStream()
+
+    def new_event(self, timing: bool = False):
+        return _NullEvent()
+
+    def copy_many(self, pairs, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def skewed_routing(rng, num_layers: int, num_experts: int, top_k: int, tokens: int) -> np.ndarray:
     """int64 [tokens, L, 1, K]: expert e with probability proportional to 1 / (e + 8) (bench_step.py)."""
     p = 1.0 / (np.arange(num_experts) + 8.0)
@@ -213,7 +258,18 @@ def bench_manager(device, args) -> dict:
                 if t >= args.warm_tokens:
                     readback_ns.append(t1 - t0)
     fast_ns = []
-    if device_routing is not None:  # the fast decode loop's sequence (moecache/runtime/segments.py)
+    if device_routing is None:  # the fast loop's manager calls on host routing: its host work alone
+        manager.reset()
+        for t in range(routing.shape[0]):
+            for layer in range(L):
+                t0 = clock()
+                manager.prepare(layer)
+                manager.visit(layer, routing[t, layer], compute_done=True)
+                manager.commit()
+                t1 = clock()
+                if t >= args.warm_tokens:
+                    fast_ns.append(t1 - t0)
+    else:  # the fast decode loop's sequence (moecache/runtime/segments.py), its read-back included
         manager.reset()
         read_back = device.new_event()
         host = torch.empty(device_routing.shape[2:], dtype=device_routing.dtype, pin_memory=True)
@@ -285,7 +341,7 @@ def bench_store(num_experts: int, fill: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "standin"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "standin", "null"])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--overlap-copies", type=int, default=8)
     ap.add_argument("--layers", type=int, default=40)
@@ -303,7 +359,7 @@ def main() -> None:
     ap.add_argument("--store-fill", default="constant", choices=["constant", "random"])
     ap.add_argument("--sections", default="copy,overlap,manager,store")
     args = ap.parse_args()
-    device = make_device(args.device)
+    device = NullDevice() if args.device == "null" else make_device(args.device)
     sections = set(args.sections.split(","))
     result: dict = {"bench": "runtime", "device": device.name, "args": vars(args)}
     if device.is_cuda:
@@ -367,7 +423,11 @@ def print_table(r: dict) -> None:
         rows.append((label + ", host ids (us)", f"{m['host_routing_median_us']:.2f}"))
         if "device_routing_median_us" in m:
             rows.append((label + ", + read-back (us)", f"{m['device_routing_median_us']:.2f}"))
-        if "fast_loop_median_us" in m:
+        if "fast_loop_median_us" in m and r["device"] != "cuda":
+            rows.append(
+                ("fast loop: prepare + visit + commit, host ids (us)", f"{m['fast_loop_median_us']:.2f}")
+            )
+        elif "fast_loop_median_us" in m:
             rows.append(
                 ("fast loop: read-back + prepare + visit + commit (us)", f"{m['fast_loop_median_us']:.2f}")
             )

@@ -147,7 +147,7 @@ class CacheManager:
         *,
         top_k: int,
         synchronous: bool = False,
-        timing: bool = True,
+        timing: bool | None = None,
         on_miss: str = "cpu",
     ):
         self.on_miss = on_miss
@@ -166,7 +166,10 @@ class CacheManager:
         self.policy = policy
         self._visit_fn = visit_entry(type(policy))
         self.pool = SlotPool.for_store(device, self.capacity, store)
-        self.engine = TransferEngine(device, store, self.pool, synchronous=synchronous, timing=timing)
+        # Copies timed on the device (copy_duration_ns): `timing` True / False, or None: while the routing
+        # logger records (time_gpu), so the hot path records one event per copy, not two.
+        self._copy_timing = timing
+        self.engine = TransferEngine(device, store, self.pool, synchronous=synchronous, timing=bool(timing))
         self.compute = device.compute_stream()
         self._lock = threading.RLock()
         L, E, G = self.shape.num_layers, self.shape.num_experts, self.shape.num_keys
@@ -207,11 +210,20 @@ class CacheManager:
         self._routing_views: dict = {}  # pinned read-back buffers of device routing, by shape
         self.stats = ManagerStats()
         self.last_visit: VisitResult | None = None  # the latest visit's result (the routing logger's)
-        # Set by the routing logger's recorder: the executors time each visit's GPU part with a pair of
-        # timing events (VisitResult.gpu_events), which costs two event records per visit.
         self.time_gpu = False
         self._init_session()
         self._warm_compiled()
+
+    @property
+    def time_gpu(self) -> bool:
+        """Set by the routing logger's recorder: the executors time each visit's GPU part with a pair of
+        timing events (VisitResult.gpu_events), and (with timing=None) the copies are timed too."""
+        return self._time_gpu
+
+    @time_gpu.setter
+    def time_gpu(self, on: bool) -> None:
+        self._time_gpu = bool(on)
+        self.engine.timing = self._time_gpu if self._copy_timing is None else bool(self._copy_timing)
 
     @property
     def on_miss(self) -> str:

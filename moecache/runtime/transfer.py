@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 @dataclass
 class Copy:
     """One expert copy in flight or done. Times are host `time.monotonic_ns()`; `duration_ns` is the
-    device time between the copy's start and ready events, where the device measures it."""
+    device time between the copy's start and ready events, where the device measures it and the engine
+    timed the copy (`start_event` None: untimed)."""
 
     key: int
     slot: int
@@ -39,7 +40,8 @@ class Copy:
         if not self.ready_event.query():
             return False
         self.ready_ns = time.monotonic_ns()
-        self.duration_ns = self.ready_event.elapsed_ns(self.start_event)
+        if self.start_event is not None:
+            self.duration_ns = self.ready_event.elapsed_ns(self.start_event)
         return True
 
 
@@ -49,18 +51,22 @@ class TransferEngine:
         self.store = store
         self.pool = pool
         self.synchronous = synchronous
-        self.timing = timing
+        self.timing = timing  # may change between copies (the manager times copies while logging)
         self.stream = device.new_stream()
         self.copies_enqueued = 0
         self.bytes_enqueued = 0
-        self._free_events: list = []  # events of completed copies, recorded again by later copies
+        # events of completed copies, recorded again by later copies: timing ones, plain ones
+        self._free_events: dict[bool, list] = {True: [], False: []}
 
-    def _event(self):
-        return self._free_events.pop() if self._free_events else self.device.new_event(timing=self.timing)
+    def _event(self, timing: bool):
+        free = self._free_events[timing]
+        return free.pop() if free else self.device.new_event(timing=timing)
 
     def release(self, copy: Copy) -> None:
-        """The copy is complete and observed: its two events may be recorded again."""
-        self._free_events += (copy.start_event, copy.ready_event)
+        """The copy is complete and observed: its events may be recorded again."""
+        for event in (copy.start_event, copy.ready_event):
+            if event is not None:
+                self._free_events[bool(event.timing)].append(event)
         copy.start_event = copy.ready_event = None
 
     def enqueue(self, key: int, slot: int, after=None) -> Copy:
@@ -68,9 +74,12 @@ class TransferEngine:
         device, stream = self.device, self.stream
         if after is not None:
             stream.wait_event(after)
-        start, ready = self._event(), self._event()
+        timing = self.timing
+        start = self._event(True) if timing else None  # untimed: one event record fewer per copy
+        ready = self._event(timing)
         enqueued = time.monotonic_ns()
-        start.record(stream)
+        if start is not None:
+            start.record(stream)
         device.copy(self.pool.flat_SB[slot], self.store.flat_GB[key], stream)  # one row: w13 then w2
         ready.record(stream)
         self.copies_enqueued += 1

@@ -134,7 +134,7 @@ def test_cpu_fallback_while_the_copy_is_in_flight_without_blocking():
 def test_publication_before_the_next_token_once_the_event_completed():
     m = manager("lru", 2, mode="manual")
     m.visit(0, ids(1, 2))
-    m.device.run(m.engine.stream, max_ops=4)  # the first copy only (wait-free: start, w13, w2, ready)
+    m.device.run(m.engine.stream, max_ops=2)  # the first copy only (untimed, wait-free: the row, ready)
     r = m.visit(0, ids(1, 2))
     assert r.hit_TK.tolist() == [[True, False]]
     m.device.run()
@@ -167,6 +167,24 @@ def test_prepare_is_refused_for_waits_and_for_another_layers_visit():
     m.on_miss = "wait"
     with pytest.raises(MoecacheError, match="prepare"):
         m.prepare(1)
+
+
+def test_copies_are_timed_only_while_the_logger_records_unless_told():
+    m = manager("lru", 4)
+    r = m.visit(0, ids(1, 2))
+    assert all(c.start_event is None for c in r.copies)  # the hot path: one event per copy
+    m.device.run()
+    r = m.visit(0, ids(1, 2))
+    assert r.cache_fields(8)[0]["copy_duration_ns"] is None
+    m.time_gpu = True  # what the validate recorder sets
+    r = m.visit(1, ids(3, 4))
+    m.device.run()
+    assert all(c.observe() and c.start_event is not None and c.duration_ns >= 0 for c in r.copies)
+    m.time_gpu = False
+    assert manager("lru", 4, timing=True).engine.timing and not manager("lru", 4, timing=False).engine.timing
+    forced = manager("lru", 4, timing=False)
+    forced.time_gpu = True
+    assert not forced.engine.timing
 
 
 def test_slot_of_E_keeps_its_address():
