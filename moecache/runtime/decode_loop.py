@@ -315,6 +315,8 @@ class FastDecoder:
             taps.segments = self._segments[mode]
         if taps is not None:
             taps.forced = self.forced if mode is not None else None
+            if mode is None:
+                taps.abandon()  # a step cut short by an error leaves no half-done visit behind
         for module in self._experts:
             module.tap = taps if mode is not None else None
 

@@ -420,6 +420,11 @@ class CacheManager:
             self._prepared = layer
             return self._device_rows[layer]
 
+    def cancel_prepare(self) -> None:
+        """Forget a `prepare` whose visit will not come (its step was abandoned); the publication stays."""
+        with self._lock:
+            self._prepared = None
+
     def _begin_visit(self, layer: int) -> None:
         if not 0 <= layer < self.shape.num_layers:
             raise MoecacheError(f"cache manager: layer {layer} outside 0..{self.shape.num_layers - 1}")

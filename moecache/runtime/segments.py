@@ -247,6 +247,12 @@ class ExpertsTaps:
             self.device.copy(self.host_B, self.tap_B, self.manager.compute)
             self._read_back.record(self.manager.compute)
 
+    def abandon(self) -> None:
+        """Forget a visit left half done by a step that did not finish (an error between the host points):
+        the manager's pending prepare and a deferred visit. After a complete step (flushed) a no-op."""
+        self._prepared = self._deferred = self._visit_result = None
+        self.manager.cancel_prepare()
+
     def flush(self) -> None:
         """Run the visit `_combine` deferred (if any): the decode loop calls it after its last step."""
         layer, self._deferred = self._deferred, None

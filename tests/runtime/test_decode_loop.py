@@ -177,6 +177,31 @@ def test_eos_stops_like_transformers_and_the_streamer_sees_every_token():
     assert streamer.ended
 
 
+def test_a_step_cut_short_by_an_error_leaves_the_session_usable():
+    """An error inside a decode step after the layer's mapping was prepared (here: the resident experts'
+    kernel) must not leave the manager waiting for that layer's visit: the next call decodes the same
+    tokens as the unmodified model (fp32: whatever the cache holds)."""
+    plain = tiny("qwen3_5_moe")
+    want, _ = hf_greedy(plain, new=NEW)
+    model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+    decoder = FastDecoder(model, max_cache_len=len(PROMPT_T) + NEW)
+    taps = decoder._taps
+    kernel, calls = taps._kernel, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("kernel failed")
+        return kernel(*args, **kwargs)
+
+    taps._kernel = failing
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        decoder.generate(torch.tensor([PROMPT_T]), NEW)
+    taps._kernel = kernel
+    got = decoder.generate(torch.tensor([PROMPT_T]), NEW)  # no reset: the cache goes on as it was
+    assert torch.equal(got.tokens, want)
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
