@@ -10,12 +10,12 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
           row `slot_of_LE[l]` (nothing of it depends on the routing)
       y_TH = slot_moe(static buffers, slot_of_LE[l], pool)       | segment B(l): the resident experts
       host point `_combine(l)`: wait for the read-back, `manager.visit` (the policy, copies), `commit()`,
-          the CPU misses computed while B(l) runs, copied into a static buffer (zeroed where nothing
-          missed)
-      return y_TH + cpu_TH                                       | the next segment: the rest of the model
+          the CPU misses computed while B(l) runs, copied into a static buffer and added into y_TH
+          (both on the compute stream, after B(l); nothing when the layer had no miss)
+      return y_TH                                                | the next segment: the rest of the model
   So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
   routing back and runs the manager. On CUDA, when every entry of the layer is in its prepared row
-  (no CPU work), `_combine` only zeroes the CPU buffer and the visit itself runs at the next host
+  (no CPU work), `_combine` does nothing and the visit itself runs at the next host
   point, after the next segment has been replayed (`flush`; the decode loop flushes after its last
   step): the host then never stands between the GPU's segments of a layer without misses. With on_miss="wait" (synchronous copies) the visit runs at `_route`
   instead, before B(l), which reads the row that visit sets.
@@ -159,7 +159,6 @@ class ExpertsTaps:
         self.y_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the resident experts' part
         self.cpu_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the CPU misses' part
         self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
-        self._cpu_dirty = False
         self._visit_result = None
         self._ids_host_TK: np.ndarray | None = None
         self._prepared: int | None = None  # the layer whose visit `_route` left to `_combine`
@@ -192,7 +191,7 @@ class ExpertsTaps:
         else:
             self.y_TH.copy_(self._kernel(*self._operands(layer)))
         self.segments.cut(lambda: self._combine(layer))
-        return self.y_TH + self.cpu_TH
+        return self.y_TH  # the CPU misses are added into it at `_combine`, when there are any
 
     def frozen(self) -> bool:
         """Every expert resident and published, nothing loading: the mapping can no longer change."""
@@ -303,16 +302,13 @@ class ExpertsTaps:
 
     def _combine(self, layer: int) -> None:
         """Segment B is enqueued: the visit (if `_route` only prepared it), commit, then the CPU misses
-        (computed while B runs) into `cpu_TH`."""
+        (computed while B runs) into `cpu_TH`, added into B's `y_TH` on the compute stream (with slots)."""
         if self._prepared == layer:
             self._prepared = None
             if self.is_cuda and self._every_entry_resident(layer):
                 # nothing for the CPU: the next segment is replayed first, the visit (policy, copies)
                 # runs at the next host point while the GPU computes it (flush)
                 self._deferred = layer
-                if self._cpu_dirty:
-                    self.cpu_TH.zero_()
-                    self._cpu_dirty = False
                 return
             self._visit(layer)
         self.manager.commit()
@@ -327,11 +323,9 @@ class ExpertsTaps:
                 self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
             else:
                 self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self.cpu_TH)
+            if self.num_slots:  # after B(l) on the compute stream; with no slots cpu_TH is the result
+                self.y_TH.add_(self.cpu_TH)
             self._visit_result.cpu_duration_ns = time.perf_counter_ns() - started_ns  # the trace's column
-            self._cpu_dirty = True
-        elif self._cpu_dirty:
-            self.cpu_TH.zero_()
-            self._cpu_dirty = False
         self._visit_result = None
 
     def _route_and_combine(self, layer: int) -> None:
