@@ -176,42 +176,53 @@ def bench_overlap(device, reps: int, copies: int) -> dict:
 class _NullEvent:
     timing = False
 
+    def __init__(self, calls: dict):
+        self.calls = calls
+
     def record(self, stream) -> None:
-        pass
+        self.calls["record"] += 1
 
     def query(self) -> bool:
+        self.calls["query"] += 1
         return True
 
     def synchronize(self) -> None:
-        pass
+        self.calls["synchronize"] += 1
 
     def elapsed_ns(self, start) -> None:
         return None
 
 
 class _NullStream:
+    def __init__(self, calls: dict):
+        self.calls = calls
+
     def wait_event(self, event) -> None:
-        pass
+        self.calls["wait"] += 1
 
 
 class NullDevice(Device):
-    """`--device null`: every device operation does nothing (copies are not made), so the manager
-    section times the manager's own host work alone: Python and its compiled calls, no device calls."""
+    """`--device null`: every device operation does nothing (copies are not made) and is only counted,
+    so the manager section times the manager's own host work alone (Python and its compiled calls) and
+    counts the device calls a CUDA device would make (each a few microseconds through torch there)."""
 
     name = "null"
     torch_device = torch.device("cpu")
 
+    def __init__(self):
+        self.calls = dict.fromkeys(("copy", "record", "query", "synchronize", "wait"), 0)
+
     def new_stream(self):
-        return _NullStream()
+        return _NullStream(self.calls)
 
     def compute_stream(self):
-        return _NullStream()
+        return _NullStream(self.calls)
 
     def new_event(self, timing: bool = False):
-        return _NullEvent()
+        return _NullEvent(self.calls)
 
     def copy_many(self, pairs, stream) -> None:
-        pass
+        self.calls["copy"] += len(pairs)
 
     def synchronize(self) -> None:
         pass
@@ -258,9 +269,13 @@ def bench_manager(device, args) -> dict:
                 if t >= args.warm_tokens:
                     readback_ns.append(t1 - t0)
     fast_ns = []
+    calls_per_visit = None
     if device_routing is None:  # the fast loop's manager calls on host routing: its host work alone
         manager.reset()
+        counted = getattr(device, "calls", None)
         for t in range(routing.shape[0]):
+            if counted is not None and t == args.warm_tokens:
+                before = dict(counted)
             for layer in range(L):
                 t0 = clock()
                 manager.prepare(layer)
@@ -269,6 +284,9 @@ def bench_manager(device, args) -> dict:
                 t1 = clock()
                 if t >= args.warm_tokens:
                     fast_ns.append(t1 - t0)
+        if counted is not None:
+            visits = (routing.shape[0] - args.warm_tokens) * L
+            calls_per_visit = {k: (counted[k] - before[k]) / visits for k in counted}
     else:  # the fast decode loop's sequence (moecache/runtime/segments.py), its read-back included
         manager.reset()
         read_back = device.new_event()
@@ -301,6 +319,8 @@ def bench_manager(device, args) -> dict:
     if readback_ns:
         out["device_routing_median_us"] = float(np.median(readback_ns)) / 1e3
         out["device_routing_p90_us"] = float(np.percentile(readback_ns, 90)) / 1e3
+    if calls_per_visit is not None:
+        out["device_calls_per_visit"] = calls_per_visit
     if fast_ns:
         out["fast_loop_median_us"] = float(np.median(fast_ns)) / 1e3
         out["fast_loop_p90_us"] = float(np.percentile(fast_ns, 90)) / 1e3
@@ -432,6 +452,9 @@ def print_table(r: dict) -> None:
                 ("fast loop: read-back + prepare + visit + commit (us)", f"{m['fast_loop_median_us']:.2f}")
             )
         rows.append(("manager hit rate", f"{m['hit_rate']:.3f}"))
+        if "device_calls_per_visit" in m:
+            for name, n in m["device_calls_per_visit"].items():
+                rows.append((f"device calls per visit (fast loop, host ids): {name}", f"{n:.3f}"))
     if "store" in r:
         s = r["store"]
         reg = "n/a" if s["register_seconds"] is None else f"{s['register_seconds']:.2f}"

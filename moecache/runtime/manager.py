@@ -611,11 +611,13 @@ class CacheManager:
         self._dirty_L[layer] = True
 
     def _publish_ready(self, layer: int) -> None:
+        """Publish the layer's completed copies. `loading_L[layer]` is in enqueue order (an admission's
+        copy is enqueued when it is inserted), so the engine queries up to the first incomplete one."""
         loading = self.loading_L[layer]
         if loading:
-            for key in [k for k, copy in loading.items() if copy.observe()]:
-                copy = loading.pop(key)
-                self._late_G.discard(key)
+            for copy in self.engine.observe_in_order(list(loading.values())):
+                del loading[copy.key]
+                self._late_G.discard(copy.key)
                 self._publish(copy)
                 self.engine.release(copy)
 

@@ -29,15 +29,17 @@ class Copy:
     enqueued_ns: int
     ready_event: object
     start_event: object
+    seq: int = -1  # its place on the copy stream (0, 1, ...): copies complete in this order
     ready_ns: int | None = None  # when the manager saw the ready event complete
     duration_ns: int | None = None
     wasted: bool = field(default=False)  # its key was evicted before the copy was published
 
-    def observe(self) -> bool:
-        """Query the ready event (never waits); on completion note the times. Returns completion."""
+    def observe(self, known_complete: bool = False) -> bool:
+        """Query the ready event (never waits; not at all when `known_complete`: a later copy on the same
+        stream was seen complete); on completion note the times. Returns completion."""
         if self.ready_ns is not None:
             return True
-        if not self.ready_event.query():
+        if not known_complete and not self.ready_event.query():
             return False
         self.ready_ns = time.monotonic_ns()
         if self.start_event is not None:
@@ -55,6 +57,7 @@ class TransferEngine:
         self.stream = device.new_stream()
         self.copies_enqueued = 0
         self.bytes_enqueued = 0
+        self.completed_seq = -1  # every copy up to this seq is known complete (the stream is FIFO)
         # events of completed copies, recorded again by later copies: timing ones, plain ones
         self._free_events: dict[bool, list] = {True: [], False: []}
 
@@ -82,10 +85,23 @@ class TransferEngine:
             start.record(stream)
         device.copy(self.pool.flat_SB[slot], self.store.flat_GB[key], stream)  # one row: w13 then w2
         ready.record(stream)
+        copy = Copy(key, slot, self.store.expert_bytes, enqueued, ready, start, seq=self.copies_enqueued)
         self.copies_enqueued += 1
         self.bytes_enqueued += self.store.expert_bytes
-        copy = Copy(key, slot, self.store.expert_bytes, enqueued, ready, start)
         if self.synchronous:
             ready.synchronize()
             copy.observe()
+            self.completed_seq = copy.seq
         return copy
+
+    def observe_in_order(self, copies) -> list[Copy]:
+        """The leading complete copies of `copies` (given in enqueue order): no query for a copy at or
+        below the watermark `completed_seq`, none after the first incomplete one (the stream completes
+        copies in order). Raises the watermark."""
+        done = []
+        for copy in copies:
+            if not copy.observe(known_complete=copy.seq <= self.completed_seq):
+                break
+            self.completed_seq = max(self.completed_seq, copy.seq)
+            done.append(copy)
+        return done

@@ -169,6 +169,24 @@ def test_prepare_is_refused_for_waits_and_for_another_layers_visit():
         m.prepare(1)
 
 
+def test_completed_copies_are_found_in_stream_order_with_few_queries():
+    m = manager("lru", 6, mode="manual", top_k=3)
+    copies = m.visit(0, ids(1, 2, 3)).copies
+    queries = []
+    for c in copies:
+        query = c.ready_event.query
+        c.ready_event.query = lambda query=query, key=c.key: queries.append(key) or query()
+    m.device.run(m.engine.stream, max_ops=2)  # the first copy only (untimed: the row, ready)
+    assert [c.key for c in m.engine.observe_in_order(copies)] == [1]
+    assert queries == [1, 2]  # stops at the first incomplete copy
+    m.device.run()
+    queries.clear()
+    copies[2].observe()  # the last one seen complete: every copy before it is too
+    m.engine.completed_seq = copies[2].seq
+    assert [c.key for c in m.engine.observe_in_order(copies[1:])] == [2, 3]
+    assert queries == [3]  # copy 2 below the watermark: no query (3 was queried by observe above)
+
+
 def test_copies_are_timed_only_while_the_logger_records_unless_told():
     m = manager("lru", 4)
     r = m.visit(0, ids(1, 2))
