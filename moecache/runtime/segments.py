@@ -15,10 +15,10 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
       return y_TH                                                | the next segment: the rest of the model
   So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
   routing back and runs the manager. On CUDA, when every entry of the layer is in its prepared row
-  (no CPU work), `_combine` does nothing and the visit itself runs at the next host
-  point, after the next segment has been replayed (`flush`; the decode loop flushes after its last
-  step): the host then never stands between the GPU's segments of a layer without misses. With on_miss="wait" (synchronous copies) the visit runs at `_route`
-  instead, before B(l), which reads the row that visit sets.
+  (no CPU work), `_combine` does nothing and the visit itself runs at the next host point, after the
+  next segment has been replayed (`flush`; the decode loop flushes after its last step): the host
+  then never stands between the GPU's segments of a layer without misses. With on_miss="wait"
+  (synchronous copies) the visit runs at `_route` instead, before B(l), which reads the row it sets.
   With no slots (capacity 0) segment B is empty and both host points are one.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
@@ -221,8 +221,8 @@ class ExpertsTaps:
     # ---- host points -----------------------------------------------------------------------------
 
     def _route(self, layer: int) -> None:
-        """Host point after A(l): the forced rows in (if any), the read-back of routing and x started on
-        the side stream. With on_miss="cpu" the layer's mapping is published now (`manager.prepare`) and
+        """Host point after A(l): the previous layer's deferred visit (if any), the forced rows in (if
+        any), the read-back of routing and x enqueued. With on_miss="cpu" the layer's mapping is published now (`manager.prepare`) and
         B(l) is replayed at once: the visit waits for the read-back in `_combine` while the GPU runs the
         resident experts. With waits the visit runs here: B(l) reads the row that visit sets."""
         self.flush()
