@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of H200 measurements, by section (each bounded by `timeout`, the whole
-# under the tool's 10-minute limit): `bash benchmarks/h200_round.sh runtime|kernels|decode|forced|fidelity`.
-# runtime: the runtime / validation / calibration GPU tests (runtime_quick: device, manager, decode loop), bench_runtime (copy, overlap, manager),
-#   bench_cpu_experts with kt-kernel where .whl/kt is carried.
+# under the tool's 10-minute limit): `bash benchmarks/h200_round.sh SECTION...`, sections runtime,
+# runtime_quick, kernels, decode, forced.
+# runtime: the runtime / validation / calibration GPU tests, bench_runtime (copy, overlap, manager),
+#   bench_cpu_experts with kt-kernel where .whl/kt is carried (runtime_quick: the device, manager and
+#   decode-loop GPU tests, bench_runtime copy and manager).
 # kernels: tests/kernels' GPU tests, tuning the Qwen3.6 decode (fused and two-stage variants, prefill entries
 #   kept), bench_slot_moe at T = 1, 4, 16.
-# decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; --compile).
-# forced: bench_decode's validate baselines at 25% under the real DeepSeek-V2-Lite law trace.
+# decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; COMPILE=1 adds
+#   --compile).
+# forced: bench_decode's validate baselines at 25% under the real DeepSeek-V2-Lite law trace (POLICY=...).
 # Results go to $OUT; docs/benchmarks.md records them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
