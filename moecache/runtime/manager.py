@@ -147,7 +147,6 @@ class CacheManager:
         *,
         top_k: int,
         synchronous: bool = False,
-        timing: bool | None = None,
         on_miss: str = "cpu",
     ):
         self.on_miss = on_miss
@@ -166,10 +165,9 @@ class CacheManager:
         self.policy = policy
         self._visit_fn = visit_entry(type(policy))
         self.pool = SlotPool.for_store(device, self.capacity, store)
-        # Copies timed on the device (copy_duration_ns): `timing` True / False, or None: while the routing
-        # logger records (time_gpu), so the hot path records one event per copy, not two.
-        self._copy_timing = timing
-        self.engine = TransferEngine(device, store, self.pool, synchronous=synchronous, timing=bool(timing))
+        # Copies are timed on the device (copy_duration_ns) only while time_gpu is set (below), so the hot
+        # path records one event per copy, not two.
+        self.engine = TransferEngine(device, store, self.pool, synchronous=synchronous, timing=False)
         self.compute = device.compute_stream()
         self._lock = threading.RLock()
         L, E, G = self.shape.num_layers, self.shape.num_experts, self.shape.num_keys
@@ -217,13 +215,13 @@ class CacheManager:
     @property
     def time_gpu(self) -> bool:
         """Set by the routing logger's recorder: the executors time each visit's GPU part with a pair of
-        timing events (VisitResult.gpu_events), and (with timing=None) the copies are timed too."""
-        return self._time_gpu
+        timing events (VisitResult.gpu_events) and the copy engine times its copies. It is the engine's
+        `timing` itself, so the two cannot disagree."""
+        return self.engine.timing
 
     @time_gpu.setter
     def time_gpu(self, on: bool) -> None:
-        self._time_gpu = bool(on)
-        self.engine.timing = self._time_gpu if self._copy_timing is None else bool(self._copy_timing)
+        self.engine.timing = bool(on)
 
     @property
     def on_miss(self) -> str:
@@ -419,6 +417,20 @@ class CacheManager:
             self._push_row(layer)
             self._prepared = layer
             return self._device_rows[layer]
+
+    @property
+    def prepared(self) -> int | None:
+        """The layer `prepare` published for, until its visit (None: none pending)."""
+        return self._prepared
+
+    def covers(self, layer: int, ids_TK: np.ndarray) -> bool:
+        """Whether every entry of `ids_TK` is in the layer's published row: after `prepare(layer)`, the
+        visit that follows would run all of them on the device (an id outside 0..E-1: False; the
+        visit refuses it)."""
+        E = self.shape.num_experts
+        if ids_TK.size == 0 or ids_TK.min() < 0 or ids_TK.max() >= E:
+            return ids_TK.size == 0
+        return bool((self.published_LE[layer][ids_TK] >= 0).all())
 
     def cancel_prepare(self) -> None:
         """Forget a `prepare` whose visit will not come (its step was abandoned); the publication stays."""

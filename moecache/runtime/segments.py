@@ -161,7 +161,6 @@ class ExpertsTaps:
         self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
         self._visit_result = None
         self._ids_host_TK: np.ndarray | None = None
-        self._prepared: int | None = None  # the layer whose visit `_route` left to `_combine`
         self._deferred: int | None = None  # the layer whose visit `_combine` left to the next host point
         if self.is_cuda:  # recorded after the read-back's copy
             self._read_back = self.device.new_event()
@@ -233,7 +232,6 @@ class ExpertsTaps:
             self.manager.prepare(layer)
             if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
                 self.device.run(self.manager.compute)
-            self._prepared = layer
             return
         self._visit(layer)
 
@@ -249,7 +247,7 @@ class ExpertsTaps:
     def abandon(self) -> None:
         """Forget a visit left half done by a step that did not finish (an error between the host points):
         the manager's pending prepare and a deferred visit. After a complete step (flushed) a no-op."""
-        self._prepared = self._deferred = self._visit_result = None
+        self._deferred = self._visit_result = None
         self.manager.cancel_prepare()
 
     def flush(self) -> None:
@@ -259,15 +257,6 @@ class ExpertsTaps:
             self._visit(layer)
             self.manager.commit()
             self._visit_result = None
-
-    def _every_entry_resident(self, layer: int) -> bool:
-        """Whether every entry of the read-back routing is in the layer's prepared (published) row:
-        then the layer has no CPU work and its visit can wait (`_combine`)."""
-        self._read_back.synchronize()
-        ids_TK = self.host_ids_TK.numpy()
-        if ids_TK.min() < 0 or ids_TK.max() >= self.num_experts:  # the visit now: it refuses them
-            return False
-        return bool((self.manager.published_LE[layer][ids_TK] >= 0).all())
 
     def _visit(self, layer: int) -> None:
         """The layer's visit on the read-back routing."""
@@ -303,13 +292,14 @@ class ExpertsTaps:
     def _combine(self, layer: int) -> None:
         """Segment B is enqueued: the visit (if `_route` only prepared it), commit, then the CPU misses
         (computed while B runs) into `cpu_TH`, added into B's `y_TH` on the compute stream (with slots)."""
-        if self._prepared == layer:
-            self._prepared = None
-            if self.is_cuda and self._every_entry_resident(layer):
-                # nothing for the CPU: the next segment is replayed first, the visit (policy, copies)
-                # runs at the next host point while the GPU computes it (flush)
-                self._deferred = layer
-                return
+        if self.manager.prepared == layer:  # `_route` left the visit to here
+            if self.is_cuda:
+                self._read_back.synchronize()
+                if self.manager.covers(layer, self.host_ids_TK.numpy()):
+                    # nothing for the CPU: the next segment is replayed first, the visit (policy,
+                    # copies) runs at the next host point while the GPU computes it (flush)
+                    self._deferred = layer
+                    return
             self._visit(layer)
         self.manager.commit()
         hit_TK = self._visit_result.hit_TK

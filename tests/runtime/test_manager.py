@@ -187,7 +187,7 @@ def test_completed_copies_are_found_in_stream_order_with_few_queries():
     assert queries == [3]  # copy 2 below the watermark: no query (3 was queried by observe above)
 
 
-def test_copies_are_timed_only_while_the_logger_records_unless_told():
+def test_copies_are_timed_only_while_the_logger_records():
     m = manager("lru", 4)
     r = m.visit(0, ids(1, 2))
     assert all(c.start_event is None for c in r.copies)  # the hot path: one event per copy
@@ -198,11 +198,9 @@ def test_copies_are_timed_only_while_the_logger_records_unless_told():
     r = m.visit(1, ids(3, 4))
     m.device.run()
     assert all(c.observe() and c.start_event is not None and c.duration_ns >= 0 for c in r.copies)
+    assert m.engine.timing
     m.time_gpu = False
-    assert manager("lru", 4, timing=True).engine.timing and not manager("lru", 4, timing=False).engine.timing
-    forced = manager("lru", 4, timing=False)
-    forced.time_gpu = True
-    assert not forced.engine.timing
+    assert not m.engine.timing and not manager("lru", 4).engine.timing
 
 
 def test_slot_of_E_keeps_its_address():
@@ -431,3 +429,15 @@ def test_cache_fields_fill_every_cache_column_of_the_record():
     assert r2.cache_fields(8)[0]["resident_experts"] == sorted(int(k) for k in r.admitted)
     assert r2.cache_fields(8)[0]["cpu_duration_ns"] is None  # the executors fill these
     assert r2.cache_fields(8)[0]["cuda_duration_ns"] is None
+
+
+def test_covers_says_whether_a_prepared_row_holds_every_entry():
+    m = manager("lru", 4)
+    m.visit(0, ids(1, 2))
+    m.device.run()
+    m.prepare(0)  # publishes 1 and 2
+    assert m.prepared == 0
+    assert m.covers(0, ids(1, 2)) and not m.covers(0, ids(1, 3))
+    assert not m.covers(0, ids(1, 8)) and not m.covers(0, ids(-1, 2))  # outside 0..E-1: the visit refuses
+    m.cancel_prepare()
+    assert m.prepared is None
