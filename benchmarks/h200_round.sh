@@ -3,7 +3,8 @@
 # under the tool's 10-minute limit): `bash benchmarks/h200_round.sh SECTION...`, sections runtime,
 # runtime_quick, kernels, decode, forced.
 # runtime: the runtime / validation / calibration GPU tests, bench_runtime (copy, overlap, manager),
-#   bench_cpu_experts with kt-kernel where .whl/kt is carried (runtime_quick: the device, manager and
+#   bench_cpu_experts with kt-kernel where .whl/kt is carried; STORE_EXPERTS=10240 adds the full-size
+#   store (register time, peak RSS) (runtime_quick: the device, manager and
 #   decode-loop GPU tests, bench_runtime copy and manager).
 # kernels: tests/kernels' GPU tests, tuning the Qwen3.6 decode (fused and two-stage variants, prefill entries
 #   kept), bench_slot_moe at T = 1, 4, 16.
@@ -14,14 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/h200-round}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MOECACHE_OUTPUT_ROOT=${MOECACHE_OUTPUT_ROOT:-/tmp/moecache-outputs}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)';
-  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"; } >"$OUT/env.txt" 2>&1
+source benchmarks/h200_setup.sh
 cat "$OUT/env.txt"
 QWEN=conf/model/qwen3_6_35b_a3b.yaml
 for section in "$@"; do
@@ -30,7 +24,8 @@ for section in "$@"; do
     echo "== runtime GPU tests"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime tests/validation tests/test_calibration.py 2>&1 | tail -12 | tee "$OUT/runtime_tests.txt"
     echo "== bench_runtime"
-    timeout 120 python3 benchmarks/bench_runtime.py --device cuda --sections copy,overlap,manager 2>&1 | tail -24 | tee "$OUT/bench_runtime.txt"
+    timeout 120 python3 benchmarks/bench_runtime.py --device cuda \
+      --sections copy,overlap,manager${STORE_EXPERTS:+,store --store-experts $STORE_EXPERTS} 2>&1 | tail -24 | tee "$OUT/bench_runtime.txt"
     echo "== bench_cpu_experts (cpp, torch, kt)"
     if [ -d .whl/kt ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-kt .whl/kt/*.whl; fi
     PYTHONPATH=/tmp/site-kt:${PYTHONPATH:-} timeout 200 python3 benchmarks/bench_cpu_experts.py --backends cpp,torch,kt \

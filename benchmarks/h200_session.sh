@@ -6,15 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/h200-session}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MOECACHE_OUTPUT_ROOT=${MOECACHE_OUTPUT_ROOT:-/tmp/moecache-outputs}
-# Packages the machine lacks travel as wheels in .whl/ (hydra-core, omegaconf, typer, ...).
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)';
-  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"; } >"$OUT/env.txt" 2>&1
+source benchmarks/h200_setup.sh
 
 echo "== tests"; python3 -m pytest -q -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.txt"
 echo "== calibrate"; python3 -m moecache.cli calibrate model=qwen3_6_35b_a3b device=cuda 2>&1 | tail -30 | tee "$OUT/calibrate.txt"
