@@ -70,7 +70,7 @@ def build_model(args, device: torch.device):
     """(model, description) from the model yaml: the tiny build, or the full random model of
     moecache/models/random_full.py (its built-in config fields unless --config-json)."""
     from moecache.models import ADAPTERS, adapter_for
-    from moecache.models.random_full import build_random_model
+    from moecache.models.random_full import build_random_model, instantiate
 
     cfg = yaml.safe_load(Path(args.model).read_text())
     dtype = getattr(torch, args.dtype) if args.dtype else getattr(torch, cfg.get("dtype") or "float32")
@@ -86,14 +86,7 @@ def build_model(args, device: torch.device):
             if cfg["model_type"] == "qwen3_5_moe"
             else getattr(transformers, config.architectures[0])
         )
-        torch.manual_seed(int(cfg["build"].get("seed", 0)))
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = cls(text).eval()
-        finally:
-            torch.set_default_dtype(default)
+        model = instantiate(cls, text, device, dtype, int(cfg["build"].get("seed", 0)))
     else:
         random = {"seed": 0, "vocab_size": args.vocab, "num_layers": getattr(args, "layers", None),
                   "config_json": args.config_json, "overrides": {}}  # fmt: skip

@@ -192,6 +192,24 @@ def _from_json(path: Path, model_type: str | None) -> tuple[dict, type]:
 # ---- the model -----------------------------------------------------------------------------------
 
 
+def instantiate(cls, text: transformers.PretrainedConfig, device, dtype: torch.dtype, seed: int):
+    """`cls(text)` in eval mode with its random weights made directly on `device` in `dtype` from
+    `seed` (the caller's random state and default dtype are left as they were)."""
+    target = torch.device(device)
+    rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if (
+        target.type == "cuda"
+    ) else []  # fmt: skip
+    default = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=rng_devices, device_type="cuda"):
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(target):
+                return cls(text).eval()
+        finally:
+            torch.set_default_dtype(default)
+
+
 def build_random_model(model_cfg: dict, device: str | torch.device, dtype: torch.dtype | None = None):
     """(model, options): the random model of `model_cfg` (module docstring) on `device` ("meta" gives
     the shapes without memory), in `dtype` (default: model.dtype), eval mode, architecture checked."""
@@ -212,19 +230,7 @@ def build_random_model(model_cfg: dict, device: str | torch.device, dtype: torch
         if model_cfg.get("model_type") == "deepseek_v2"
         else transformers.AutoModelForCausalLM.from_config
     )
-    target = torch.device(device)
-    rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if (
-        target.type == "cuda"
-    ) else []  # fmt: skip
-    default = torch.get_default_dtype()
-    with torch.random.fork_rng(devices=rng_devices, device_type="cuda"):
-        torch.manual_seed(int(options["seed"]))
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(target):
-                model = cls(text).eval()
-        finally:
-            torch.set_default_dtype(default)
+    model = instantiate(cls, text, device, dtype, int(options["seed"]))
     model.requires_grad_(False)
     check_built(model_cfg, adapter_for(model).describe(), dtype, options)
     return model, options

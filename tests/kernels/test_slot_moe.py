@@ -59,6 +59,16 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
 
 
+def _cuda_run_matches(num_tokens: int, shape: dict, pattern: str, what: str) -> None:
+    """slot_moe on CUDA (output poisoned, `out=` honoured) against the reference, one drawn case."""
+    from moecache_kernels.slot_moe import slot_moe
+
+    case = make_case(num_tokens, **shape, pattern=pattern, dtype=torch.bfloat16, seed=SEED, device="cuda")
+    out = torch.full_like(case["x_TH"], float("nan"))
+    assert slot_moe(*(case[name] for name in ARGS), out=out) is out
+    _assert_matches(out, case, what)
+
+
 def _assert_matches(got: torch.Tensor, case: dict, what: str) -> None:
     want = slot_moe_reference(*(case[name] for name in ARGS))
     assert got.dtype == want.dtype and got.shape == want.shape, what
@@ -365,12 +375,7 @@ def _pin_config(monkeypatch, config: dict | str) -> None:
 @pytest.mark.parametrize("num_tokens", GPU_T)
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_cuda_kernel_matches_reference(shape: dict, num_tokens: int, pattern: str) -> None:
-    from moecache_kernels.slot_moe import slot_moe
-
-    case = make_case(num_tokens, **shape, pattern=pattern, dtype=torch.bfloat16, seed=SEED, device="cuda")
-    out = torch.full_like(case["x_TH"], float("nan"))
-    assert slot_moe(*(case[name] for name in ARGS), out=out) is out
-    _assert_matches(out, case, f"T={num_tokens} {pattern}")
+    _cuda_run_matches(num_tokens, shape, pattern, f"T={num_tokens} {pattern}")
 
 
 @pytest.mark.gpu
@@ -384,13 +389,8 @@ def test_cuda_kernel_matches_reference(shape: dict, num_tokens: int, pattern: st
 def test_cuda_fused_decode_matches_reference(
     monkeypatch, shape: dict, num_tokens: int, pattern: str, config: str
 ) -> None:
-    from moecache_kernels.slot_moe import slot_moe
-
     _pin_config(monkeypatch, FUSED_GPU[config])
-    case = make_case(num_tokens, **shape, pattern=pattern, dtype=torch.bfloat16, seed=SEED, device="cuda")
-    out = torch.full_like(case["x_TH"], float("nan"))
-    assert slot_moe(*(case[name] for name in ARGS), out=out) is out
-    _assert_matches(out, case, f"fused {config} T={num_tokens} {pattern}")
+    _cuda_run_matches(num_tokens, shape, pattern, f"fused {config} T={num_tokens} {pattern}")
 
 
 @pytest.mark.gpu
