@@ -6,7 +6,11 @@ the touched expert weights against the measured device copy bandwidth (the HBM f
 against a measured bf16 matmul rate. The baselines know nothing of residency: they run every routed
 expert (their rows are the same for both residency columns). slot_moe runs the launch config it picks
 itself (kernels/configs/ for this device and shape, else default_config); the "config" column names it:
-the path or decode variant, and "tuned" (from a file) or "default". Prints a table, then one JSON line.
+the path or decode variant, and "tuned" (from a file) or "default". Three slot_moe rows: "slot_moe" (eager
+calls from Python), "slot_moe graph" (one CUDA graph per call: its launch latency included) and "slot_moe
+in-graph" (one graph of all ROUTINGS calls in turn, per call: a MoE layer inside the captured decode step;
+do_bench flushes L2 before each replay, and the calls read different experts). Prints a table, then one
+JSON line.
 
     python benchmarks/bench_slot_moe.py            # every shape, T = 1 4 16 64 512 4096
     python benchmarks/bench_slot_moe.py --quick    # fewer reps, baselines only at T <= 512
@@ -76,6 +80,20 @@ def graphs(slot_moe, inputs, out) -> list[tuple[torch.cuda.CUDAGraph]]:
             slot_moe(*args, out=out)
         captured.append((graph,))
     return captured
+
+
+def chained_graph(slot_moe, inputs, out) -> torch.cuda.CUDAGraph:
+    """One CUDA graph running every input set in turn, as the decode step's graph runs one MoE layer after
+    another: its replay time over len(inputs) is a layer's time inside the step, without the graph's own
+    launch latency (the rows of `graphs` carry one per call)."""
+    for args in inputs:
+        slot_moe(*args, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in inputs:
+            slot_moe(*args, out=out)
+    return graph
 
 
 def picked_config(num_tokens: int, num_experts: int, inter: int) -> str:
@@ -194,6 +212,24 @@ def bench_shape(name, num_tokens_list, quick, ceilings, rows) -> None:
                 )
                 | {"config": config}
             )
+            chain = chained_graph(slot_moe, inputs, out)
+            ms = time_ms(chain.replay, quick) / len(inputs)
+            rows.append(
+                _row(
+                    name,
+                    num_tokens,
+                    residency,
+                    "slot_moe in-graph",
+                    ms,
+                    nbytes,
+                    pairs,
+                    hidden,
+                    inter,
+                    ceilings,
+                )
+                | {"config": config}
+            )
+            del chain
         if quick and num_tokens > 512:
             continue
         for label, fn in base.items():

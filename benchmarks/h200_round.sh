@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of H200 measurements, by section (each bounded by `timeout`, the whole
 # under the tool's 10-minute limit): `bash benchmarks/h200_round.sh SECTION...`, sections runtime,
-# runtime_quick, kernels, decode, forced.
+# runtime_quick, manager, kernels, decode, forced.
 # runtime: the runtime / validation / calibration GPU tests, bench_runtime (copy, overlap, manager),
 #   bench_cpu_experts with kt-kernel where .whl/kt is carried; STORE_EXPERTS=10240 adds the full-size
 #   store (register time, peak RSS) (runtime_quick: the device, manager and
 #   decode-loop GPU tests, bench_runtime copy and manager).
-# kernels: tests/kernels' GPU tests, tuning the Qwen3.6 decode (fused and two-stage variants, prefill entries
+# kernels: tests/kernels' GPU tests, tuning the Qwen3.6 decode (two-stage and pdl variants, prefill entries
 #   kept), bench_slot_moe at T = 1, 4, 16.
+# manager: bench_runtime's manager section alone.
 # decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; COMPILE=1 adds
 #   --compile).
 # forced: bench_decode's validate baselines at 25% under the real DeepSeek-V2-Lite law trace (POLICY=...).
@@ -37,10 +38,13 @@ for section in "$@"; do
       tests/runtime/test_decode_loop.py -k "not compiled" 2>&1 | tail -6 | tee "$OUT/runtime_quick_tests.txt"
     echo "== bench_runtime copy, manager"
     timeout 100 python3 benchmarks/bench_runtime.py --device cuda --sections copy,manager 2>&1 | tail -16 | tee "$OUT/bench_runtime_quick.txt" ;;
+  manager)
+    echo "== bench_runtime manager"
+    timeout 100 python3 benchmarks/bench_runtime.py --device cuda --sections manager 2>&1 | tail -12 | tee "$OUT/bench_runtime_manager.txt" ;;
   kernels)
     mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
     echo "== kernel GPU tests"
-    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 -m pytest tests/kernels -q -p no:cacheprovider -m gpu -k "${KERNEL_TESTS:-fused or determin or graph}" 2>&1 | tail -8 | tee "$OUT/kernel_tests.txt"
+    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 -m pytest tests/kernels -q -p no:cacheprovider -m gpu -k "${KERNEL_TESTS:-pdl or determin or graph}" 2>&1 | tail -8 | tee "$OUT/kernel_tests.txt"
     echo "== tune the Qwen3.6 decode"
     PYTHONPATH=/tmp/mk:$PWD timeout 140 python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 \
       --tokens 1 4 16 --budget-s "${TUNE_S:-100}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune.txt"

@@ -31,6 +31,7 @@ DECODE_GATE_UP = [{"BLOCK_I": i, "BLOCK_H": h, "num_warps": w}
                   for i, h, w in itertools.product((2, 4, 8, 16, 32), (128, 256, 512), (4, 8))]  # fmt: skip
 DECODE_DOWN = [{"BLOCK_H": h, "BLOCK_I": i, "num_warps": w}
                for h, i, w in itertools.product((1, 2, 4, 8, 16), (128, 256, 512), (4, 8))]  # fmt: skip
+PDL_DOWN = [{"BLOCK_H": h, "num_warps": w} for h, w in itertools.product((1, 2, 4, 8, 16), (4, 8))]
 PREFILL_STAGE = [{"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": w, "num_stages": s}
                  for n, k, w, s in itertools.product((64, 128), (32, 64), (4, 8), (3, 4))]  # fmt: skip
 # the fused decode, one or two keys at a time (merged into that variant's best so far), likeliest first:
@@ -58,6 +59,10 @@ def candidates(num_tokens: int, default: dict, variant: str = "two_stage"):
     if "BLOCK_M" not in default:
         if variant == "fused":
             yield from FUSED
+            return
+        if variant == "pdl":  # the down tile's rows of H first (it decides how many programs start early)
+            yield from (("down", c) for c in PDL_DOWN)
+            yield from (("gate_up", c) for c in DECODE_GATE_UP)
             return
         yield from (("gate_up", c) for c in DECODE_GATE_UP)
         yield from (("down", c) for c in DECODE_DOWN)
@@ -108,20 +113,13 @@ def tune_one(
     out = torch.empty_like(x)
 
     def timed(entry) -> float:
-        """Replays of one CUDA graph per routing: GPU time without Python launch overhead."""
-        graphs = []
-        for routing in ids:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+        """ms per call inside one CUDA graph of a call per routing, as a MoE layer runs in the captured
+        decode step: no Python launch overhead, no graph launch per call (bench_slot_moe's in-graph)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for routing in ids:
                 launch(x, routing, w, slot_of_E, w13, w2, out, entry)
-            graphs.append(graph)
-        state = {"i": 0}
-
-        def call():
-            state["i"] = (state["i"] + 1) % len(graphs)
-            graphs[state["i"]].replay()
-
-        return do_bench(call, warmup=3, rep=25)
+        return do_bench(graph.replay, warmup=3, rep=25) / len(ids)
 
     def checked_ms(entry, what: str) -> float | None:
         """The entry's time, or None (printed why) when it fails or its result is off the default's."""
@@ -182,7 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--budget-s", type=float, default=600.0, help="stop searching after this long")
     parser.add_argument(
-        "--decode-variants", nargs="+", choices=("two_stage", "fused"), default=["two_stage", "fused"],
+        "--decode-variants", nargs="+", choices=("two_stage", "fused", "pdl"),
+        default=["two_stage", "pdl"],
         help="decode variants searched for T <= 16 (default both)",
     )  # fmt: skip
     parser.add_argument(

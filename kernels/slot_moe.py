@@ -5,11 +5,15 @@ for each token, the router-weighted sum over its RESIDENT experts (`slot_of_E[e]
 slot pool; non-resident entries add nothing (the runtime computes them on the CPU). `slot_moe_reference`
 is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
 
-- decode (T <= DECODE_MAX_T), two variants chosen by the config entry's "variant" (no buffer depends on
+- decode (T <= DECODE_MAX_T), three variants chosen by the config entry's "variant" (no buffer depends on
   E, nothing is sorted or padded, a non-resident entry's programs exit at once and add nothing):
   "two_stage": launch 1, one program per (token, k, block of I), a GEMV of x[t] with the slot's gate and
   up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch. Launch 2, one program per (token,
   block of H), sums the down projections of the token's resident experts times their router weights.
+  "pdl": the two launches of "two_stage", the second a programmatic dependent launch (Hopper): its
+  programs, one per (token, block of H), load the down rows of all K experts in one tile first, then
+  wait for the gate/up launch (`gdc_wait`) and read its activations, so the down weights stream while
+  gate/up finishes instead of after it.
   "fused": launch 1, one program per (block of I, pair), computes its BLOCK_I activations and at once
   their share of the down projection (the slot's down columns of that block) into a float32
   [T*K, I / BLOCK_I, H] scratch of partial sums, so all of an expert's weights stream in one launch;
@@ -70,9 +74,13 @@ def _gate_up_decode(
     x_ptr, ids_ptr, slot_ptr, w13_ptr, act_ptr,
     H: tl.constexpr, I: tl.constexpr, E, S, K: tl.constexpr,
     stride_xt, stride_ws, stride_wn,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LAUNCH_DOWN_EARLY: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i])."""
+    """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i]).
+    LAUNCH_DOWN_EARLY ("pdl" variant): let the down launch start its programs now (they load their
+    weights, then wait for this whole launch: programmatic dependent launch)."""
+    if LAUNCH_DOWN_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int32)
     inside = (expert >= 0) & (expert < E)
@@ -118,6 +126,48 @@ def _down_decode(
             w = tl.load(w_ptrs + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
             acc += w.to(tl.float32) * (act * weight)[None, :]
     y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _down_decode_early(
+    act_ptr, ids_ptr, slot_ptr, wts_ptr, w2_ptr, y_ptr,
+    H, I: tl.constexpr, E, S, K: tl.constexpr,
+    stride_ws, stride_wh, stride_yt,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """The "pdl" variant's down launch. Program (token t, block of H): the down rows [BLOCK_H, I] of all
+    of the token's K experts in ONE tile [BLOCK_K, BLOCK_H, BLOCK_I] (BLOCK_K >= K, BLOCK_I >= I), loaded
+    before `gdc_wait` (WAIT: launched as a programmatic dependent of the gate/up launch, whose
+    activations it then reads): the weights stream while the gate/up launch finishes. The routing, the
+    mapping and the slots were written before the gate/up launch began, so they may be read early."""
+    token = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_i = tl.arange(0, BLOCK_I)
+    mask_i = offs_i < I
+    in_k = offs_k < K
+    pair_k = token * K + offs_k
+    expert = tl.load(ids_ptr + pair_k, mask=in_k, other=-1).to(tl.int32)
+    inside = in_k & (expert >= 0) & (expert < E)
+    slot = tl.load(slot_ptr + tl.where(inside, expert, 0), mask=inside, other=-1).to(tl.int32)
+    resident = inside & (slot >= 0) & (slot < S)
+    weight = tl.load(wts_ptr + pair_k, mask=resident, other=0.0).to(tl.float32)
+    w_ptrs = (
+        w2_ptr
+        + tl.where(resident, slot, 0).to(tl.int64)[:, None, None] * stride_ws
+        + offs_h[None, :, None] * stride_wh
+        + offs_i[None, None, :]
+    )
+    w_mask = resident[:, None, None] & mask_h[None, :, None] & mask_i[None, None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # a non-resident entry loads nothing
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
+    act_mask = resident[:, None] & mask_i[None, :]
+    act = tl.load(act_ptr + pair_k[:, None] * I + offs_i[None, :], mask=act_mask, other=0.0)
+    act = act * weight[:, None]  # [BLOCK_K, BLOCK_I]
+    y = tl.sum(tl.sum(w.to(tl.float32) * act[:, None, :], axis=2), axis=0)
     tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
 
 
@@ -395,10 +445,44 @@ def launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH,
 
 
 def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """The decode entry's variant: "two_stage" (the default) or "fused"."""
+    """The decode entry's variant: "two_stage" (the default), "pdl" or "fused"."""
     variant = decode_variant(config)
-    run = _decode_fused if variant == "fused" else _decode_two_stage
+    run = {"fused": _decode_fused, "pdl": _decode_pdl}.get(variant, _decode_two_stage)
     run(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
+
+
+def _decode_pdl(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
+    """Two launches as "two_stage", the down one a programmatic dependent of the gate/up one (CUDA):
+    its programs start while gate/up finishes and load their weights first (`_down_decode_early`). In
+    the interpreter (no such launch) the same kernels run one after the other."""
+    num_tokens, hidden = x_TH.shape
+    top_k = ids_TK.shape[1]
+    num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
+    early = x_TH.device.type == "cuda"
+    act_PI = _gate_up(x_TH, ids_TK, slot_of_E, w13_SIH, inter, config["gate_up"], launch_down_early=early)
+    down = config["down"]
+    _down_decode_early[(num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))](
+        act_PI, ids_TK, slot_of_E, weights_TK, w2_SHI, y_TH,
+        hidden, inter, num_experts, num_slots, top_k,
+        w2_SHI.stride(0), w2_SHI.stride(1), y_TH.stride(0),
+        BLOCK_H=down["BLOCK_H"], BLOCK_K=triton.next_power_of_2(top_k), BLOCK_I=triton.next_power_of_2(inter),
+        WAIT=early, num_warps=down["num_warps"], **({"launch_pdl": True} if early else {}),
+    )  # fmt: skip
+
+
+def _gate_up(x_TH, ids_TK, slot_of_E, w13_SIH, inter, gate_up, launch_down_early=False) -> torch.Tensor:
+    """The decode's gate/up launch: SiLU(gate) * up of every (token, k) pair into a float32 [P, I]."""
+    num_tokens, hidden = x_TH.shape
+    top_k = ids_TK.shape[1]
+    act_PI = torch.empty((num_tokens * top_k, inter), dtype=torch.float32, device=x_TH.device)
+    _gate_up_decode[(num_tokens * top_k, triton.cdiv(inter, gate_up["BLOCK_I"]))](
+        x_TH, ids_TK, slot_of_E, w13_SIH, act_PI,
+        hidden, inter, slot_of_E.shape[0], w13_SIH.shape[0], top_k,
+        x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1),
+        BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], LAUNCH_DOWN_EARLY=launch_down_early,
+        num_warps=gate_up["num_warps"],
+    )  # fmt: skip
+    return act_PI
 
 
 def _decode_two_stage(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
@@ -406,17 +490,9 @@ def _decode_two_stage(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
     num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
-    act_PI = torch.empty((num_tokens * top_k, inter), dtype=torch.float32, device=x_TH.device)
-    gate_up, down = config["gate_up"], config["down"]
-    grid = (num_tokens * top_k, triton.cdiv(inter, gate_up["BLOCK_I"]))
-    _gate_up_decode[grid](
-        x_TH, ids_TK, slot_of_E, w13_SIH, act_PI,
-        hidden, inter, num_experts, num_slots, top_k,
-        x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1),
-        BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], num_warps=gate_up["num_warps"],
-    )  # fmt: skip
-    grid = (num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))
-    _down_decode[grid](
+    act_PI = _gate_up(x_TH, ids_TK, slot_of_E, w13_SIH, inter, config["gate_up"])
+    down = config["down"]
+    _down_decode[(num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))](
         act_PI, ids_TK, slot_of_E, weights_TK, w2_SHI, y_TH,
         hidden, inter, num_experts, num_slots, top_k,
         w2_SHI.stride(0), w2_SHI.stride(1), y_TH.stride(0),

@@ -10,6 +10,8 @@ token count T (a JSON string key) to the block sizes measured fastest for it by
                                                        "down": {"BLOCK_H", "BLOCK_I", "num_warps"}}
     "fused": {"variant": "fused", "fused": {"BLOCK_I", "BLOCK_H", "BLOCK_HD", "num_warps"},
               "reduce": {"BLOCK_R", "BLOCK_H", "num_warps"}}
+    "pdl": {"variant": "pdl", "gate_up": {as two_stage's}, "down": {"BLOCK_H", "num_warps"}} (the down
+           launch's tile holds all K experts' rows of its block of H, the whole of I)
 - prefill (T > DECODE_MAX_T): {"BLOCK_M", "gate_up": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
                                "num_stages"}, "down": {the same keys}}
 """
@@ -37,6 +39,10 @@ DECODE_VARIANTS = {
     "fused": {
         "fused": ("BLOCK_I", "BLOCK_H", "BLOCK_HD", "num_warps"),
         "reduce": ("BLOCK_R", "BLOCK_H", "num_warps"),
+    },
+    "pdl": {
+        "gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"),
+        "down": ("BLOCK_H", "num_warps"),
     },
 }
 DEFAULT_DECODE_VARIANT = "two_stage"
@@ -133,6 +139,14 @@ def default_config(num_tokens: int, variant: str = DEFAULT_DECODE_VARIANT) -> di
             "variant": "fused",
             "fused": {"BLOCK_I": 8, "BLOCK_H": 256, "BLOCK_HD": 128, "num_warps": 8},
             "reduce": {"BLOCK_R": 64, "BLOCK_H": 16, "num_warps": 4},
+        }
+    if num_tokens <= DECODE_MAX_T and variant == "pdl":
+        # Not timed yet (benchmarks/tune_slot_moe.py searches it): gate/up as two_stage's default; the
+        # down tile [K, BLOCK_H, I] of 4 rows of H: 8 x 4 x 512 bf16 = 64 values per thread at 8 warps.
+        return {
+            "variant": "pdl",
+            "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128, "num_warps": 8},
+            "down": {"BLOCK_H": 4, "num_warps": 8},
         }
     if num_tokens <= DECODE_MAX_T:
         # Many small programs: at T = 1 the down launch has only T * H / BLOCK_H of them, and fewer than

@@ -5,11 +5,13 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
 
 - "split" (any mapping that may still change): the experts call of MoE layer l becomes
       copy (x_TH, ids_TK, weights_TK) into static buffers       | segment A(l): the end of the forward so far
-      host point `_route(l)`: their read-back (one device-to-host copy) enqueued, an event after it;
-          `manager.prepare(l)` publishes the layer's mapping in place into its fixed-address device
-          row `slot_of_LE[l]` (nothing of it depends on the routing)
+      their read-back into pinned host memory, then a step counter's   | (on CUDA, still in A(l): in
+          (the counter is bumped on the device first)                    |  its graph when capturing)
+      host point `_route(l)`: `manager.prepare(l)` publishes the layer's mapping in place into its
+          fixed-address device row `slot_of_LE[l]` (nothing of it depends on the routing)
       y_TH = slot_moe(static buffers, slot_of_LE[l], pool)       | segment B(l): the resident experts
-      host point `_combine(l)`: wait for the read-back, `manager.visit` (the policy, copies), `commit()`,
+      host point `_combine(l)`: wait for the read-back (spin on the counter's host copy: no CUDA call),
+          `manager.visit` (the policy, copies), `commit()`,
           the CPU misses computed while B(l) runs, copied into a static buffer and added into y_TH
           (both on the compute stream, after B(l); nothing when the layer had no miss)
       return y_TH                                                | the next segment: the rest of the model
@@ -23,12 +25,18 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
 
-Trace-forced routing (`ExpertsTaps.forced`, a ForcedRouting, split mode only): at `_route(l)`, before the
-read-back, the layer's next forced rows (`forced.take(l, T)`, weights rounded to the dtype the router
-gave the experts call) overwrite the host ids/weights and, on CUDA, are copied back into the device
-buffer in place (one host-to-device copy on the compute stream), before `manager.visit` and before B(l)
-is replayed: the manager, the resident experts and the CPU misses all see the forced ids. Segment A's
-own router output is only overwritten, so nothing of the trace is baked into a graph.
+The read-back is ordered by the stream, not by an event: A(l)'s copies run in order, so once the
+counter's copy has landed (its host value is the one `_route` expects) the routing and x before it have
+too. The host's only cost is the spin; its CUDA calls (a copy, an event record, a synchronize: ~10 us
+per layer through torch) are gone from the host points.
+
+Trace-forced routing (`ExpertsTaps.forced`, a ForcedRouting, split mode only): at `_route(l)` the layer's
+next forced rows (`forced.take(l, T)`, weights rounded to the dtype the router gave the experts call) are
+written into a pinned buffer of their own (not the read-back's, which A's copy may still be writing) and,
+on CUDA, copied into the device buffer in place (one host-to-device copy on the compute stream), before
+B(l) is replayed; the visit and the CPU misses read them from that buffer: the manager, the resident
+experts and the CPU misses all see the forced ids. Segment A's own router output is only overwritten, so
+nothing of the trace is baked into a graph.
 
 `Segments` does the cutting. Eager (`cut` runs the host point at once: the CPU path of CI, the warm-up
 step) or capturing (`cut` ends the CUDA graph being captured and begins the next one, in one private
@@ -156,20 +164,35 @@ class ExpertsTaps:
 
         self.ids_TK, self.weights_TK, self.x_TH = views(self.tap_B)
         self.host_ids_TK, self.host_weights_TK, self.host_x_TH = views(self.host_B)
+        # The routing the host point hands the manager and the CPU path: the read-back's, or forced rows.
+        self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
         self.y_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the resident experts' part
         self.cpu_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the CPU misses' part
         self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
         self._visit_result = None
         self._ids_host_TK: np.ndarray | None = None
         self._deferred: int | None = None  # the layer whose visit `_combine` left to the next host point
-        if self.is_cuda:  # recorded after the read-back's copy
-            self._read_back = self.device.new_event()
+        if self.is_cuda:  # the read-back's step counter: bumped on the device, copied after the routing
+            self._count_dev = torch.zeros(1, dtype=torch.int64, device=where)
+            self._count_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._count_np = self._count_host.numpy()
+        self._expected = 0  # read-backs the host points have asked for (the counter's value to wait for)
         self.mode = "split"
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
         self.forced = None
         self._routing_bytes = w_at + w_bytes
         self._weights_dtype_L: dict[int, torch.dtype] = {}
+        # Two pinned buffers of forced rows, used in turn: the one written at a host point was last
+        # uploaded two layer visits ago, and the read-back waited for since then ran behind that upload.
+        self._forced_B = [
+            torch.zeros(self._routing_bytes, dtype=torch.uint8, pin_memory=self.is_cuda) for _ in range(2)
+        ]
+        self._forced_views = [
+            (buf[:ids_bytes].view(torch.int64).view(T, K), buf[w_at:].view(torch.float32).view(T, K))
+            for buf in self._forced_B
+        ]
+        self._forced_turn = 0
 
     # ---- the experts call ------------------------------------------------------------------------
 
@@ -181,6 +204,7 @@ class ExpertsTaps:
         self.ids_TK.copy_(ids_TK)
         self.weights_TK.copy_(weights_TK)
         self.x_TH.copy_(x_TH)
+        self._enqueue_readback()
         if self.num_slots == 0:  # nothing can be resident: the CPU computes every entry
             self.segments.cut(lambda: self._route_and_combine(layer))
             return self.cpu_TH.clone()
@@ -219,30 +243,50 @@ class ExpertsTaps:
 
     # ---- host points -----------------------------------------------------------------------------
 
+    def _enqueue_readback(self) -> None:
+        """Still in segment A (captured with it): copy the tap buffer (ids, weights, x: a few KiB) to
+        pinned host memory on the compute stream, then bump the device counter and copy it after them.
+        The host point waits for the counter's host copy (`_wait_readback`), not for the stream, so B(l),
+        replayed next, is not waited for."""
+        if self.is_cuda:
+            self.host_B.copy_(self.tap_B, non_blocking=True)
+            self._count_dev.add_(1)
+            self._count_host.copy_(self._count_dev, non_blocking=True)
+
+    def _wait_readback(self) -> None:
+        """Spin until the read-back `_route` asked for has landed (module docstring). If it takes long
+        (a device busy with other work), synchronize the compute stream once; a counter that is then
+        still behind, or ahead, is a bug: an error, never a stale routing."""
+        if not self.is_cuda:
+            return
+        count, expected = self._count_np, self._expected
+        for _ in range(100_000):
+            if count[0] >= expected:
+                break
+        else:
+            self.manager.compute.stream.synchronize()
+        if count[0] != expected:
+            raise MoecacheError(
+                f"fast decode: read-back counter {int(count[0])}, expected {expected}: a segment ran "
+                "without its host point"
+            )
+
     def _route(self, layer: int) -> None:
         """Host point after A(l): the previous layer's deferred visit (if any), the forced rows in (if
-        any), the read-back of routing and x enqueued. With on_miss="cpu" the layer's mapping is published now (`manager.prepare`) and
-        B(l) is replayed at once: the visit waits for the read-back in `_combine` while the GPU runs the
+        any). With on_miss="cpu" the layer's mapping is published now (`manager.prepare`) and B(l) is
+        replayed at once: the visit waits for the read-back in `_combine` while the GPU runs the
         resident experts. With waits the visit runs here: B(l) reads the row that visit sets."""
         self.flush()
+        self._expected += 1  # A(l), just run, bumped the device counter
+        self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
         if self.forced is not None:
             self._substitute(layer)
-        self._start_readback()
         if self.manager.on_miss == "cpu":
             self.manager.prepare(layer)
             if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
                 self.device.run(self.manager.compute)
             return
         self._visit(layer)
-
-    def _start_readback(self) -> None:
-        """Enqueue the copy of the tap buffer (ids, weights, x: a few KiB) to pinned host memory on the
-        compute stream, behind segment A (and the forced rows' upload), and an event after it; `_visit`
-        waits on that event, not on the stream, so B(l), replayed next, is not waited for. (A side
-        stream would keep the copy off B's path, at two more host calls per layer.)"""
-        if self.is_cuda:
-            self.device.copy(self.host_B, self.tap_B, self.manager.compute)
-            self._read_back.record(self.manager.compute)
 
     def abandon(self) -> None:
         """Forget a visit left half done by a step that did not finish (an error between the host points):
@@ -260,9 +304,8 @@ class ExpertsTaps:
 
     def _visit(self, layer: int) -> None:
         """The layer's visit on the read-back routing."""
-        if self.is_cuda:
-            self._read_back.synchronize()
-        ids_TK = self.host_ids_TK.numpy()
+        self._wait_readback()
+        ids_TK = self._ids_src_TK.numpy()
         visit = self.manager.visit(layer, ids_TK, compute_done=self.is_cuda)  # the read-back waited for A
         if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
             self.device.run(self.manager.compute)
@@ -274,28 +317,30 @@ class ExpertsTaps:
         self._visit_result, self._ids_host_TK = visit, ids_TK
 
     def _substitute(self, layer: int) -> None:
-        """The layer's forced rows into the host buffer and (CUDA) back into the device buffer, in place,
-        on the compute stream: ordered before B(l)'s replay (module docstring)."""
+        """The layer's forced rows into the next forced buffer and (in place) into the device buffer, on
+        the compute stream: ordered before B(l)'s replay (module docstring)."""
         T = self.host_ids_TK.shape[0]
         ids_TK, w_TK = self.forced.take(layer, T)
         if w_TK is None:
             raise MoecacheError(
                 "fast decode: forced routing at a host point needs the trace's router_weights"
             )
-        self.host_ids_TK.copy_(torch.as_tensor(np.array(ids_TK)))  # the trace's views are read-only
+        turn = self._forced_turn
+        self._forced_turn = 1 - turn
+        forced_ids_TK, forced_w_TK = self._forced_views[turn]
+        forced_ids_TK.copy_(torch.as_tensor(np.array(ids_TK)))  # the trace's views are read-only
         dtype = self._weights_dtype_L.get(layer, torch.float32)
-        self.host_weights_TK.copy_(torch.as_tensor(np.array(w_TK)).to(dtype))
-        if self.is_cuda:  # pinned source, rewritten only after the next read-back's sync: safe
-            n = self._routing_bytes
-            self.tap_B[:n].copy_(self.host_B[:n], non_blocking=True)
+        forced_w_TK.copy_(torch.as_tensor(np.array(w_TK)).to(dtype))
+        self.tap_B[: self._routing_bytes].copy_(self._forced_B[turn], non_blocking=self.is_cuda)
+        self._ids_src_TK, self._weights_src_TK = forced_ids_TK, forced_w_TK
 
     def _combine(self, layer: int) -> None:
         """Segment B is enqueued: the visit (if `_route` only prepared it), commit, then the CPU misses
         (computed while B runs) into `cpu_TH`, added into B's `y_TH` on the compute stream (with slots)."""
         if self.manager.prepared == layer:  # `_route` left the visit to here
             if self.is_cuda:
-                self._read_back.synchronize()
-                if self.manager.covers(layer, self.host_ids_TK.numpy()):
+                self._wait_readback()
+                if self.manager.covers(layer, self._ids_src_TK.numpy()):
                     # nothing for the CPU: the next segment is replayed first, the visit (policy,
                     # copies) runs at the next host point while the GPU computes it (flush)
                     self._deferred = layer
@@ -306,7 +351,7 @@ class ExpertsTaps:
         if not hit_TK.all():
             started_ns = time.perf_counter_ns()
             keys_M, token_t, weights_M = miss_entries(
-                layer, self.num_experts, self._ids_host_TK, self.host_weights_TK, hit_TK
+                layer, self.num_experts, self._ids_host_TK, self._weights_src_TK, hit_TK
             )
             if self.is_cuda:
                 self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self._staging_TH)

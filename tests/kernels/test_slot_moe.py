@@ -39,6 +39,14 @@ FUSED_CPU = {
     "fused": {"BLOCK_I": 32, "BLOCK_H": 32, "BLOCK_HD": 16, "num_warps": 4},
     "reduce": {"BLOCK_R": 4, "BLOCK_H": 32, "num_warps": 4},
 }
+# The "pdl" decode in the interpreter (its kernels one after the other, no early launch): 3 blocks of H
+# for gate/up's 64 (BLOCK_H 32 would be 2), 4 programs of 16 rows of H for down, its tile [4, 16, 64]
+# holding K = 3 experts' rows of I = 40 (padding masked on both).
+PDL_CPU = {
+    "variant": "pdl",
+    "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "num_warps": 4},
+    "down": {"BLOCK_H": 16, "num_warps": 4},
+}
 CPU_CASES = (
     [(t, torch.float32, p, None) for t in (1, 5, 16, 17, 37) for p in PATTERNS]
     + [
@@ -49,10 +57,16 @@ CPU_CASES = (
     + [(5, torch.float32, p, "fused") for p in PATTERNS]
     + [(1, torch.float32, "some", "fused"), (16, torch.float32, "all", "fused")]
     + [(5, torch.bfloat16, "some", "fused")]
+    + [(5, torch.float32, p, "pdl") for p in PATTERNS]
+    + [
+        (1, torch.float32, "some", "pdl"),
+        (16, torch.float32, "all", "pdl"),
+        (5, torch.bfloat16, "some", "pdl"),
+    ]
 )
 # ids -1 and E and a slot S count as not resident: (T, config), run on out_of_range_case
-OUT_OF_RANGE_CASES = [(5, None), (5, "fused")]
-CONFIGS = {None: None, "fused": FUSED_CPU}
+OUT_OF_RANGE_CASES = [(5, None), (5, "fused"), (5, "pdl")]
+CONFIGS = {None: None, "fused": FUSED_CPU, "pdl": PDL_CPU}
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -207,7 +221,7 @@ def test_config_picks_a_fused_decode_entry(tmp_path) -> None:
     [
         (
             default_config(4) | {"variant": "unrolled"},
-            r"\[4\]\.variant: want one of \['fused', 'two_stage'\], got 'unrolled'",
+            r"\[4\]\.variant: want one of \['fused', 'pdl', 'two_stage'\], got 'unrolled'",
         ),
         (default_config(4) | {"variant": "fused"}, r"\[4\]\.fused: want an object"),
         (
@@ -356,7 +370,9 @@ FUSED_GPU = {
         "reduce": {"BLOCK_R": 16, "BLOCK_H": 64, "num_warps": 4},
     },
 }
-PINNED = {"picked": None, "two_stage": default_config(1), "fused": FUSED_GPU["default"]}
+PINNED = {
+    "picked": None, "two_stage": default_config(1), "fused": FUSED_GPU["default"], "pdl": default_config(1, "pdl")
+}  # fmt: skip
 
 
 def _pin_config(monkeypatch, config: dict | str) -> None:
@@ -395,7 +411,20 @@ def test_cuda_fused_decode_matches_reference(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused"])
+@pytest.mark.parametrize(
+    "shape", [QWEN36, QWEN3_30B, DSV2, LARGE], ids=["qwen3.6", "qwen3-30b", "dsv2-lite", "large"]
+)
+@pytest.mark.parametrize("num_tokens", GPU_DECODE_T)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_cuda_pdl_decode_matches_reference(monkeypatch, shape: dict, num_tokens: int, pattern: str) -> None:
+    """The down launch started early (programmatic dependent launch) waits for gate/up's activations."""
+    _pin_config(monkeypatch, "pdl")
+    _cuda_run_matches(num_tokens, shape, pattern, f"pdl T={num_tokens} {pattern}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl"])
 def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch, variant: str) -> None:
     from moecache_kernels.slot_moe import slot_moe
 
@@ -408,7 +437,7 @@ def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch, variant: str) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused"])
+@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_tokens: int) -> None:
     """Many programs add into each output element; their order must not depend on scheduling."""
@@ -427,7 +456,8 @@ def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("num_tokens", "variant"), [(1, "picked"), (64, "picked"), (1, "two_stage"), (1, "fused"), (16, "fused")]
+    ("num_tokens", "variant"),
+    [(1, "picked"), (64, "picked"), (1, "two_stage"), (1, "fused"), (16, "fused"), (1, "pdl"), (16, "pdl")],
 )
 def test_cuda_kernel_replays_in_a_graph(monkeypatch, num_tokens: int, variant: str) -> None:
     """No host sync: the call captures into a CUDA graph, and replays with new routing copied in."""
