@@ -408,7 +408,12 @@ def main() -> None:
     ap.add_argument(
         "--experts-impl", default="batched_mm", help="the unmodified model's experts_implementation"
     )
-    ap.add_argument("--skip", default="", help="comma list of: hf, offloaded")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma list of: hf (transformers' own generate), offloaded, unmodified (the unmodified model's "
+        "fast loop), eager (the fast loop without graphs)",
+    )
     ap.add_argument(
         "--compile", action="store_true", help="also the fast loop with torch.compile (slow to build)"
     )
@@ -434,6 +439,9 @@ def main() -> None:
     if args.vocab is None and not cfg_yaml.get("build"):
         args.vocab = 32768
     skip = set(filter(None, args.skip.split(",")))
+    unknown = skip - {"hf", "offloaded", "unmodified", "eager"}
+    if unknown:
+        ap.error(f"--skip {args.skip}: unknown {sorted(unknown)} (want hf, offloaded, unmodified, eager)")
     args.config_source = "the yaml's build" if cfg_yaml.get("build") else None
     t0 = time.perf_counter()
     model, described = build_model(args, device)
@@ -451,6 +459,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     graphs = ["off", "on"] if device.type == "cuda" else ["off"]
+    if "eager" in skip and device.type == "cuda":
+        graphs = ["on"]
     variants = [(g, False) for g in graphs] + (
         [("on" if device.type == "cuda" else "off", True)] if args.compile else []
     )
@@ -474,7 +484,7 @@ def main() -> None:
         hf = run_hf(model, prompt, args.hf_new_tokens, device, args.hf_reps)
         hf_ref = hf["tokens"]
         record("unmodified", None, hf, None)
-    for g, compiled in variants:
+    for g, compiled in variants if "unmodified" not in skip else ():
         record("unmodified", None, run_fast(model, prompt, args.new_tokens, g, compile=compiled), hf_ref)
     if "offloaded" not in skip:
         for capacity in filter(None, args.capacities.split(",")):

@@ -317,8 +317,10 @@ def _fast_loop_sequence(manager, device_routing, args, *, captured: bool) -> lis
     """Host ns per visit of the fast loop's sequence, prepare -> wait for the read-back -> visit -> commit.
     captured=True (what segments.py does): segment A's graph ends with the routing's copy to pinned
     memory, a device counter's bump and its copy; the host spins on the counter. The graph is replayed
-    before the timer starts (in the loop it is segment A's replay, not the manager's). captured=False
-    (the previous loop): the host enqueues the copy and an event after A, and waits on the event."""
+    and has run before the timer starts: in the loop it is segment A, whose compute the host waits for
+    whoever reads its routing; what the manager adds is the spin's check, not the GPU's latency.
+    captured=False (the previous loop): the host enqueues the copy and an event after A, and waits on
+    the event (the timer covers those calls and the copy's latency)."""
     L = manager.shape.num_layers
     clock = time.perf_counter_ns
     manager.reset()
@@ -345,6 +347,7 @@ def _fast_loop_sequence(manager, device_routing, args, *, captured: bool) -> lis
             if captured:
                 graph.replay()
                 expected += 1
+                torch.cuda.synchronize()
                 t0 = clock()
                 manager.prepare(layer)
                 while count_np[0] < expected:
@@ -486,7 +489,7 @@ def print_table(r: dict) -> None:
         elif "fast_loop_median_us" in m:
             rows.append(
                 (
-                    "fast loop: prepare + read-back wait (captured, spin) + visit + commit (us)",
+                    "fast loop: prepare + read-back check (captured, landed) + visit + commit (us)",
                     f"{m['fast_loop_median_us']:.2f}",
                 )
             )

@@ -10,7 +10,7 @@
 #   kept), bench_slot_moe at T = 1, 4, 16.
 # manager: bench_runtime's manager section alone.
 # decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; COMPILE=1 adds
-#   --compile).
+#   --compile; SKIP= its --skip list, default hf; DECODE_S its time limit, default 420 s).
 # forced: bench_decode's validate baselines at 25% under the real DeepSeek-V2-Lite law trace (POLICY=...).
 # Results go to $OUT; docs/benchmarks.md records them.
 set -uo pipefail
@@ -53,8 +53,8 @@ for section in "$@"; do
     PYTHONPATH=/tmp/mk:$PWD timeout 120 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16 2>&1 | tail -40 | tee "$OUT/bench_slot_moe.txt" ;;
   decode)
     echo "== bench_decode Qwen3.6, all resident, fused vs split"
-    timeout 420 python3 benchmarks/bench_decode.py --model $QWEN --capacities 100% --prompt-tokens 512 \
-      --new-tokens 64 --skip hf ${COMPILE:+--compile} 2>&1 | grep -v '^\[transformers\]' | tail -30 | tee "$OUT/bench_decode_qwen.txt" ;;
+    timeout ${DECODE_S:-420} python3 benchmarks/bench_decode.py --model $QWEN --capacities 100% --prompt-tokens 512 \
+      --new-tokens 64 --skip "${SKIP:-hf}" ${COMPILE:+--compile} 2>&1 | grep -v '^\[transformers\]' | tail -30 | tee "$OUT/bench_decode_qwen.txt" ;;
   forced)
     echo "== bench_decode DeepSeek-V2-Lite, forced by the law trace, 25%"
     timeout 540 python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml --dtype bfloat16 \

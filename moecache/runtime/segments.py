@@ -17,8 +17,9 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
       return y_TH                                                | the next segment: the rest of the model
   So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
   routing back and runs the manager. On CUDA, when every entry of the layer is in its prepared row
-  (no CPU work), `_combine` does nothing and the visit itself runs at the next host point, after the
-  next segment has been replayed (`flush`; the decode loop flushes after its last step): the host
+  (no CPU work), `_combine` does nothing and the visit itself runs at the next host point, on a copy
+  of its routing, after the next segment has been replayed (`flush`; the decode loop flushes after its
+  last step): the host
   then never stands between the GPU's segments of a layer without misses. With on_miss="wait"
   (synchronous copies) the visit runs at `_route` instead, before B(l), which reads the row it sets.
   With no slots (capacity 0) segment B is empty and both host points are one.
@@ -171,7 +172,9 @@ class ExpertsTaps:
         self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
         self._visit_result = None
         self._ids_host_TK: np.ndarray | None = None
-        self._deferred: int | None = None  # the layer whose visit `_combine` left to the next host point
+        # (layer, its routing) whose visit `_combine` left to the next host point: the routing copied out,
+        # since the next segment's read-back rewrites the host buffer before that host point
+        self._deferred: tuple[int, np.ndarray] | None = None
         if self.is_cuda:  # the read-back's step counter: bumped on the device, copied after the routing
             self._count_dev = torch.zeros(1, dtype=torch.int64, device=where)
             self._count_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
@@ -255,8 +258,10 @@ class ExpertsTaps:
 
     def _wait_readback(self) -> None:
         """Spin until the read-back `_route` asked for has landed (module docstring). If it takes long
-        (a device busy with other work), synchronize the compute stream once; a counter that is then
-        still behind, or ahead, is a bug: an error, never a stale routing."""
+        (a device busy with other work), synchronize the compute stream once. Every wait comes before the
+        next segment's replay (a deferred visit keeps its own copy of the routing), so a counter that is
+        then behind, or ahead (a later read-back has overwritten the buffer), is a bug: an error, never
+        a stale routing."""
         if not self.is_cuda:
             return
         count, expected = self._count_np, self._expected
@@ -296,16 +301,17 @@ class ExpertsTaps:
 
     def flush(self) -> None:
         """Run the visit `_combine` deferred (if any): the decode loop calls it after its last step."""
-        layer, self._deferred = self._deferred, None
-        if layer is not None:
-            self._visit(layer)
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._visit(*deferred)
             self.manager.commit()
             self._visit_result = None
 
-    def _visit(self, layer: int) -> None:
-        """The layer's visit on the read-back routing."""
-        self._wait_readback()
-        ids_TK = self._ids_src_TK.numpy()
+    def _visit(self, layer: int, ids_TK: np.ndarray | None = None) -> None:
+        """The layer's visit on the read-back routing (or on `ids_TK`, a deferred visit's copy of it)."""
+        if ids_TK is None:
+            self._wait_readback()
+            ids_TK = self._ids_src_TK.numpy()
         visit = self.manager.visit(layer, ids_TK, compute_done=self.is_cuda)  # the read-back waited for A
         if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
             self.device.run(self.manager.compute)
@@ -343,7 +349,7 @@ class ExpertsTaps:
                 if self.manager.covers(layer, self._ids_src_TK.numpy()):
                     # nothing for the CPU: the next segment is replayed first, the visit (policy,
                     # copies) runs at the next host point while the GPU computes it (flush)
-                    self._deferred = layer
+                    self._deferred = (layer, self._ids_src_TK.numpy().copy())
                     return
             self._visit(layer)
         self.manager.commit()
