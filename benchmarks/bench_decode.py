@@ -164,6 +164,8 @@ def run_fast(model, prompt, new: int, graphs: str, host_points: str = "auto", co
         "prefill_ms": 1e3 * result.prefill_s,
         "graphs_per_step": result.graphs_per_step,
         "warmup_s": first.warmup_s,
+        "manager_us_per_visit": result.manager_us_per_visit,
+        "readback_wait_us_per_visit": 1e6 * result.readback_wait_s / result.visits if result.visits else None,
         "tokens": result.tokens[0, prompt.numel() :].tolist(),
     }
 
@@ -293,6 +295,7 @@ def run_strategy(model, spec: dict, requests, forced, device: torch.device) -> d
     stats = model.moecache.stats()
     timed, decode_s = sum(r.timed_steps for r in results), sum(r.decode_s for r in results)
     ms = 1e3 * decode_s / timed
+    visits = sum(r.visits for r in results)
     return {
         **{k: spec[k] for k in ("strategy", "capacity", "on_miss")},
         "policy": stats["policy"], "slots": stats["capacity"], "loop": "fast-graphs" if results[0].graphs_per_step
@@ -302,6 +305,7 @@ def run_strategy(model, spec: dict, requests, forced, device: torch.device) -> d
         "reconfigure_s": reconfigure_s, "hit_rate": stats["hit_rate"], "copies": stats["copies"],
         "waited_copies": stats["waited_copies"], "fallback_entries": stats["fallback_entries"],
         "gpu_entries": stats["gpu_entries"],
+        "manager_us_per_visit": 1e6 * sum(r.manager_s for r in results) / visits if visits else None,
         "tokens": [r.tokens[0, r.prompt_tokens :].tolist() for r in results],
     }  # fmt: skip
 
@@ -542,15 +546,16 @@ def print_table(r: dict) -> None:
     head = (
         f"{'variant':<12} | {'policy':<11} | {'loop':<19} | {'mode':<6} | {'graphs':>6} | {'ms/token':>9} | "
     )
-    head += f"{'tokens/s':>9} | {'prefill ms':>10} | {'hit rate':>8} | {'= hf':>4}"
+    head += f"{'tokens/s':>9} | {'prefill ms':>10} | {'hit rate':>8} | {'= hf':>4} | {'mgr us/visit':>12}"
     print(head)
     for run in r["runs"]:
         hit = run.get("hit_rate")
+        mgr = run.get("manager_us_per_visit")
         print(
             f"{run['variant']:<12} | {run['policy'] or '-':<11} | {run['loop']:<19} | {run.get('mode', '-'):<6} | "
             f"{run['graphs_per_step']:>6} | {run['ms_per_token']:>9.3f} | {run['tokens_per_s']:>9.1f} | "
             f"{run['prefill_ms']:>10.1f} | {'-' if hit is None else f'{hit:.3f}':>8} | "
-            f"{run.get('agree_with_transformers', '-'):>4}"
+            f"{run.get('agree_with_transformers', '-'):>4} | {'-' if mgr is None else f'{mgr:.2f}':>12}"
         )
     for loop, us in r["expert_path_overhead_us_per_layer"].items():
         print(f"expert path overhead ({loop}): {us:.1f} us per MoE layer per token (100% split - fused)")

@@ -72,6 +72,12 @@ class DecodeResult:
     warmup_s: float
     decode_s: float
     timed_steps: int
+    # Host time of the expert path's host points over the timed steps (offloaded, split mode; else 0):
+    # in the cache manager's calls (prepare, visit, commit), waiting for routing read-backs to land
+    # (the GPU not there yet), and the number of layer visits.
+    manager_s: float = 0.0
+    readback_wait_s: float = 0.0
+    visits: int = 0
 
     @property
     def new_tokens(self) -> int:
@@ -80,6 +86,10 @@ class DecodeResult:
     @property
     def ms_per_token(self) -> float | None:
         return 1e3 * self.decode_s / self.timed_steps if self.timed_steps else None
+
+    @property
+    def manager_us_per_visit(self) -> float | None:
+        return 1e6 * self.manager_s / self.visits if self.visits else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -156,7 +166,24 @@ class FastDecoder:
         self._used = False
         # torch.compile of the step: the taps are left out of it (torch.compiler.disable), so each
         # compiled region is one segment; compiled at the first (warm-up) step of each mode.
-        self._run_step = torch.compile(self._step, dynamic=False) if compile else self._step
+        self._run_step = self._compiled_step() if compile else self._step
+
+    def _compiled_step(self):
+        """`torch.compile` of the step, compiled (at the warm-up step) with a recompile limit above the
+        number of decoder layers: each layer's forward is the same code with its own guards (its layer
+        index, its kind), and dynamo's default limit (8) would leave every layer past the eighth eager."""
+        import torch._dynamo.config as dynamo_config
+
+        compiled = torch.compile(self._step, dynamic=False)
+        name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        layers = int(getattr(self.model.config.get_text_config(), "num_hidden_layers", 0) or 0)
+        limit = max(getattr(dynamo_config, name), 2 * layers + 8)
+
+        def run() -> None:
+            with dynamo_config.patch(**{name: limit}):
+                compiled()
+
+        return run
 
     # ---- public ------------------------------------------------------------------------------------
 
@@ -188,7 +215,7 @@ class FastDecoder:
             self._install_taps(mode)
             try:
                 with self._supplied():
-                    steps, warmup_s, decode_s, timed = self._decode(mode, budget, eos, streamer)
+                    steps, warmup_s, decode_s, timed, host = self._decode(mode, budget, eos, streamer)
             finally:
                 self._install_taps(None)
             if streamer is not None:
@@ -200,7 +227,8 @@ class FastDecoder:
         return DecodeResult(
             tokens=tokens, logits=logits, prompt_tokens=int(prompt_T.numel()), mode=mode,
             graphs_per_step=len(self._segments[mode].graphs), prefill_s=prefill_s, warmup_s=warmup_s,
-            decode_s=decode_s, timed_steps=timed,
+            decode_s=decode_s, timed_steps=timed, manager_s=host["manager"] / 1e9,
+            readback_wait_s=host["wait"] / 1e9, visits=host["visits"],
         )  # fmt: skip
 
     def static_buffers(self) -> dict[str, torch.Tensor]:
@@ -225,9 +253,11 @@ class FastDecoder:
             return "split"
         return "fused" if self._taps.frozen() else "split"
 
-    def _decode(self, mode: str, budget: int, eos: set[int], streamer) -> tuple[int, float, float, int]:
+    def _decode(self, mode: str, budget: int, eos: set[int], streamer) -> tuple[int, float, float, int, dict]:
         """Up to `budget` decode steps (stopping after an `eos` token): eager warm-up steps, the capture,
-        then replays (graphs on); eager steps otherwise. Returns (steps, warmup_s, decode_s, timed)."""
+        then replays (graphs on); eager steps otherwise. Returns (steps, warmup_s, decode_s, timed, the
+        host points' times over the timed steps: ExpertsTaps.host_ns)."""
+        host = dict.fromkeys(("manager", "wait", "visits"), 0)
         segments = self._segments[mode]
         warmup_s = 0.0
         timed, t_start = 0, None
@@ -246,6 +276,8 @@ class FastDecoder:
                 if t_start is None:  # the timed stretch: every step from here on
                     self._sync()
                     t_start = time.perf_counter()
+                    if self._taps is not None:
+                        host_start = dict(self._taps.host_ns)
                 segments.replay() if segments.graphs else self._run_step()
                 timed += 1
             if eos or streamer is not None:
@@ -261,7 +293,9 @@ class FastDecoder:
         if t_start is not None:
             self._sync()
             decode_s = time.perf_counter() - t_start
-        return budget, warmup_s, decode_s, timed
+            if self._taps is not None:
+                host = {k: v - host_start[k] for k, v in self._taps.host_ns.items()}
+        return budget, warmup_s, decode_s, timed, host
 
     def _forward(self, input_ids, position_ids=None, cache_position=None, last_only=False):
         kwargs = {self._cache_kw: self.cache, "use_cache": True}

@@ -180,6 +180,9 @@ class ExpertsTaps:
             self._count_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
             self._count_np = self._count_host.numpy()
         self._expected = 0  # read-backs the host points have asked for (the counter's value to wait for)
+        # Host time of the host points, for the benchmarks (FastDecoder's DecodeResult): in the manager's
+        # calls (prepare, visit, commit), waiting for read-backs to land, and the visits made.
+        self.host_ns = dict.fromkeys(("manager", "wait", "visits"), 0)
         self.mode = "split"
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
@@ -265,11 +268,13 @@ class ExpertsTaps:
         if not self.is_cuda:
             return
         count, expected = self._count_np, self._expected
+        started = time.perf_counter_ns()
         for _ in range(100_000):
             if count[0] >= expected:
                 break
         else:
             self.manager.compute.stream.synchronize()
+        self.host_ns["wait"] += time.perf_counter_ns() - started
         if count[0] != expected:
             raise MoecacheError(
                 f"fast decode: read-back counter {int(count[0])}, expected {expected}: a segment ran "
@@ -287,7 +292,9 @@ class ExpertsTaps:
         if self.forced is not None:
             self._substitute(layer)
         if self.manager.on_miss == "cpu":
+            started = time.perf_counter_ns()
             self.manager.prepare(layer)
+            self.host_ns["manager"] += time.perf_counter_ns() - started
             if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
                 self.device.run(self.manager.compute)
             return
@@ -304,7 +311,7 @@ class ExpertsTaps:
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
             self._visit(*deferred)
-            self.manager.commit()
+            self._commit()
             self._visit_result = None
 
     def _visit(self, layer: int, ids_TK: np.ndarray | None = None) -> None:
@@ -312,7 +319,10 @@ class ExpertsTaps:
         if ids_TK is None:
             self._wait_readback()
             ids_TK = self._ids_src_TK.numpy()
+        started = time.perf_counter_ns()
         visit = self.manager.visit(layer, ids_TK, compute_done=self.is_cuda)  # the read-back waited for A
+        self.host_ns["manager"] += time.perf_counter_ns() - started
+        self.host_ns["visits"] += 1
         if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
             self.device.run(self.manager.compute)
         n_hit = int(visit.hit_TK.sum())
@@ -352,7 +362,7 @@ class ExpertsTaps:
                     self._deferred = (layer, self._ids_src_TK.numpy().copy())
                     return
             self._visit(layer)
-        self.manager.commit()
+        self._commit()
         hit_TK = self._visit_result.hit_TK
         if not hit_TK.all():
             started_ns = time.perf_counter_ns()
@@ -368,6 +378,11 @@ class ExpertsTaps:
                 self.y_TH.add_(self.cpu_TH)
             self._visit_result.cpu_duration_ns = time.perf_counter_ns() - started_ns  # the trace's column
         self._visit_result = None
+
+    def _commit(self) -> None:
+        started = time.perf_counter_ns()
+        self.manager.commit()
+        self.host_ns["manager"] += time.perf_counter_ns() - started
 
     def _route_and_combine(self, layer: int) -> None:
         self._route(layer)
