@@ -347,6 +347,9 @@ class FastDecoder:
         if taps is not None and mode is not None:
             taps.mode = "fused" if mode == "fused" else "split"
             taps.segments = self._segments[mode]
+        if taps is not None:  # on CUDA the split step's B(l) copies the layer's row (segments.py)
+            split_cuda = mode == "split" and taps.is_cuda
+            taps.manager.row_uploads = "executor" if split_cuda else "manager"
         if taps is not None:
             taps.forced = self.forced if mode is not None else None
             if mode is None:

@@ -58,7 +58,13 @@ from moecache.sim.shape import ModelShape
 from moecache.sim.visit import visit_entry
 
 CAPACITY_KEY = "gpu_expert_capacity"
+# A visit's empty result arrays: shared, read-only (an empty array holds nothing to change).
+_NONE_I64 = np.empty(0, np.int64)
+_NONE_I32 = np.empty(0, np.int32)
+_NONE_I64.flags.writeable = False
+_NONE_I32.flags.writeable = False
 ON_MISS = ("cpu", "wait")  # what a miss does (module docstring)
+ROW_UPLOADS = ("manager", "executor")  # who copies a published mapping row to the device (row_uploads)
 
 
 @dataclass(slots=True)
@@ -169,8 +175,10 @@ class CacheManager:
         # path records one event per copy, not two.
         self.engine = TransferEngine(device, store, self.pool, synchronous=synchronous, timing=False)
         self.compute = device.compute_stream()
+        self._on_visit = device.on_visit
         self._lock = threading.RLock()
         L, E, G = self.shape.num_layers, self.shape.num_experts, self.shape.num_keys
+        self._num_layers = L
         # The published mapping: host rows (the truth), pinned staging rows, fixed-address device rows.
         self.published_LE = np.full((L, E), -1, np.int32)
         self._staging_LE = torch.full((L, E), -1, dtype=torch.int32, pin_memory=device.is_cuda)
@@ -179,6 +187,7 @@ class CacheManager:
         self._device_rows = list(self.slot_of_LE.unbind(0))  # per-layer views, made once
         self._staging_rows = list(self._staging_LE.unbind(0))
         self._dirty_L = np.zeros(L, bool)
+        self._row_uploads = "manager"  # who copies a staging row to its device row (row_uploads)
         # What the compute stream has done, in visit serials (every visit, prepared or not, has one; the
         # kernels and row uploads a visit enqueues carry its serial). `_fence`: every visit up to it is
         # known complete on the device (the caller saw the routing read back, `visit(compute_done=True)`,
@@ -222,6 +231,31 @@ class CacheManager:
     @time_gpu.setter
     def time_gpu(self, on: bool) -> None:
         self.engine.timing = bool(on)
+
+    @property
+    def row_uploads(self) -> str:
+        """Who copies a layer's staging row (pinned) to its device row `slot_of_LE[layer]`: "manager" (the
+        default: `prepare` / `visit` enqueue the copy on the compute stream when the row changed) or
+        "executor" (the fast loop on CUDA: its captured segment B(l) copies `staging_row(l)` before the
+        layer's kernels on every replay, so the host point makes no CUDA call for it). Either way the
+        staging row is rewritten only once the compute stream is past the previous visit of the layer
+        (the fence, else the covering event), so the copy B(l) makes is of its own visit's row. Back to
+        "manager", every row is uploaded again at its next visit."""
+        return self._row_uploads
+
+    @row_uploads.setter
+    def row_uploads(self, who: str) -> None:
+        if who not in ROW_UPLOADS:
+            raise MoecacheError(f"cache manager: row_uploads={who!r}: expected one of {list(ROW_UPLOADS)}")
+        with self._lock:
+            if who == "manager" and self._row_uploads != "manager":
+                self._dirty_L[:] = True
+            self._row_uploads = who
+
+    def staging_row(self, layer: int) -> torch.Tensor:
+        """The layer's pinned staging row (int32 [E], fixed address): what the executor copies to
+        `slot_of_LE[layer]` with row_uploads="executor"."""
+        return self._staging_rows[layer]
 
     @property
     def on_miss(self) -> str:
@@ -438,11 +472,12 @@ class CacheManager:
             self._prepared = None
 
     def _begin_visit(self, layer: int) -> None:
-        if not 0 <= layer < self.shape.num_layers:
-            raise MoecacheError(f"cache manager: layer {layer} outside 0..{self.shape.num_layers - 1}")
-        self.commit()
+        if not 0 <= layer < self._num_layers:
+            raise MoecacheError(f"cache manager: layer {layer} outside 0..{self._num_layers - 1}")
+        if self._pending is not None:
+            self.commit()
         self._committed = self._serial
-        if self.device.on_visit():  # the stand-in ran everything queued
+        if self._on_visit():  # the stand-in ran everything queued
             self._fence = self._serial
         self._serial += 1
 
@@ -504,18 +539,20 @@ class CacheManager:
                 slot_of_E=self._device_rows[layer],
                 snapshot_E=row_E.copy(),
                 hit_TK=hit_TK,
-                miss_experts=miss_U[:n_miss].copy(),
-                admitted=self._admit_out[:n_admit].copy(),
-                evicted=self._evict_out[:n_evict].copy(),
+                miss_experts=miss_U[:n_miss].copy() if n_miss else _NONE_I64,
+                admitted=self._admit_out[:n_admit].copy() if n_admit else _NONE_I32,
+                evicted=self._evict_out[:n_evict].copy() if n_evict else _NONE_I32,
             )
             gpu_slots = slot_U[: U - n_miss].tolist()
             busy = set(gpu_slots) if n_evict else gpu_slots
             freed_busy: list[int] = []
-            for k in result.evicted.tolist():
-                self._evict(k, busy, freed_busy)
+            if n_evict:
+                for k in result.evicted.tolist():
+                    self._evict(k, busy, freed_busy)
             deferred = []
-            for k in result.admitted.tolist():
-                deferred += self._admit(k, freed_busy, result.copies)
+            if n_admit:
+                for k in result.admitted.tolist():
+                    deferred += self._admit(k, freed_busy, result.copies)
             if wait:
                 self._wait_for_copies(layer, ids_TK, result, busy)
             self._pending = (self._serial, busy, deferred, result)
@@ -604,6 +641,8 @@ class CacheManager:
     def _read_routing(self, topk_ids_TK) -> np.ndarray:
         """The routing as host int64 [T, K]: the one device-to-host read of the hot path (into a reused
         pinned buffer for a CUDA tensor)."""
+        if type(topk_ids_TK) is np.ndarray and topk_ids_TK.dtype == np.int64 and topk_ids_TK.ndim == 2:
+            return topk_ids_TK  # the fast loop's read-back view
         if isinstance(topk_ids_TK, np.ndarray):
             return topk_ids_TK.astype(np.int64, copy=False).reshape(topk_ids_TK.shape[0], -1)
         if topk_ids_TK.device.type == "cpu":
@@ -634,10 +673,14 @@ class CacheManager:
                 self.engine.release(copy)
 
     def _push_row(self, layer: int, row_E: np.ndarray | None = None) -> None:
-        """Upload the layer's mapping row (or `row_E`), ordered on the compute stream before its kernels.
-        Its staging row is rewritten only once the previous upload has run: known past the fence, else
-        checked on the covering event (and waited for: `publish_waits`)."""
+        """Upload the layer's mapping row (or `row_E`), ordered on the compute stream before its kernels
+        (row_uploads="executor": write its staging row only; the executor's B(l) copies it). The staging
+        row is rewritten only once the previous upload has run: known past the fence, else checked on
+        the covering event (and waited for: `publish_waits`)."""
+        executor = self._row_uploads == "executor"
         if row_E is None and not self._dirty_L[layer]:
+            if executor:  # this visit's B(l) copies the staging row again: its last reader now
+                self._upload_serial_L[layer] = self._serial
             return
         uploaded = self._upload_serial_L[layer]
         if uploaded > self._fence:
@@ -646,7 +689,8 @@ class CacheManager:
                 self.stats.publish_waits += 1
                 event.synchronize()
         self._staging_np[layer] = self.published_LE[layer] if row_E is None else row_E
-        self.device.copy(self._device_rows[layer], self._staging_rows[layer], self.compute)
+        if not executor:
+            self.device.copy(self._device_rows[layer], self._staging_rows[layer], self.compute)
         self._upload_serial_L[layer] = self._serial
         self._dirty_L[layer] = False
 

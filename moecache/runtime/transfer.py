@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Copy:
     """One expert copy in flight or done. Times are host `time.monotonic_ns()`; `duration_ns` is the
     device time between the copy's start and ready events, where the device measures it and the engine
@@ -58,6 +58,10 @@ class TransferEngine:
         self.copies_enqueued = 0
         self.bytes_enqueued = 0
         self.completed_seq = -1  # every copy up to this seq is known complete (the stream is FIFO)
+        # every slot's and every expert's row as a view, made once (indexing a tensor per copy costs more
+        # than the copy's enqueue)
+        self._slot_rows = list(pool.flat_SB.unbind(0))
+        self._expert_rows = list(store.flat_GB.unbind(0))
         # events of completed copies, recorded again by later copies: timing ones, plain ones
         self._free_events: dict[bool, list] = {True: [], False: []}
 
@@ -83,7 +87,7 @@ class TransferEngine:
         enqueued = time.monotonic_ns()
         if start is not None:
             start.record(stream)
-        device.copy(self.pool.flat_SB[slot], self.store.flat_GB[key], stream)  # one row: w13 then w2
+        device.copy(self._slot_rows[slot], self._expert_rows[key], stream)  # one row: w13 then w2
         ready.record(stream)
         copy = Copy(key, slot, self.store.expert_bytes, enqueued, ready, start, seq=self.copies_enqueued)
         self.copies_enqueued += 1

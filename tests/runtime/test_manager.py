@@ -159,6 +159,30 @@ def test_prepare_publishes_and_the_visit_keeps_that_snapshot():
     assert r.hit_TK.all()
 
 
+def test_executor_row_uploads_leave_the_row_in_staging_and_manager_uploads_resume():
+    """row_uploads="executor": prepare writes the layer's staging row and enqueues no copy (the executor
+    copies it); back to "manager", the row is uploaded again at the layer's next visit."""
+    m = manager("lru", 2, mode="manual")
+    m.visit(0, ids(1, 2))
+    m.device.run()  # both copies complete
+    m.row_uploads = "executor"
+    m.prepare(0)  # publishes them into the staging row only
+    assert m.device.pending() == 0
+    want = m.published_LE[0].tolist()
+    assert m.staging_row(0).tolist() == want and want[1] >= 0 and want[2] >= 0
+    assert m.slot_of_LE[0].tolist() != want  # the device row waits for the executor's copy
+    m.visit(0, ids(1, 2))
+    m.slot_of_LE[0].copy_(m.staging_row(0))  # what segment B(0) does
+    m.row_uploads = "manager"
+    m.visit(0, ids(1, 2))
+    m.device.run()
+    assert m.slot_of_LE[0].tolist() == m.published_LE[0].tolist()
+    with pytest.raises(
+        MoecacheError, match=r"row_uploads='graph': expected one of \['manager', 'executor'\]"
+    ):
+        m.row_uploads = "graph"
+
+
 def test_prepare_is_refused_for_waits_and_for_another_layers_visit():
     m = manager("lru", 2)
     m.prepare(0)
