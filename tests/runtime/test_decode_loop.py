@@ -67,7 +67,10 @@ def test_fast_loop_equals_transformers_generate(reference, capacity):
     # the CPU: eager steps, the first decode step is the warm-up, the others are timed
     assert result.graphs_per_step == 0 and result.timed_steps == NEW - 2 and result.new_tokens == NEW
     if capacity is None:
+        assert result.visits == 0 and result.manager_us_per_visit is None
         return
+    # the host points' own times over the timed steps: a visit per MoE layer per step, in the manager
+    assert result.visits == result.timed_steps * L and result.manager_s > 0
     s = model.moecache.stats()
     assert s["visits"] == NEW * L  # the prefill, then one visit per MoE layer per decode step
     assert s["gpu_entries"] + s["fallback_entries"] == (len(PROMPT_T) + NEW - 1) * L * K
@@ -78,6 +81,33 @@ def test_fast_loop_equals_transformers_generate(reference, capacity):
         assert model.moecache.manager.last_visit.cpu_duration_ns > 0
     if capacity == "100%":  # copies admitted at the prefill land before the decode steps (stand-in)
         assert s["evictions"] == 0 and s["gpu_entries"] > 0
+
+
+def test_compiled_step_is_compiled_with_a_recompile_limit_above_the_layer_count(monkeypatch):
+    """Each decoder layer's forward is compiled with guards of its own (its index): the compiled step
+    runs under a recompile limit of at least 2 x layers + 8, dynamo's own limit untouched outside it."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    before = getattr(dynamo_config, name)
+    seen = []
+
+    def fake_compile(step, **_):
+        def run():
+            seen.append(getattr(dynamo_config, name))
+            step()
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    plain = tiny("qwen3_5_moe")
+    want, _ = hf_greedy(plain)
+    model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+    result = FastDecoder(model, len(PROMPT_T) + NEW, compile=True).generate(torch.tensor([PROMPT_T]), NEW)
+    assert torch.equal(result.tokens, want)
+    layers = plain.config.get_text_config().num_hidden_layers
+    assert seen and set(seen) == {max(before, 2 * layers + 8)}
+    assert getattr(dynamo_config, name) == before
 
 
 def test_a_frozen_mapping_decodes_with_no_host_point():
