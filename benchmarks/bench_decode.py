@@ -245,7 +245,7 @@ def forced_workload(args, described: dict):
     shape = {k: described[k] for k in ("num_layers", "num_experts", "top_k")}
     if path.suffix == ".npz":
         arrays = load_esft_npz(path, **shape)
-        n = min(args.requests, arrays.num_sequences)
+        n = min(args.warm_requests + args.requests, arrays.num_sequences)
         end = int(arrays.seq_offsets[n])
         arrays = EsftArrays(arrays.expert_ids[:end], arrays.gate_weights[:end], arrays.seq_offsets[: n + 1])
         meta = TraceMeta(**shape, expert_bytes=described["expert_bytes"], model=described["name"])
@@ -256,7 +256,7 @@ def forced_workload(args, described: dict):
     else:
         forced = ForcedRouting.from_trace(path, **shape)
     requests = []
-    for rid in forced.request_ids[: args.requests]:
+    for rid in forced.request_ids[: args.warm_requests + args.requests]:
         new = min(args.new_tokens, forced.decode_steps(rid) + 1)
         if new < 2:
             raise MoecacheError(
@@ -264,15 +264,31 @@ def forced_workload(args, described: dict):
                 "benchmark times decode steps (at least 1 after the first token)"
             )
         requests.append((rid, forced.input_ids(rid, described["vocab"]), new))
+    if len(requests) <= args.warm_requests:
+        raise MoecacheError(
+            f"--forced-trace {path}: {len(requests)} requests, none left to time after --warm-requests "
+            f"{args.warm_requests}"
+        )
     about = {
-        "path": str(path), "requests": [r for r, _, _ in requests],
+        "path": str(path), "warm_requests": args.warm_requests, "requests": [r for r, _, _ in requests],
         "prompt_tokens": [int(p.shape[1]) for _, p, _ in requests], "new_tokens": [n for _, _, n in requests],
     }  # fmt: skip
     return forced, requests, about
 
 
-def run_strategy(model, spec: dict, requests, forced, device: torch.device) -> dict:
-    """One strategy: reconfigure, one FastDecoder, a warm-up request, reset, every request timed."""
+def _stats_since(before: dict, after: dict) -> dict:
+    """`model.moecache.stats()` counters between two snapshots (the hit rate of the accesses between)."""
+    out = dict(after)
+    for key in ("hits", "misses", "accesses", "copies", "waited_copies", "fallback_entries", "gpu_entries"):
+        out[key] = after[key] - before[key]
+    out["hit_rate"] = out["hits"] / out["accesses"] if out["accesses"] else None
+    return out
+
+
+def run_strategy(model, spec: dict, requests, forced, device: torch.device, warm_requests: int = 0) -> dict:
+    """One strategy: reconfigure, one FastDecoder, a warm-up request (kernels, capture), reset, the first
+    `warm_requests` requests untimed (the cache warmed by earlier traffic), then the others timed; the
+    counters are those of the timed requests."""
     from moecache.runtime.decode_loop import FastDecoder
 
     t0 = time.perf_counter()
@@ -291,8 +307,11 @@ def run_strategy(model, spec: dict, requests, forced, device: torch.device) -> d
     one(*requests[0])  # warm-up: kernels, capture
     warmup_s = time.perf_counter() - t0
     model.moecache.reset()
-    results = [one(*r) for r in requests]
-    stats = model.moecache.stats()
+    for r in requests[:warm_requests]:  # earlier traffic: the timed requests find the cache it left
+        one(*r)
+    before = model.moecache.stats()
+    results = [one(*r) for r in requests[warm_requests:]]
+    stats = _stats_since(before, model.moecache.stats())
     timed, decode_s = sum(r.timed_steps for r in results), sum(r.decode_s for r in results)
     ms = 1e3 * decode_s / timed
     visits = sum(r.visits for r in results)
@@ -344,7 +363,7 @@ def strategies_bench(args, model, described: dict, device: torch.device, prompt:
         forced, requests, about = None, [("random", prompt.view(1, -1).cpu(), args.new_tokens)], None
     runs = []
     for spec in strategy_plan(names, capacities, args.policy):
-        run = run_strategy(model, spec, requests, forced, device)
+        run = run_strategy(model, spec, requests, forced, device, args.warm_requests)
         runs.append(run)
         print(f"  {run['strategy']:<12} {run['capacity']:>5} {run['ms_per_token']:9.3f} ms/token", flush=True)
     reference = next((r["tokens"] for r in runs if r["strategy"] == "all_resident"), None)
@@ -368,7 +387,13 @@ def strategies_bench(args, model, described: dict, device: torch.device, prompt:
 def print_strategies(r: dict) -> None:
     m = r["model"]
     forced = r["forced"]
-    how = f"forced by {forced['path']} ({len(forced['requests'])} requests)" if forced else "natural routing"
+    how = "natural routing"
+    if forced:
+        warm = forced.get("warm_requests", 0)
+        timed = len(forced["requests"]) - warm
+        how = f"forced by {forced['path']} ({timed} requests timed" + (
+            f", after {warm} untimed)" if warm else ")"
+        )
     print(
         f"strategies on {r['gpu'] or r['device']}: {m['name']} ({m['num_layers']} MoE layers, "
         f"{m['num_experts']} experts, top-{m['top_k']}, {m['dtype']}), {how}"
@@ -428,13 +453,22 @@ def main() -> None:
         "--forced-trace", default=None, help="a canonical trace or an ESFT .npz forcing the routing"
     )
     ap.add_argument("--requests", type=int, default=2, help="with --forced-trace: its first N requests")
+    ap.add_argument(
+        "--warm-requests",
+        type=int,
+        default=0,
+        help="with --strategies and --forced-trace: run this many of the trace's requests untimed first, "
+        "without a reset, so the timed ones (the next --requests) find a warm cache",
+    )
     args = ap.parse_args()
     if args.forced_trace and args.strategies is None:
         args.strategies = "all"
     if args.requests < 1:
-        raise SystemExit("--requests must be >= 1")
+        ap.error(f"--requests {args.requests}: must be >= 1")
+    if args.warm_requests < 0 or (args.warm_requests and not args.forced_trace):
+        ap.error(f"--warm-requests {args.warm_requests}: must be >= 0, and > 0 only with --forced-trace")
     if args.new_tokens < 3 or args.hf_new_tokens < 2:
-        raise SystemExit("--new-tokens must be >= 3 and --hf-new-tokens >= 2 (decode steps to time)")
+        ap.error("--new-tokens must be >= 3 and --hf-new-tokens >= 2 (decode steps to time)")
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(want)
     if device.type == "cuda":
