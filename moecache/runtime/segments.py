@@ -4,32 +4,34 @@ The fast decode loop (moecache/runtime/decode_loop.py) runs the Hugging Face mod
 experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to one of two tap modes:
 
 - "split" (any mapping that may still change): the experts call of MoE layer l becomes
-      copy (x_TH, ids_TK, weights_TK) into static buffers       | segment A(l): the end of the forward so far
-      their read-back into pinned host memory, then a step counter's   | (on CUDA, still in A(l): in
-          (the counter is bumped on the device first)                    |  its graph when capturing)
-      host point `_route(l)`: `manager.prepare(l)` publishes the layer's mapping in place into its
-          fixed-address device row `slot_of_LE[l]` (nothing of it depends on the routing)
-      y_TH = slot_moe(static buffers, slot_of_LE[l], pool)       | segment B(l): the resident experts
-      host point `_combine(l)`: wait for the read-back (spin on the counter's host copy: no CUDA call),
-          `manager.visit` (the policy, copies), `commit()`,
-          the CPU misses computed while B(l) runs, copied into a static buffer and added into y_TH
-          (both on the compute stream, after B(l); nothing when the layer had no miss)
-      return y_TH                                                | the next segment: the rest of the model
+      copy (x_TH, ids_TK, weights_TK) into ONE static buffer              | segment A(l): the end of
+      (CUDA) that buffer's copy to pinned host memory; a device counter   |  the forward so far (in
+          bumped, its copy to pinned memory after it                      |  its graph when capturing)
+      host point `_route(l)`: `manager.prepare(l)` publishes the layer's mapping (nothing of it
+          depends on the routing): on CUDA into its pinned staging row (row_uploads="executor")
+      (CUDA) slot_of_LE[l] <- the staging row; y_TH = slot_moe(static     | segment B(l): the
+          buffers, slot_of_LE[l], pool)                                   |  resident experts
+      host point `_combine(l)`: wait for the read-back (a spin on the counter's host copy: no CUDA
+          call), `manager.visit` (the policy, copies), `commit()`, the CPU misses computed while
+          B(l) runs, copied into a static buffer and added into y_TH (both on the compute stream,
+          after B(l); nothing when the layer had no miss)
+      return y_TH                                                         | the next segment
   So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
   routing back and runs the manager. On CUDA, when every entry of the layer is in its prepared row
   (no CPU work), `_combine` does nothing and the visit itself runs at the next host point, on a copy
   of its routing, after the next segment has been replayed (`flush`; the decode loop flushes after its
-  last step): the host
-  then never stands between the GPU's segments of a layer without misses. With on_miss="wait"
-  (synchronous copies) the visit runs at `_route` instead, before B(l), which reads the row it sets.
-  With no slots (capacity 0) segment B is empty and both host points are one.
+  last step): the host then never stands between the GPU's segments of a layer without misses. With
+  on_miss="wait" (synchronous copies) the visit runs at `_route` instead, before B(l), which reads the
+  row it sets. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
+  (the stand-in device) there is no read-back (the tap buffer is host memory) and the manager uploads
+  rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
 
 The read-back is ordered by the stream, not by an event: A(l)'s copies run in order, so once the
 counter's copy has landed (its host value is the one `_route` expects) the routing and x before it have
-too. The host's only cost is the spin; its CUDA calls (a copy, an event record, a synchronize: ~10 us
-per layer through torch) are gone from the host points.
+too. The host's only cost is the spin; the CUDA calls it replaced (a copy, an event record, a
+synchronize) cost 9-13 us per visit on the H200 host (docs/benchmarks.md, "Runtime round 4").
 
 Trace-forced routing (`ExpertsTaps.forced`, a ForcedRouting, split mode only): at `_route(l)` the layer's
 next forced rows (`forced.take(l, T)`, weights rounded to the dtype the router gave the experts call) are
