@@ -285,17 +285,19 @@ def _stats_since(before: dict, after: dict) -> dict:
     return out
 
 
-def run_strategy(model, spec: dict, requests, forced, device: torch.device, warm_requests: int = 0) -> dict:
+def run_strategy(
+    model, spec: dict, requests, forced, device: torch.device, warm_requests: int = 0, compile: bool = False
+) -> dict:
     """One strategy: reconfigure, one FastDecoder, a warm-up request (kernels, capture), reset, the first
     `warm_requests` requests untimed (the cache warmed by earlier traffic), then the others timed; the
-    counters are those of the timed requests."""
+    counters are those of the timed requests. `compile`: the decoder's step through torch.compile."""
     from moecache.runtime.decode_loop import FastDecoder
 
     t0 = time.perf_counter()
     offload_session(model, spec["capacity"], spec["policy"], device, spec["params"], spec["on_miss"])
     reconfigure_s = time.perf_counter() - t0
     max_len = max(int(p.shape[-1]) + n for _, p, n in requests)
-    decoder = FastDecoder(model, max_cache_len=max_len, forced=forced)
+    decoder = FastDecoder(model, max_cache_len=max_len, forced=forced, compile=compile)
 
     def one(rid, prompt, new):
         if forced is not None:
@@ -317,8 +319,9 @@ def run_strategy(model, spec: dict, requests, forced, device: torch.device, warm
     visits = sum(r.visits for r in results)
     return {
         **{k: spec[k] for k in ("strategy", "capacity", "on_miss")},
-        "policy": stats["policy"], "slots": stats["capacity"], "loop": "fast-graphs" if results[0].graphs_per_step
-        else "fast-eager", "mode": results[0].mode, "graphs_per_step": results[0].graphs_per_step,
+        "policy": stats["policy"], "slots": stats["capacity"],
+        "loop": ("fast-graphs" if results[0].graphs_per_step else "fast-eager") + ("+compile" if compile else ""),
+        "mode": results[0].mode, "graphs_per_step": results[0].graphs_per_step,
         "timed_steps": timed, "ms_per_token": ms, "tokens_per_s": 1e3 / ms,
         "prefill_ms": 1e3 * statistics.median(r.prefill_s for r in results), "warmup_s": warmup_s,
         "reconfigure_s": reconfigure_s, "hit_rate": stats["hit_rate"], "copies": stats["copies"],
@@ -363,7 +366,7 @@ def strategies_bench(args, model, described: dict, device: torch.device, prompt:
         forced, requests, about = None, [("random", prompt.view(1, -1).cpu(), args.new_tokens)], None
     runs = []
     for spec in strategy_plan(names, capacities, args.policy):
-        run = run_strategy(model, spec, requests, forced, device, args.warm_requests)
+        run = run_strategy(model, spec, requests, forced, device, args.warm_requests, args.compile)
         runs.append(run)
         print(f"  {run['strategy']:<12} {run['capacity']:>5} {run['ms_per_token']:9.3f} ms/token", flush=True)
     reference = next((r["tokens"] for r in runs if r["strategy"] == "all_resident"), None)
@@ -444,7 +447,9 @@ def main() -> None:
         "fast loop), eager (the fast loop without graphs)",
     )
     ap.add_argument(
-        "--compile", action="store_true", help="also the fast loop with torch.compile (slow to build)"
+        "--compile",
+        action="store_true",
+        help="also the fast loop with torch.compile (slow to build); with --strategies: every strategy compiled",
     )
     ap.add_argument(
         "--strategies", default=None, help=f"comma list of {', '.join(STRATEGIES)} or all (module docstring)"
