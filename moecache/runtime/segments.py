@@ -218,9 +218,9 @@ class ExpertsTaps:
             return self.cpu_TH.clone()
         self.segments.cut(lambda: self._route(layer))
         if self.is_cuda:
-            # the layer's mapping row, as `_route`'s prepare (or visit) left it (row_uploads="executor")
             manager = self.manager
-            manager.slot_of_LE[layer].copy_(manager.staging_row(layer), non_blocking=True)
+            if manager.row_uploads == "executor":  # the row as `_route`'s prepare (or visit) left it
+                manager.slot_of_LE[layer].copy_(manager.staging_row(layer), non_blocking=True)
             self._kernel(*self._operands(layer), out=self.y_TH)
         else:
             self.y_TH.copy_(self._kernel(*self._operands(layer)))
