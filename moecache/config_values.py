@@ -198,6 +198,7 @@ RULES: dict[str, dict[str, Check]] = {
         "runtime.enabled": boolean,
         "runtime.decision": optional(string),
         "runtime.device": one_of("auto", "cuda", "standin"),
+        "runtime.compile": boolean,
     },
     "prompt": {"prompt": optional(string)},
     "cost": {

@@ -4,7 +4,8 @@ The generated text streams to stdout as it is decoded; the cache statistics (`mo
 and the generation speed go to stderr. `runtime.enabled=false` runs the unmodified model (every expert
 on the compute device) on the same prompt, for comparison. `runtime.loop` picks the decode loop: `fast`
 (moecache's own greedy loop, moecache/runtime/decode_loop.py: StaticCache, CUDA graphs between the expert
-path's host points) or `transformers` (`model.generate`, which also samples). No artifact is written.
+path's host points; `runtime.compile=true` runs its step through torch.compile) or `transformers`
+(`model.generate`, which also samples). No artifact is written.
 
 The model is loaded on the CPU and offloaded there (its dense experts dropped, the expert store filled
 from the checkpoint's safetensors) before the rest of it goes to `device`.
@@ -38,6 +39,8 @@ def _check(c: dict, device: str) -> None:
         raise MoecacheError(
             "runtime.loop=fast decodes greedily: set generation.do_sample=false, or runtime.loop=transformers"
         )
+    if runtime.get("compile") and loop != "fast":
+        raise MoecacheError("runtime.compile=true compiles the fast loop's step: it needs runtime.loop=fast")
     if not runtime["enabled"]:
         return
     if c["capacity"] is None:
@@ -85,13 +88,14 @@ def _streamer(tokenizer, out):
     return _Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def _generate_fast(model, tokenizer, input_ids, gen: dict, out) -> int:
-    """Greedy, through moecache's fast decode loop, the text streamed to `out`; returns the new tokens."""
+def _generate_fast(model, tokenizer, input_ids, gen: dict, out, compile: bool = False) -> int:
+    """Greedy, through moecache's fast decode loop (its step through torch.compile with `compile`), the
+    text streamed to `out`; returns the new tokens."""
     from moecache.runtime.decode_loop import FastDecoder
 
     new = int(gen["max_new_tokens"])
     eos = None if gen["ignore_eos"] else model.generation_config.eos_token_id
-    decoder = FastDecoder(model, max_cache_len=int(input_ids.shape[1]) + new)
+    decoder = FastDecoder(model, max_cache_len=int(input_ids.shape[1]) + new, compile=compile)
     result = decoder.generate(input_ids, new, eos_token_id=eos, streamer=_streamer(tokenizer, out))
     return result.new_tokens
 
@@ -155,7 +159,9 @@ def run(cfg: DictConfig, out=None, err=None) -> dict | None:
     input_ids = _encode(loaded.tokenizer, c["prompt"], device)
     start = time.perf_counter()
     if runtime.get("loop", "fast") == "fast":
-        tokens = _generate_fast(model, loaded.tokenizer, input_ids, c["generation"], out)
+        tokens = _generate_fast(
+            model, loaded.tokenizer, input_ids, c["generation"], out, bool(runtime.get("compile"))
+        )
     else:
         tokens = _generate(model, loaded.tokenizer, input_ids, c["generation"], int(c["seed"]), out)
     seconds = time.perf_counter() - start

@@ -283,11 +283,32 @@ def test_generate_runs_either_loop_with_the_same_text(root):
     assert fast["fallback_entries"] == hf["fallback_entries"]
 
 
+def test_generate_compiles_the_fast_loop_when_asked(root, monkeypatch):
+    """runtime.compile=true: the fast loop's step goes through torch.compile (a recording stand-in here),
+    with the same text as without."""
+    compiled = []
+
+    def fake_compile(step, **kw):
+        compiled.append(kw)
+        return step
+
+    plain = generate(root, "capacity=25%")
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    res = generate(root, "capacity=25%", "runtime.compile=true")
+    assert res.exit_code == 0 and plain.exit_code == 0, res.output
+    assert compiled == [{"dynamic": False}] and res.stdout == plain.stdout
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["runtime.loop=turbo"], "runtime.loop='turbo': expected one of fast, transformers"),
         (["generation.do_sample=true"], "runtime.loop=fast decodes greedily"),
+        (
+            ["runtime.loop=transformers", "runtime.compile=true"],
+            "runtime.compile=true compiles the fast loop",
+        ),
+        (["runtime.compile=maybe"], "runtime.compile"),
     ],
 )
 def test_generate_refuses_a_bad_loop_in_one_line(root, overrides, message):
