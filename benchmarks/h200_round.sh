@@ -11,7 +11,8 @@
 # manager: bench_runtime's manager section alone.
 # decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; COMPILE=1 adds
 #   --compile; SKIP= its --skip list, default hf; DECODE_S its time limit, default 420 s).
-# forced: bench_decode's validate baselines at 25% under the real DeepSeek-V2-Lite law trace (POLICY=...).
+# forced: bench_decode's validate baselines at 25% under real DeepSeek-V2-Lite traces (TRACES="law intent",
+#   POLICY=, WARM= untimed requests first, REQUESTS=, NEW= tokens, COMPILE=1, FORCED_S= limit per trace).
 # Results go to $OUT; docs/benchmarks.md records them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,10 +57,13 @@ for section in "$@"; do
     timeout ${DECODE_S:-420} python3 benchmarks/bench_decode.py --model $QWEN --capacities 100% --prompt-tokens 512 \
       --new-tokens 64 --skip "${SKIP:-hf}" ${COMPILE:+--compile} 2>&1 | grep -v '^\[transformers\]' | tail -30 | tee "$OUT/bench_decode_qwen.txt" ;;
   forced)
-    echo "== bench_decode DeepSeek-V2-Lite, forced by the law trace, 25%"
-    timeout 540 python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml --dtype bfloat16 \
-      --strategies all --policy "${POLICY:-transition_prefetch}" --capacities 25% --forced-trace .device-data/esft_law_routing.npz \
-      --requests 2 --prompt-tokens 32 --new-tokens 64 2>&1 | grep -v '^\[transformers\]' | tail -30 | tee "$OUT/bench_decode_forced.txt" ;;
+    for t in ${TRACES:-law}; do
+      echo "== bench_decode DeepSeek-V2-Lite, forced by the $t trace, 25%"
+      timeout "${FORCED_S:-540}" python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml --dtype bfloat16 \
+        --strategies all --policy "${POLICY:-transition_prefetch}" --capacities 25% --forced-trace ".device-data/esft_${t}_routing.npz" \
+        --warm-requests "${WARM:-0}" --requests "${REQUESTS:-2}" --prompt-tokens 32 --new-tokens "${NEW:-64}" ${COMPILE:+--compile} \
+        2>&1 | grep -v '^\[transformers\]' | tail -30 | tee "$OUT/bench_decode_forced_$t.txt"
+    done ;;
   *) echo "unknown section $section"; exit 2 ;;
   esac
 done
