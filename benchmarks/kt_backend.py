@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from moecache.errors import MoecacheError
-from moecache.runtime.cpu_experts import cpu_flags
+from moecache.runtime.cpu_experts import checked_call, cpu_flags
 
 
 def _import_kt():
@@ -194,21 +194,11 @@ class KtExperts:
         every row written (zeros for tokens without a triple), into `out_TH` when given."""
         if self.closed:
             raise MoecacheError("kt experts: run after close")
+        x_TH, keys_M, token_M, weight_M, out_TH = checked_call(
+            self.hidden, self.dtype, x_TH, keys_M, token_M, weight_M, out_TH, who="kt experts"
+        )
         t = x_TH.shape[0]
-        if x_TH.shape != (t, self.hidden) or x_TH.dtype != self.dtype or not x_TH.is_contiguous():
-            raise MoecacheError(
-                f"kt experts: x must be a contiguous [T, {self.hidden}] {self.dtype} tensor,"
-                f" got {x_TH.dtype} {tuple(x_TH.shape)}"
-            )
-        if out_TH is None:
-            out_TH = torch.empty_like(x_TH)
-        elif out_TH.shape != x_TH.shape or out_TH.dtype != x_TH.dtype or not out_TH.is_contiguous():
-            raise MoecacheError(
-                f"kt experts: out must be a contiguous {x_TH.dtype} {tuple(x_TH.shape)} tensor"
-            )
-        keys = keys_M.numpy().astype(np.int64, copy=False)
-        toks = token_M.numpy().astype(np.int64, copy=False)
-        wts = weight_M.to(torch.float32).numpy()
+        keys, toks, wts = keys_M.numpy(), token_M.numpy(), weight_M.numpy()
         m = keys.shape[0]
         if m and (keys.min() < 0 or keys.max() >= self.num_keys or toks.min() < 0 or toks.max() >= t):
             raise MoecacheError(

@@ -234,20 +234,10 @@ class CpuExperts:
         Every row of the result is written (zeros for tokens without a triple). `out_TH`, when given,
         receives it (shape of x, x's dtype, contiguous) and is returned. x must have the weights' dtype.
         """
-        x_TH, keys_M, token_M, weight_M = self._check_call(x_TH, keys_M, token_M, weight_M)
+        x_TH, keys_M, token_M, weight_M, out_TH = checked_call(
+            self.hidden, self.dtype, x_TH, keys_M, token_M, weight_M, out_TH
+        )
         t = x_TH.shape[0]
-        if out_TH is None:
-            out_TH = torch.empty_like(x_TH)
-        elif (
-            out_TH.shape != x_TH.shape
-            or out_TH.dtype != x_TH.dtype
-            or not out_TH.is_cpu
-            or not out_TH.is_contiguous()
-        ):
-            raise MoecacheError(
-                f"cpu experts: out must be a contiguous CPU {x_TH.dtype} tensor of shape"
-                f" {tuple(x_TH.shape)}, got {out_TH.dtype} {tuple(out_TH.shape)}"
-            )
         with self._lock:
             if self.backend == "cpp":
                 self._run_cpp(x_TH, keys_M, token_M, weight_M, out_TH)
@@ -274,35 +264,6 @@ class CpuExperts:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-    def _check_call(self, x_TH, keys_M, token_M, weight_M):
-        if x_TH.dim() != 2 or x_TH.shape[1] != self.hidden or x_TH.dtype != self.dtype:
-            raise MoecacheError(
-                f"cpu experts: x must be [T, {self.hidden}] {self.dtype}, got {x_TH.dtype}"
-                f" {tuple(x_TH.shape)}"
-            )
-        m = keys_M.shape[0] if keys_M.dim() == 1 else -1
-        if m < 0 or token_M.shape != (m,) or weight_M.shape != (m,):
-            raise MoecacheError(
-                f"cpu experts: keys, tokens and weights must be 1-D of one length, got"
-                f" {tuple(keys_M.shape)}, {tuple(token_M.shape)}, {tuple(weight_M.shape)}"
-            )
-        if not (x_TH.is_cpu and keys_M.is_cpu and token_M.is_cpu and weight_M.is_cpu):
-            raise MoecacheError("cpu experts: x, keys, tokens and weights must be CPU tensors")
-        ints = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
-        if keys_M.dtype not in ints or token_M.dtype not in ints or not weight_M.is_floating_point():
-            raise MoecacheError(
-                f"cpu experts: keys and tokens must be integer tensors, weights floating point; got"
-                f" {keys_M.dtype}, {token_M.dtype}, {weight_M.dtype}"
-            )
-        # Exact conversions only (int32 -> int64, bf16/fp16 -> fp32); nothing is copied when already so.
-        if keys_M.dtype != torch.int64 or not keys_M.is_contiguous():
-            keys_M = keys_M.to(torch.int64).contiguous()
-        if token_M.dtype != torch.int64 or not token_M.is_contiguous():
-            token_M = token_M.to(torch.int64).contiguous()
-        if weight_M.dtype != torch.float32 or not weight_M.is_contiguous():
-            weight_M = weight_M.to(torch.float32).contiguous()
-        return (x_TH if x_TH.is_contiguous() else x_TH.contiguous()), keys_M, token_M, weight_M
 
     def _workspace(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reused buffer of at least `numel` elements: allocated only when a call needs more."""
@@ -371,3 +332,46 @@ class CpuExperts:
             y_NH = expert_forward(x_TH[tok], self.w13_GIH[key], self.w2_GHI[key])
             acc_TH.index_add_(0, tok, y_NH.float() * weight_M[idx, None])
         out_TH.copy_(acc_TH)
+
+
+def checked_call(hidden, dtype, x_TH, keys_M, token_M, weight_M, out_TH, who: str = "cpu experts"):
+    """The arguments of an executor's `run` (this module's, or a benchmark backend's with the same
+    interface) checked, one MoecacheError line each, and made exact: x contiguous, keys and tokens int64,
+    weights float32 (int32 -> int64, bf16/fp16 -> fp32: nothing copied when already so), `out_TH` a
+    new tensor when None. Returns (x_TH, keys_M, token_M, weight_M, out_TH)."""
+    if x_TH.dim() != 2 or x_TH.shape[1] != hidden or x_TH.dtype != dtype:
+        raise MoecacheError(f"{who}: x must be [T, {hidden}] {dtype}, got {x_TH.dtype} {tuple(x_TH.shape)}")
+    m = keys_M.shape[0] if keys_M.dim() == 1 else -1
+    if m < 0 or token_M.shape != (m,) or weight_M.shape != (m,):
+        raise MoecacheError(
+            f"{who}: keys, tokens and weights must be 1-D of one length, got"
+            f" {tuple(keys_M.shape)}, {tuple(token_M.shape)}, {tuple(weight_M.shape)}"
+        )
+    if not (x_TH.is_cpu and keys_M.is_cpu and token_M.is_cpu and weight_M.is_cpu):
+        raise MoecacheError(f"{who}: x, keys, tokens and weights must be CPU tensors")
+    ints = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+    if keys_M.dtype not in ints or token_M.dtype not in ints or not weight_M.is_floating_point():
+        raise MoecacheError(
+            f"{who}: keys and tokens must be integer tensors, weights floating point; got"
+            f" {keys_M.dtype}, {token_M.dtype}, {weight_M.dtype}"
+        )
+    if keys_M.dtype != torch.int64 or not keys_M.is_contiguous():
+        keys_M = keys_M.to(torch.int64).contiguous()
+    if token_M.dtype != torch.int64 or not token_M.is_contiguous():
+        token_M = token_M.to(torch.int64).contiguous()
+    if weight_M.dtype != torch.float32 or not weight_M.is_contiguous():
+        weight_M = weight_M.to(torch.float32).contiguous()
+    x_TH = x_TH if x_TH.is_contiguous() else x_TH.contiguous()
+    if out_TH is None:
+        out_TH = torch.empty_like(x_TH)
+    elif (
+        out_TH.shape != x_TH.shape
+        or out_TH.dtype != x_TH.dtype
+        or not out_TH.is_cpu
+        or not out_TH.is_contiguous()
+    ):
+        raise MoecacheError(
+            f"{who}: out must be a contiguous CPU {x_TH.dtype} tensor of shape"
+            f" {tuple(x_TH.shape)}, got {out_TH.dtype} {tuple(out_TH.shape)}"
+        )
+    return x_TH, keys_M, token_M, weight_M, out_TH

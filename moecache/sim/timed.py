@@ -169,13 +169,8 @@ def _replay_timed(
                 cpu += cpu_us_M[m]
                 misses += 1
                 cpu_fallback_sel += m
-        gpu_hits = kernel_us_X[kernel_off_V[s] + entries] if fused else gpu
-        gpu_end = tr + gpu_hits  # with wait: provisional, for the eviction's busy-slot test only
-        if not wait:
-            gpu = gpu_hits
-            if fused and misses > 0:
-                cpu += cpu_call_us
-            step_us = non_expert_V[s] + (gpu + cpu if serial else max(gpu, cpu))
+        # the hits' GPU work ends here: the eviction's busy-slot test (with wait, the copies' below)
+        gpu_end = tr + (kernel_us_X[kernel_off_V[s] + entries] if fused else gpu)
         n_admit, n_evict, held = apply_step(
             state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_V[s], request_V[s], resident_G,
             held, capacity, admit_buf, evict_buf,
@@ -192,9 +187,11 @@ def _replay_timed(
                 busy_slots += 1
             else:
                 safe_slots += 1
+        wait_us = 0.0
         if wait:  # 5.: the step waits for its copies into safe slots (the first ones admitted)
             free = engine_free
-            for j in range(min(n_admit, safe_slots)):
+            n_wait = min(n_admit, safe_slots)
+            for j in range(n_wait):
                 k = admit_buf[j]
                 free = max(tr, free) + copy_us
                 if seen_G[k] == s:  # this step's miss, run on the device once its copy landed
@@ -203,13 +200,15 @@ def _replay_timed(
                     gpu += gpu_us_M[m]
                     entries += m
                     misses -= 1
-            wait_us = free - tr if min(n_admit, safe_slots) > 0 else 0.0
-            if fused:
-                gpu = kernel_us_X[kernel_off_V[s] + entries]
-                if misses > 0:
-                    cpu += cpu_call_us
+            if n_wait > 0:
+                wait_us = free - tr
+        if fused:
+            gpu = kernel_us_X[kernel_off_V[s] + entries]
+            if misses > 0:
+                cpu += cpu_call_us
+        if wait:
             gpu_end = tr + wait_us + gpu
-            step_us = non_expert_V[s] + wait_us + (gpu + cpu if serial else max(gpu, cpu))
+        step_us = non_expert_V[s] + wait_us + (gpu + cpu if serial else max(gpu, cpu))
         n_pf = 0
         for j in range(n_admit):
             k = admit_buf[j]
