@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from moecache.errors import MoecacheError
-from moecache.runtime.segments import Segments
+from moecache.runtime.segments import HOST_TIMES, Segments
 
 GRAPHS = ("auto", "on", "off")
 HOST_POINTS = ("auto", "always")
@@ -257,7 +257,7 @@ class FastDecoder:
         """Up to `budget` decode steps (stopping after an `eos` token): eager warm-up steps, the capture,
         then replays (graphs on); eager steps otherwise. Returns (steps, warmup_s, decode_s, timed, the
         host points' times over the timed steps: ExpertsTaps.host_ns)."""
-        host = dict.fromkeys(("manager", "wait", "visits"), 0)
+        host = dict.fromkeys(HOST_TIMES, 0)
         segments = self._segments[mode]
         warmup_s = 0.0
         timed, t_start = 0, None

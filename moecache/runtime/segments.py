@@ -61,6 +61,8 @@ import torch
 from moecache.errors import MoecacheError
 from moecache.runtime.experts_module import miss_entries
 
+HOST_TIMES = ("manager", "wait", "visits")  # what ExpertsTaps.host_ns adds up (ns, ns, a count)
+
 
 class Segments:
     """The cut points of one step: eager, or capturing CUDA graphs (module docstring)."""
@@ -173,7 +175,6 @@ class ExpertsTaps:
         self.cpu_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the CPU misses' part
         self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
         self._visit_result = None
-        self._ids_host_TK: np.ndarray | None = None
         # (layer, its routing) whose visit `_combine` left to the next host point: the routing copied out,
         # since the next segment's read-back rewrites the host buffer before that host point
         self._deferred: tuple[int, np.ndarray] | None = None
@@ -184,7 +185,7 @@ class ExpertsTaps:
         self._expected = 0  # read-backs the host points have asked for (the counter's value to wait for)
         # Host time of the host points, for the benchmarks (FastDecoder's DecodeResult): in the manager's
         # calls (prepare, visit, commit), waiting for read-backs to land, and the visits made.
-        self.host_ns = dict.fromkeys(("manager", "wait", "visits"), 0)
+        self.host_ns = dict.fromkeys(HOST_TIMES, 0)
         self.mode = "split"
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
@@ -320,7 +321,8 @@ class ExpertsTaps:
             self._visit_result = None
 
     def _visit(self, layer: int, ids_TK: np.ndarray | None = None) -> None:
-        """The layer's visit on the read-back routing (or on `ids_TK`, a deferred visit's copy of it)."""
+        """The layer's visit on the read-back routing (`ids_TK`: the caller has it already, waited for,
+        or a deferred visit's copy of it)."""
         if ids_TK is None:
             self._wait_readback()
             ids_TK = self._ids_src_TK.numpy()
@@ -335,7 +337,7 @@ class ExpertsTaps:
         stats.gpu_entries += n_hit
         stats.cpu_entries += visit.hit_TK.size - n_hit
         stats.kernel_calls += n_hit > 0
-        self._visit_result, self._ids_host_TK = visit, ids_TK
+        self._visit_result = visit
 
     def _substitute(self, layer: int) -> None:
         """The layer's forced rows into the next forced buffer and (in place) into the device buffer, on
@@ -359,20 +361,20 @@ class ExpertsTaps:
         """Segment B is enqueued: the visit (if `_route` only prepared it), commit, then the CPU misses
         (computed while B runs) into `cpu_TH`, added into B's `y_TH` on the compute stream (with slots)."""
         if self.manager.prepared == layer:  # `_route` left the visit to here
-            if self.is_cuda:
-                self._wait_readback()
-                if self.manager.covers(layer, self._ids_src_TK.numpy()):
-                    # nothing for the CPU: the next segment is replayed first, the visit (policy,
-                    # copies) runs at the next host point while the GPU computes it (flush)
-                    self._deferred = (layer, self._ids_src_TK.numpy().copy())
-                    return
-            self._visit(layer)
+            self._wait_readback()
+            ids_TK = self._ids_src_TK.numpy()
+            if self.is_cuda and self.manager.covers(layer, ids_TK):
+                # nothing for the CPU: the next segment is replayed first, the visit (policy, copies)
+                # runs at the next host point while the GPU computes it (flush), on a copy of the routing
+                self._deferred = (layer, ids_TK.copy())
+                return
+            self._visit(layer, ids_TK)
         self._commit()
         hit_TK = self._visit_result.hit_TK
         if not hit_TK.all():
             started_ns = time.perf_counter_ns()
             keys_M, token_t, weights_M = miss_entries(
-                layer, self.num_experts, self._ids_host_TK, self._weights_src_TK, hit_TK
+                layer, self.num_experts, self._ids_src_TK.numpy(), self._weights_src_TK, hit_TK
             )
             if self.is_cuda:
                 self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self._staging_TH)
