@@ -352,18 +352,9 @@ def time_slot_moe(
     reference queued and run on the stand-in) for a step of `tokens` tokens with `entries` resident
     entries. CUDA: device time between events around the call; stand-in: host wall time."""
     device = runtime.device
-    resident = runtime.pool.capacity
-    gen = torch.Generator().manual_seed(seed + 1000 * tokens + entries)
     dev = device.torch_device
-    slot_of_E = torch.full((shape.num_experts,), -1, dtype=torch.int32)
-    slot_of_E[:resident] = torch.randperm(resident, generator=gen).to(torch.int32)
-    slot_of_E = slot_of_E.to(dev)
-    calls = [
-        (_entries_routing(tokens, entries, shape, resident, gen).to(dev), _weights(tokens, shape.top_k, gen))
-        for _ in range(min(warmup + repeats, 8))
-    ]
+    slot_of_E, calls = _operator_calls(runtime, shape, tokens, entries, min(warmup + repeats, 8), seed)
     x_TH = _input(tokens, shape.hidden_size, shape.dtype, dev)
-    calls = [(ids, w.to(device=dev, dtype=shape.dtype)) for ids, w in calls]
 
     def one(n: int):
         ids_TK, w_TK = calls[n % len(calls)]
@@ -388,24 +379,6 @@ def time_slot_moe(
     return summarize(samples[warmup:])
 
 
-class _InModelProbe(torch.nn.Module):
-    """Stands in for a sparse MoE block's `.experts` while `time_in_model` runs the model: reads the
-    routing back (as the runtime does) and, at every call of `tokens` tokens, runs `call(n, x_TH)` on the
-    model's own hidden state (n: the calls timed so far), timed; returns zeros."""
-
-    def __init__(self, tokens: int, call, samples_us: list[float]):
-        super().__init__()
-        self._tokens, self._call, self._samples_us = tokens, call, samples_us
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        top_k_index.detach().to("cpu", torch.int64)
-        if hidden_states.shape[0] == self._tokens:
-            t0 = time.perf_counter_ns()
-            self._call(len(self._samples_us), hidden_states)
-            self._samples_us.append((time.perf_counter_ns() - t0) / 1e3)
-        return torch.zeros_like(hidden_states)
-
-
 def time_in_model(
     model, adapter, tokens: int, call, repeats: int, warmup: int, *, vocab_size: int, step=None, seed=0
 ) -> Timing:
@@ -416,13 +389,21 @@ def time_in_model(
     model: docs/benchmarks.md). Steps of T=`tokens`: the decode steps for T=1 (after a 4-token prompt),
     else prefills of a `tokens`-token prompt; `warmup` calls untimed, then `repeats` timed. Every MoE
     block's `.experts` is replaced by the probe for the measurement and restored after. `step`: the
-    decode loop (`transformers_generate` when None), as in `time_model_steps`."""
+    decode loop (`transformers_generate` when None), as in `time_model_steps`. The probe is a `ZeroExperts`
+    whose work is the timed call."""
     step = step or transformers_generate
     layers = adapter.moe_layers()
     want = warmup + repeats
     samples: list[float] = []
     saved = [layer.block.experts for layer in layers]
-    probe = _InModelProbe(tokens, call, samples)
+
+    def timed_call(x_TH):  # at every call of `tokens` tokens: `call` timed (n: the calls timed so far)
+        if x_TH.shape[0] == tokens:
+            t0 = time.perf_counter_ns()
+            call(len(samples), x_TH)
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+
+    probe = ZeroExperts(timed_call, [0.0])  # the routing read back as the runtime does, zeros returned
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed + tokens)
     decode = tokens == 1
@@ -442,14 +423,20 @@ def time_in_model(
     return summarize(samples[warmup:want])
 
 
+def _random_layout(num_experts: int, resident: int, gen: torch.Generator, dev) -> torch.Tensor:
+    """slot_of_E on `dev`: the pool's `resident` slots in a random order over the first experts."""
+    slot_of_E = torch.full((num_experts,), -1, dtype=torch.int32)
+    slot_of_E[:resident] = torch.randperm(resident, generator=gen).to(torch.int32)
+    return slot_of_E.to(dev)
+
+
 def _operator_calls(runtime, shape: RuntimeShape, tokens: int, entries: int, count: int, seed: int):
     """slot_of_E (a random layout of the pool's slots over the first experts) and `count` routings of
     `tokens` tokens with `entries` resident entries, on the runtime's device (time_slot_moe's inputs)."""
     resident = runtime.pool.capacity
     gen = torch.Generator().manual_seed(seed + 1000 * tokens + entries)
     dev = runtime.device.torch_device
-    slot_of_E = torch.full((shape.num_experts,), -1, dtype=torch.int32)
-    slot_of_E[:resident] = torch.randperm(resident, generator=gen).to(torch.int32)
+    slot_of_E = _random_layout(shape.num_experts, resident, gen, dev)
     calls = [
         (
             _entries_routing(tokens, entries, shape, resident, gen).to(dev),
@@ -457,7 +444,7 @@ def _operator_calls(runtime, shape: RuntimeShape, tokens: int, entries: int, cou
         )
         for _ in range(count)
     ]
-    return slot_of_E.to(dev), calls
+    return slot_of_E, calls
 
 
 def time_slot_moe_in_model(
@@ -500,18 +487,9 @@ def time_layer_call_in_model(
 ) -> Timing:
     """`time_layer_call`'s call (a whole experts-module call, its two halves stubbed to zeros) on the
     model's hidden states inside its forward (`time_in_model`)."""
-    gen = np.random.default_rng(kw.get("seed", 0) + tokens)
-    e, k = shape.num_experts, shape.top_k
-    dev = runtime.device.torch_device
-    calls = [
-        (
-            torch.from_numpy(
-                np.stack([gen.choice(e, size=k, replace=False) for _ in range(tokens)]).astype(np.int64)
-            ).to(dev),
-            torch.full((tokens, k), 1.0 / k, dtype=shape.dtype, device=dev),
-        )
-        for _ in range(min(warmup + repeats, 8))
-    ]
+    calls = _layer_call_routings(
+        shape, tokens, min(warmup + repeats, 8), kw.get("seed", 0), runtime.device.torch_device
+    )
 
     runtime._gpu_part = lambda x_TH, *args: torch.zeros_like(
         x_TH
@@ -574,6 +552,22 @@ def time_visit(manager, shape: RuntimeShape, tokens: int, repeats: int, warmup: 
 
 
 @torch.inference_mode()
+def _layer_call_routings(shape: RuntimeShape, tokens: int, count: int, seed: int, dev) -> list[tuple]:
+    """`count` (ids_TK, weights_TK) of `tokens` tokens on `dev`: K distinct random experts per token,
+    equal weights (time_layer_call's inputs, in a loop or inside the model)."""
+    gen = np.random.default_rng(seed + tokens)
+    e, k = shape.num_experts, shape.top_k
+    return [
+        (
+            torch.from_numpy(
+                np.stack([gen.choice(e, size=k, replace=False) for _ in range(tokens)]).astype(np.int64)
+            ).to(dev),
+            torch.full((tokens, k), 1.0 / k, dtype=shape.dtype, device=dev),
+        )
+        for _ in range(count)
+    ]
+
+
 def time_layer_call(
     runtime, shape: RuntimeShape, tokens: int, repeats: int, warmup: int, seed: int = 0
 ) -> Timing:
@@ -581,19 +575,9 @@ def time_layer_call(
     manager's visit and commit, the hit mask split, the two halves' results combined) with its two halves
     stubbed to return zeros: what a layer step costs besides the operator and the CPU path, which are
     timed on their own (`time_slot_moe`, `time_cpu_path`). Random routings of `tokens` tokens."""
-    gen = np.random.default_rng(seed + tokens)
-    e, k = shape.num_experts, shape.top_k
     dev = runtime.device.torch_device
     x_TH = _input(tokens, shape.hidden_size, shape.dtype, dev)
-    calls = [
-        (
-            torch.from_numpy(
-                np.stack([gen.choice(e, size=k, replace=False) for _ in range(tokens)]).astype(np.int64)
-            ).to(dev),
-            torch.full((tokens, k), 1.0 / k, dtype=shape.dtype, device=dev),
-        )
-        for _ in range(warmup + repeats)
-    ]
+    calls = _layer_call_routings(shape, tokens, warmup + repeats, seed, dev)
     zeros = torch.zeros_like(x_TH)
     runtime._gpu_part = lambda *args: zeros  # instance attributes: only this synthetic runtime's calls
     runtime._cpu_part = lambda *args: zeros
@@ -674,9 +658,7 @@ def resident_operator_work(runtime, shape: RuntimeShape, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     resident = runtime.pool.capacity
     dev = runtime.device.torch_device
-    slot_of_E = torch.full((shape.num_experts,), -1, dtype=torch.int32)
-    slot_of_E[:resident] = torch.randperm(resident, generator=gen).to(torch.int32)
-    slot_of_E = slot_of_E.to(dev)
+    slot_of_E = _random_layout(shape.num_experts, resident, gen, dev)
     k = min(shape.top_k, resident)
 
     def work(x_TH):
