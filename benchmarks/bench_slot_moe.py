@@ -70,16 +70,8 @@ def cycled(fn, inputs):
 
 def graphs(slot_moe, inputs, out) -> list[tuple[torch.cuda.CUDAGraph]]:
     """One captured CUDA graph per input set: replays time the GPU work without Python launch overhead,
-    as the runtime's captured decode step runs it."""
-    captured = []
-    for args in inputs:
-        slot_moe(*args, out=out)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            slot_moe(*args, out=out)
-        captured.append((graph,))
-    return captured
+    as the runtime's captured decode step runs it (each replay with its own graph launch)."""
+    return [(chained_graph(slot_moe, [args], out),) for args in inputs]
 
 
 def chained_graph(slot_moe, inputs, out) -> torch.cuda.CUDAGraph:

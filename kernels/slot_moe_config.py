@@ -131,7 +131,8 @@ def default_config(num_tokens: int, variant: str = DEFAULT_DECODE_VARIANT) -> di
             f"default_config: decode variant must be one of {sorted(DECODE_VARIANTS)}, got {variant!r}"
         )
     if num_tokens <= DECODE_MAX_T and variant == "fused":
-        # Not timed yet (benchmarks/tune_slot_moe.py searches it). 8 rows of I per program: T*K*I/8
+        # The tuner's starting point (its best at Qwen3.6 on the H200, T=1, was 31.6 us against
+        # two_stage's 25.5: docs/benchmarks.md, round 3). 8 rows of I per program: T*K*I/8
         # programs (512 at the Qwen3.6 shape, T = 1); compiled for sm_90 (triton 3.9, ahead of time) it
         # holds 128-175 registers per thread and spills none at H 2048 and 4096, where 16 rows with 8 warps
         # spill at H 4096 (the unrolled loads of a whole row block are all in flight at once).
@@ -141,8 +142,9 @@ def default_config(num_tokens: int, variant: str = DEFAULT_DECODE_VARIANT) -> di
             "reduce": {"BLOCK_R": 64, "BLOCK_H": 16, "num_warps": 4},
         }
     if num_tokens <= DECODE_MAX_T and variant == "pdl":
-        # Not timed yet (benchmarks/tune_slot_moe.py searches it): gate/up as two_stage's default; the
-        # down tile [K, BLOCK_H, I] of 4 rows of H: 8 x 4 x 512 bf16 = 64 values per thread at 8 warps.
+        # The tuner's starting point (its best at Qwen3.6 on the H200, T=1, in a graph: 17.5 us against
+        # two_stage's 17.3: docs/benchmarks.md, round 4): gate/up as two_stage's default; the down tile
+        # [K, BLOCK_H, I] of 4 rows of H: 8 x 4 x 512 bf16 = 64 values per thread at 8 warps.
         return {
             "variant": "pdl",
             "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128, "num_warps": 8},
