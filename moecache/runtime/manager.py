@@ -8,9 +8,10 @@ Per layer visit (`visit(layer, topk_ids_TK)`, called after the router, before th
    does this step alone, so an executor can enqueue the layer's kernels before the routing is back.
 2. hits: an entry of topk_ids_TK is a hit iff its expert is in that snapshot (`hit_TK`); the others
    go to the CPU path (`miss_experts`).
-3. the policy: the compiled visit of moecache/sim/visit.py (`visit_entry`: the same `step` the
-   simulator replays) updates the counters and returns admissions and evictions. The policy counts a
-   key that holds a slot as resident even while its copy is in flight (the timed simulator's rule).
+3. the policy: `apply_step` of moecache/sim/visit.py (the same `step` the simulator replays) updates
+   the counters and returns admissions and evictions. The policy counts a key that holds a slot as
+   resident even while its copy is in flight (the timed simulator's rule). Steps 2-4 and the slot
+   bookkeeping are one compiled call (moecache/runtime/manager_visit.py); Python enqueues the copies.
 4. evictions forget a slot (CPU weights are never touched); admissions take a free slot and their copy
    is enqueued at once (transfer.py), after the slot's last reader (below). A slot freed by this visit's
    eviction of an expert this very visit runs on the GPU is safe only after this layer's kernels: such
@@ -44,18 +45,17 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-import numba as nb
 import numpy as np
 import torch
 
 from moecache.capacity import parse_capacity
 from moecache.errors import MoecacheError
+from moecache.runtime.manager_visit import ADMIT_AFTER, ADMIT_DEFERRED, FREE, HELD, CompiledVisit
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import Copy, TransferEngine
 from moecache.sim.policy import Policy, make_policy
 from moecache.sim.replay import replay_from
 from moecache.sim.shape import ModelShape
-from moecache.sim.visit import visit_entry
 
 CAPACITY_KEY = "gpu_expert_capacity"
 # A visit's empty result arrays: shared, read-only (an empty array holds nothing to change).
@@ -169,7 +169,7 @@ class CacheManager:
                 "simulator; the runtime takes an online policy (e.g. lfu, lru, static_cold)"
             )
         self.policy = policy
-        self._visit_fn = visit_entry(type(policy))
+        self._core = CompiledVisit(type(policy))  # the whole layer visit, compiled (manager_visit.py)
         self.pool = SlotPool.for_store(device, self.capacity, store)
         # Copies are timed on the device (copy_duration_ns) only while time_gpu is set (below), so the hot
         # path records one event per copy, not two.
@@ -196,7 +196,7 @@ class CacheManager:
         # `_covering_serial` (a stream wait captures the record it is given, so re-recording is safe).
         # A slot's last reader (`last_read_S`) and a row's last upload (`_upload_serial_L`) need no
         # event at all once the fence passes them: in the fast loop, no event is recorded per visit.
-        self.last_read_S = [0] * self.capacity
+        self.last_read_S = np.zeros(self.capacity, np.int64)
         self._upload_serial_L = [0] * L
         self._covering = device.new_event()
         self._serial = 0  # the current visit's serial (0: none yet)
@@ -206,14 +206,18 @@ class CacheManager:
         # Scratch of the compiled visit (no allocation per visit beyond the result's own arrays).
         self._admit_out = np.empty(G, np.int32)
         self._evict_out = np.empty(G, np.int32)
+        self._slot_out = np.empty(G, np.int32)  # the admissions' slots
+        self._flag_out = np.zeros(2 * G, np.int8)  # admissions' flags, then evictions' wasted flags
         self._hit_U = np.empty(E, np.bool_)
         self._key_U = np.empty(E, np.int32)
         self._uses_U = np.empty(E, np.int32)
         self._slot_U = np.empty(E, np.int32)
         self._miss_U = np.empty(E, np.int64)
-        self._stamp_E = np.zeros(E, np.int64)  # serial of the visit that last saw each expert (_prepare)
+        self._stamp_E = np.zeros(E, np.int64)  # serial of the visit that last saw each expert
         self._pos_E = np.zeros(E, np.int64)  # its index in that visit's key_U
-        self._held_capacity = np.array([0, self.capacity], np.int64)
+        self._freed_S = np.empty(self.capacity, np.int32)  # slots freed busy by a visit (scratch)
+        # keys holding a slot, capacity, free slots (the top of free_S): manager_visit.py's counts_X
+        self._held_capacity = np.array([0, self.capacity, 0], np.int64)
         self._routing_views: dict = {}  # pinned read-back buffers of device routing, by shape
         self.stats = ManagerStats()
         self.last_visit: VisitResult | None = None  # the latest visit's result (the routing logger's)
@@ -294,16 +298,21 @@ class CacheManager:
         """Fresh counters and an empty cache, then (unless told not to) the policy's initial residents
         (static placements)."""
         G = self.shape.num_keys
+        self._core.retype()  # new state and bookkeeping arrays
         self.state = self.policy.named_state(self.policy.init_state(self.shape, self.capacity))
         self.resident_G = np.zeros(G, np.bool_)  # the policy's view: holds a slot (loading or not)
         self.slot_of_G = np.full(G, -1, np.int32)
-        self.free_S = list(range(self.capacity - 1, -1, -1))  # a stack: slot 0 is taken first
+        # free slots, a stack: free_S[:_held_capacity[FREE]], slot 0 on top at first
+        self.free_S = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)
+        self._held_capacity[HELD] = 0
+        self._held_capacity[FREE] = self.capacity
+        # copies in flight: per layer {key: Copy} in enqueue order, and as a mask over keys
         self.loading_L: list[dict[int, Copy]] = [{} for _ in range(self.shape.num_layers)]
-        self._late_G: set[int] = set()  # loading keys whose copy was already counted late
+        self._loading_G = np.zeros(G, np.bool_)
+        self._late_G = np.zeros(G, np.bool_)  # loading keys whose copy was already counted late
         self.published_LE.fill(-1)
         self._dirty_L[:] = True
-        self._held_capacity[0] = 0
-        self._pending: tuple | None = None  # (hit slots, deferred (key, slot)) awaiting commit
+        self._pending: tuple | None = None  # (serial, deferred (key, slot), result) awaiting commit
         self._prepared: int | None = None  # the layer `prepare` published for, until its visit
         self.a0 = 0  # accesses so far (the step's access clock)
         self.clock = 0  # tokens of earlier forward steps
@@ -326,10 +335,11 @@ class CacheManager:
             if self.resident_G[k]:
                 raise MoecacheError(f"cache manager: key {k} listed twice among the residents")
             self.resident_G[k] = True
-            slot = self.free_S.pop()
+            self._held_capacity[FREE] -= 1
+            slot = int(self.free_S[self._held_capacity[FREE]])
             self.slot_of_G[k] = slot
             copies.append(self.engine.enqueue(k, slot, after=self._slot_free_after(slot)))
-        self._held_capacity[0] = int(self.resident_G.sum())
+        self._held_capacity[HELD] = int(self.resident_G.sum())
         for copy in copies:
             copy.ready_event.synchronize()
             copy.observe()
@@ -380,6 +390,7 @@ class CacheManager:
             self._init_session(initial_residents=False)
             fields = exported["state"]
             self.state = type(self.state)(*(np.array(fields[name], copy=True) for name in self.state._fields))
+            self._core.retype()
             self._load_residents(np.asarray(exported["resident_keys"], np.int64))
             clocks = exported["clocks"]
             self.a0, self.clock, self.request = (
@@ -414,16 +425,15 @@ class CacheManager:
         """Compile (or load from numba's cache) the visit's compiled functions now, on throwaway copies of
         the session state, so that the first visit of a run does not pay for it (a few ms from the
         cache, ~0.3-1 s when the code changed: a cold run's first token would carry it)."""
-        K = self.shape.top_k
-        _prepare(
-            np.zeros((0, K), np.int64), 0, self.shape.num_experts, self.published_LE[0], self._stamp_E,
-            self._pos_E, 0, self._key_U, self._uses_U, self._slot_U, np.empty((0, K), np.bool_), self._miss_U,
-        )  # fmt: skip
+        K, E = self.shape.top_k, self.shape.num_experts
         state = type(self.state)(*(np.array(field, copy=True) for field in self.state))
-        key_U, uses_U = np.zeros(1, np.int32), np.ones(1, np.int32)
-        self._visit_fn(
-            state, key_U, uses_U, 0, 0, 0, self.resident_G.copy(), self._held_capacity.copy(),
-            self._hit_U[:1], self._admit_out, self._evict_out,
+        self._core(
+            state, np.zeros((0, K), np.int64), 0, 0, 0, 0, 0, 0, np.zeros(E, np.int64), self._pos_E, self._key_U,
+            self._uses_U, self._slot_U, self._miss_U, self._hit_U, np.empty((0, K), np.bool_),
+            np.empty(E, np.int32), self.resident_G.copy(), self._loading_G.copy(), self._late_G.copy(),
+            self._held_capacity.copy(), self._admit_out, self._evict_out, self._slot_out, self._flag_out,
+            self.slot_of_G.copy(), self.published_LE.copy(), self._dirty_L.copy(), self.free_S.copy(),
+            self._freed_S, self.last_read_S.copy(),
         )  # fmt: skip
 
     # ---- the hot path ----------------------------------------------------------------------------
@@ -507,29 +517,25 @@ class CacheManager:
             else:
                 self._step_tokens = max(self._step_tokens, T)
             self._last_layer = layer
-            row_E = self.published_LE[layer]
             wait = self._on_miss == "wait"
             if not prepared:
                 self._publish_ready(layer)
                 if not wait:  # with waits, the row this visit runs is known only after its copies
                     self._push_row(layer)
-            E = self.shape.num_experts
             hit_TK = np.empty(ids_TK.shape, np.bool_)
-            key_U, uses_U, slot_U, miss_U = self._key_U, self._uses_U, self._slot_U, self._miss_U
+            snapshot_E = np.empty(self.shape.num_experts, np.int32)
             try:
-                U, n_miss = _prepare(
-                    ids_TK, layer, E, row_E, self._stamp_E, self._pos_E, self._serial, key_U, uses_U, slot_U, hit_TK, miss_U
+                U, n_miss, n_admit, n_evict, n_late, n_wasted = self._core(
+                    self.state, ids_TK, layer, self._serial, self._fence, self.a0, self.clock, self.request,
+                    self._stamp_E, self._pos_E, self._key_U, self._uses_U, self._slot_U, self._miss_U,
+                    self._hit_U, hit_TK, snapshot_E, self.resident_G, self._loading_G, self._late_G,
+                    self._held_capacity, self._admit_out, self._evict_out, self._slot_out, self._flag_out,
+                    self.slot_of_G, self.published_LE, self._dirty_L, self.free_S, self._freed_S,
+                    self.last_read_S,
                 )  # fmt: skip
             except ValueError as exc:
-                raise MoecacheError(f"cache manager: layer {layer} routing: {exc}") from exc
-            if n_miss and self.loading_L[layer]:
-                self._count_late(layer, miss_U[:n_miss])
-            try:
-                n_admit, n_evict = self._visit_fn(
-                    self.state, key_U[:U], uses_U[:U], self.a0, self.clock, self.request, self.resident_G,
-                    self._held_capacity, self._hit_U[:U], self._admit_out, self._evict_out,
-                )  # fmt: skip
-            except ValueError as exc:
+                if str(exc).startswith("routing"):
+                    raise MoecacheError(f"cache manager: layer {layer} routing: {exc}") from exc
                 raise MoecacheError(
                     f"policy {self.policy.label()} at capacity {self.capacity}: {exc}"
                 ) from exc
@@ -537,50 +543,46 @@ class CacheManager:
             result = VisitResult(
                 layer=layer,
                 slot_of_E=self._device_rows[layer],
-                snapshot_E=row_E.copy(),
+                snapshot_E=snapshot_E,
                 hit_TK=hit_TK,
-                miss_experts=miss_U[:n_miss].copy() if n_miss else _NONE_I64,
+                miss_experts=self._miss_U[:n_miss].copy() if n_miss else _NONE_I64,
                 admitted=self._admit_out[:n_admit].copy() if n_admit else _NONE_I32,
                 evicted=self._evict_out[:n_evict].copy() if n_evict else _NONE_I32,
             )
-            gpu_slots = slot_U[: U - n_miss].tolist()
-            busy = set(gpu_slots) if n_evict else gpu_slots
-            freed_busy: list[int] = []
-            if n_evict:
-                for k in result.evicted.tolist():
-                    self._evict(k, busy, freed_busy)
+            s = self.stats
+            if n_wasted:
+                self._drop_wasted(result.evicted, n_evict)
             deferred = []
             if n_admit:
-                for k in result.admitted.tolist():
-                    deferred += self._admit(k, freed_busy, result.copies)
+                deferred = self._enqueue_admitted(result, n_admit)
             if wait:
+                busy = set(self._slot_U[: U - n_miss].tolist())
                 self._wait_for_copies(layer, ids_TK, result, busy)
-            self._pending = (self._serial, busy, deferred, result)
+            self._pending = (self._serial, deferred, result)
             self.last_visit = result
-            s = self.stats
             s.visits += 1
             s.hits += U - n_miss
             s.misses += n_miss
             s.admissions += n_admit
             s.evictions += n_evict
+            s.late_copies += n_late
+            s.wasted_copies += n_wasted
             return result
 
     def commit(self) -> None:
-        """The executor has enqueued the last visit's GPU work on the compute stream: the slots it read
-        get that visit as their last reader, and the copies into slots it read (deferred) are enqueued
-        behind an event recorded now. Idempotent."""
+        """The executor has enqueued the last visit's GPU work on the compute stream: the copies into
+        slots it read (deferred) are enqueued behind an event recorded now (the visit itself made
+        itself those slots' last reader). Idempotent."""
         with self._lock:
             if self._pending is None:
                 return
-            serial, busy, deferred, result = self._pending
+            serial, deferred, result = self._pending
             self._pending = None
             self._committed = serial
-            last_read_S = self.last_read_S
-            for slot in busy:
-                last_read_S[slot] = serial
             for key, slot in deferred:
                 copy = self.engine.enqueue(key, slot, after=self._slot_free_after(slot))
                 self.loading_L[key // self.shape.num_experts][key] = copy
+                self._loading_G[key] = True
                 result.copies.append(copy)
                 self.stats.copies += 1
 
@@ -595,15 +597,6 @@ class CacheManager:
         """What a copy into `slot` must wait for: None when its last reader is past the fence."""
         last = self.last_read_S[slot]
         return None if last <= self._fence else self._covering_event(last)
-
-    def _count_late(self, layer: int, miss_experts) -> None:
-        """Copies still in flight now that their expert is used again (once per copy)."""
-        loading, base = self.loading_L[layer], layer * self.shape.num_experts
-        for e in miss_experts.tolist():
-            key = base + e
-            if key in loading and key not in self._late_G:
-                self._late_G.add(key)
-                self.stats.late_copies += 1
 
     def _wait_for_copies(self, layer: int, ids_TK: np.ndarray, result: VisitResult, busy) -> None:
         """on_miss="wait": wait for this visit's enqueued copies, publish them, and give the visit the
@@ -624,7 +617,6 @@ class CacheManager:
             copy.ready_event.synchronize()
             copy.observe()
             loading.pop(copy.key, None)
-            self._late_G.discard(copy.key)
             self._publish(copy)
             self.engine.release(copy)
             visit_row[copy.key - base] = copy.slot
@@ -639,14 +631,19 @@ class CacheManager:
     # ---- helpers ---------------------------------------------------------------------------------
 
     def _read_routing(self, topk_ids_TK) -> np.ndarray:
-        """The routing as host int64 [T, K]: the one device-to-host read of the hot path (into a reused
-        pinned buffer for a CUDA tensor)."""
-        if type(topk_ids_TK) is np.ndarray and topk_ids_TK.dtype == np.int64 and topk_ids_TK.ndim == 2:
+        """The routing as host int64 [T, K], C-contiguous (the compiled visit's argument type): the one
+        device-to-host read of the hot path (into a reused pinned buffer for a CUDA tensor)."""
+        if (
+            type(topk_ids_TK) is np.ndarray
+            and topk_ids_TK.dtype == np.int64
+            and topk_ids_TK.ndim == 2
+            and topk_ids_TK.flags.c_contiguous
+        ):
             return topk_ids_TK  # the fast loop's read-back view
         if isinstance(topk_ids_TK, np.ndarray):
-            return topk_ids_TK.astype(np.int64, copy=False).reshape(topk_ids_TK.shape[0], -1)
+            return np.ascontiguousarray(topk_ids_TK, np.int64).reshape(topk_ids_TK.shape[0], -1)
         if topk_ids_TK.device.type == "cpu":
-            return topk_ids_TK.numpy().astype(np.int64, copy=False)
+            return np.ascontiguousarray(topk_ids_TK.numpy(), np.int64)
         host = self._routing_views.get(topk_ids_TK.shape)
         if host is None:  # one pinned buffer per routing shape, made on first use
             host = torch.empty(topk_ids_TK.shape, dtype=topk_ids_TK.dtype, pin_memory=True)
@@ -654,12 +651,15 @@ class CacheManager:
         host.copy_(topk_ids_TK, non_blocking=True)
         self.compute.stream.synchronize()  # the routing was computed on the compute stream
         self._fence = self._serial - 1  # and with it everything before this visit
-        return host.numpy().astype(np.int64, copy=False)
+        return np.ascontiguousarray(host.numpy(), np.int64)
 
     def _publish(self, copy: Copy) -> None:
+        """The copy is complete and no longer in flight (the caller removed it from loading_L)."""
         layer, expert = divmod(copy.key, self.shape.num_experts)
         self.published_LE[layer, expert] = copy.slot
         self._dirty_L[layer] = True
+        self._loading_G[copy.key] = False
+        self._late_G[copy.key] = False
 
     def _publish_ready(self, layer: int) -> None:
         """Publish the layer's completed copies. `loading_L[layer]` is in enqueue order (an admission's
@@ -668,7 +668,6 @@ class CacheManager:
         if loading:
             for copy in self.engine.observe_in_order(list(loading.values())):
                 del loading[copy.key]
-                self._late_G.discard(copy.key)
                 self._publish(copy)
                 self.engine.release(copy)
 
@@ -694,64 +693,28 @@ class CacheManager:
         self._upload_serial_L[layer] = self._serial
         self._dirty_L[layer] = False
 
-    def _evict(self, key: int, busy: set, freed_busy: list) -> None:
-        slot = int(self.slot_of_G[key])
-        self.slot_of_G[key] = -1
-        layer, expert = divmod(key, self.shape.num_experts)
-        if self.published_LE[layer, expert] >= 0:
-            self.published_LE[layer, expert] = -1
-            self._dirty_L[layer] = True
-        copy = self.loading_L[layer].pop(key, None)
-        self._late_G.discard(key)
-        if copy is not None:
-            copy.wasted = True
-            self.stats.wasted_copies += 1
-        (freed_busy if slot in busy else self.free_S).append(slot)
+    def _drop_wasted(self, evicted: np.ndarray, n_evict: int) -> None:
+        """Evicted keys whose copy was still in flight (the compiled visit flagged them): no longer loading."""
+        G = self.shape.num_keys
+        E = self.shape.num_experts
+        for j in np.flatnonzero(self._flag_out[G : G + n_evict]).tolist():
+            key = int(evicted[j])
+            self.loading_L[key // E].pop(key).wasted = True
 
-    def _admit(self, key: int, freed_busy: list, copies: list) -> list:
-        """Reserve a slot for `key` and enqueue its copy now; returns [(key, slot)] if the copy must wait
-        for this visit's own kernels (see commit)."""
-        layer = key // self.shape.num_experts
-        if self.free_S:
-            slot = self.free_S.pop()
-            self.slot_of_G[key] = slot
-            copy = self.engine.enqueue(key, slot, after=self._slot_free_after(slot))
-            self.loading_L[layer][key] = copy
-            copies.append(copy)
-            self.stats.copies += 1
-            return []
-        slot = freed_busy.pop()
-        self.slot_of_G[key] = slot
-        self.stats.deferred_copies += 1
-        return [(key, slot)]
-
-
-@nb.njit(cache=True, nogil=True)
-def _prepare(ids_TK, layer, num_experts, row_E, stamp_E, pos_E, visit, key_U, uses_U, slot_U, hit_TK, miss_U):
-    """One pass over the routing: the distinct experts in order of first selection (token by token,
-    router order within a token) as keys with their uses and published slots, the hit mask of every
-    entry, the slots of the experts with a published slot (slot_U[:U - misses], the slots this visit's
-    kernels read) and the experts without (miss_U[:misses], the CPU's). Returns (U, misses)."""
-    U = 0
-    n_miss = 0
-    for t in range(ids_TK.shape[0]):
-        for k in range(ids_TK.shape[1]):
-            e = ids_TK[t, k]
-            if e < 0 or e >= num_experts:
-                raise ValueError("routing holds an expert id outside 0..num_experts-1")
-            slot = row_E[e]
-            hit_TK[t, k] = slot >= 0
-            if stamp_E[e] == visit:
-                uses_U[pos_E[e]] += 1
+    def _enqueue_admitted(self, result: VisitResult, n_admit: int) -> list:
+        """Enqueue the copies of the visit's admissions into the slots the compiled visit gave them, now;
+        returns [(key, slot)] of those that must follow this visit's own kernels (see commit)."""
+        E = self.shape.num_experts
+        deferred = []
+        slots, flags = self._slot_out[:n_admit].tolist(), self._flag_out[:n_admit].tolist()
+        for key, slot, flag in zip(result.admitted.tolist(), slots, flags, strict=True):
+            if flag == ADMIT_DEFERRED:
+                self.stats.deferred_copies += 1
+                deferred.append((key, slot))
                 continue
-            stamp_E[e] = visit
-            pos_E[e] = U
-            key_U[U] = layer * num_experts + e
-            uses_U[U] = 1
-            if slot < 0:
-                miss_U[n_miss] = e
-                n_miss += 1
-            else:
-                slot_U[U - n_miss] = slot
-            U += 1
-    return U, n_miss
+            after = self._covering_event(self.last_read_S[slot]) if flag == ADMIT_AFTER else None
+            copy = self.engine.enqueue(key, slot, after=after)
+            self.loading_L[key // E][key] = copy
+            result.copies.append(copy)
+        self.stats.copies += n_admit - len(deferred)
+        return deferred

@@ -33,22 +33,27 @@ import numba as nb
 from numba.core.caching import FunctionCache, IndexDataCacheFile
 
 SIM_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = SIM_ROOT.parent
 # What every entry point is compiled with: no reference counting (every buffer comes from the caller;
 # see policies/lfu.py) and the GIL released (the sweep runs replays on a thread pool).
 ENTRY_OPTIONS = {"nogil": True, "_nrt": False}
 
 
-# The files the compiled entry points are made of: the drivers, the visit and every policy with its
-# helpers. A compiled helper added elsewhere must be added here.
-COMPILED_SOURCES = ("jit.py", "visit.py", "replay.py", "timed.py", "policies/*.py")
+# The files the compiled entry points are made of (relative to the package): the drivers (the cache
+# manager's visit too), the visit and every policy with its helpers. A compiled helper added elsewhere
+# must be added here.
+COMPILED_SOURCES = (
+    "sim/jit.py", "sim/visit.py", "sim/replay.py", "sim/timed.py", "sim/policies/*.py",
+    "runtime/manager_visit.py",
+)  # fmt: skip
 
 
 @cache
 def source_fingerprint() -> str:
     """sha256 of the relative path and bytes of every file of COMPILED_SOURCES, in path order."""
     digest = hashlib.sha256()
-    for path in sorted({p for pattern in COMPILED_SOURCES for p in SIM_ROOT.glob(pattern)}):
-        digest.update(path.relative_to(SIM_ROOT).as_posix().encode())
+    for path in sorted({p for pattern in COMPILED_SOURCES for p in PACKAGE_ROOT.glob(pattern)}):
+        digest.update(path.relative_to(PACKAGE_ROOT).as_posix().encode())
         digest.update(b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")

@@ -358,6 +358,36 @@ def test_export_import_continues_identically(policy):
     assert trail(a, rest) == trail(b, rest)
 
 
+@pytest.mark.parametrize("policy", ["lfu", "lru", "transition_prefetch"])
+def test_the_compiled_entry_point_equals_the_dispatcher(policy):
+    """After its first call the compiled visit skips numba's dispatcher (manager_visit.CompiledVisit);
+    the same visits through the dispatcher every time give the same placements, and routing in any
+    layout or integer type takes the same path."""
+    visits = routing(6, 40)
+    direct = manager(policy, 3)
+    dispatched = manager(policy, 3)
+    core = dispatched._core
+    calls = []
+
+    class Dispatched:
+        def retype(self):
+            pass
+
+        def __call__(self, *args):
+            calls.append(1)
+            return core._dispatcher(*args)
+
+    dispatched._core = Dispatched()
+    strided = [(layer, np.asfortranarray(np.repeat(i, 2, axis=0))[:1]) for layer, i in visits]
+    assert not strided[0][1].flags.c_contiguous
+    narrow = [(layer, i.astype(np.int32)) for layer, i in visits]
+    assert trail(direct, visits) == trail(dispatched, visits)
+    assert direct._core._entry is not None and len(calls) == len(visits)
+    direct.reset()
+    assert direct._core._entry is None  # new state arrays: typed again at the next visit
+    assert trail(direct, strided) == trail(manager(policy, 3), narrow) == trail(manager(policy, 3), visits)
+
+
 def test_reset_equals_a_fresh_manager():
     visits = routing(3, 40)
     a = manager("lfu", 3)
