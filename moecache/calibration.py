@@ -695,7 +695,84 @@ def transformers_generate(model, prompt_1T: torch.Tensor, new_tokens: int, stamp
     )  # fmt: skip
 
 
-STEP_FUNCTIONS = {"transformers": transformers_generate}
+class _StampStreamer:
+    """A streamer (transformers' put/end protocol) calling `stamp` as each generated token is put (the
+    decoder puts the prompt first: skipped)."""
+
+    def __init__(self, stamp):
+        self._stamp, self._prompt_seen = stamp, False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self._stamp(None, None)
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def fast_generate(model, prompt_1T: torch.Tensor, new_tokens: int, stamp) -> None:
+    """moecache's fast decode loop (`FastDecoder`, a StaticCache and static buffers) in
+    `transformers_generate`'s arguments, eager (graphs off): `time_in_model` runs it with a probe as
+    every layer's experts (`ZeroExperts`), whose routing read-back no CUDA graph could hold. The
+    offloaded model's own fast loop is timed by `time_fast_steps`."""
+    from moecache.runtime.decode_loop import FastDecoder
+
+    decoder = FastDecoder(model, max_cache_len=int(prompt_1T.shape[-1]) + new_tokens, graphs="off")
+    decoder.generate(prompt_1T, new_tokens, streamer=_StampStreamer(stamp))
+
+
+# The decode loop of each cost.runtime.step: the non-expert time of step=transformers (time_model_steps)
+# and, on the stand-in, the loop the in-model host timings run in (time_in_model); step=fast times its
+# non-expert time on the offloaded model instead (time_fast_steps).
+STEP_FUNCTIONS = {"transformers": transformers_generate, "fast": fast_generate}
+
+
+def random_forcing(shape, prompt_tokens: int, tokens: int, seed: int = 0):
+    """A ForcedRouting of one request "calibrate" of `tokens` tokens (the first `prompt_tokens` its
+    prefill) for a model of `shape` (a ModelShape: L, E, K): per token and MoE layer K distinct experts
+    drawn uniformly at random, random weights summing to 1. What `time_fast_steps` forces."""
+    from moecache.runtime.forced_routing import ForcedRouting
+
+    rng = np.random.default_rng(seed)
+    L, E, K = shape.num_layers, shape.num_experts, shape.top_k
+    ids_LNK = np.argsort(rng.random((L, tokens, E)), axis=-1)[..., :K].astype(np.int64)
+    w_LNK = rng.random((L, tokens, K), dtype=np.float32) + np.float32(0.1)
+    w_LNK /= w_LNK.sum(axis=-1, keepdims=True)
+    return ForcedRouting.from_arrays({"calibrate": (ids_LNK, w_LNK, prompt_tokens)}, num_experts=E)
+
+
+def time_fast_steps(
+    model, *, prompt_tokens: int, decode_steps: int, repeats: int, warmup: int, vocab_size: int, seed: int = 0
+) -> tuple[Timing, Timing]:
+    """(prefill, decode) of an offloaded model (`moecache.offload`) in moecache's fast decode loop, run
+    as `moecache validate validate.loop=fast` runs a request (its `FastLoop`: `FastDecoder(model,
+    keep_logits=True, forced=...)`, split at the host points, CUDA graphs on CUDA, tokens stamped by a
+    streamer): the time to the first token over `repeats` generations from a prompt of `prompt_tokens`
+    tokens (`warmup` generations untimed first), and the gaps between later tokens, the decoder's warm-up
+    gaps left out (`time_model_steps`' measurements, in the fast loop). The fast loop decodes forced
+    (validate's fast runs do): the routing is random (`random_forcing`), every token of every layer K
+    distinct experts, as the operator's rows are timed."""
+    from moecache.validation.generation import FastLoop
+
+    per_run = max(1, -(-decode_steps // max(repeats, 1)))  # decode steps timed per generation
+    gen = torch.Generator().manual_seed(seed)
+    prompt = tuple(torch.randint(0, vocab_size, (prompt_tokens,), generator=gen).tolist())
+    session = model.moecache
+    forced = random_forcing(session.manager.shape, prompt_tokens, prompt_tokens + per_run, seed)
+    loop = FastLoop(model, prompt_tokens + per_run + 1, forced)
+    prefill, decode = [], []
+    try:
+        for n in range(warmup + repeats):
+            session.begin_request()
+            forced.start_request("calibrate")
+            got = loop.generate(prompt, per_run + 1)
+            if n >= warmup:
+                prefill.append(got.ttft_s * 1e6)
+                decode += [gap * 1e6 for gap in got.gaps_s[got.warmup_gaps :]]
+    finally:
+        loop.close()
+    return summarize(prefill), summarize(decode)
 
 
 @torch.inference_mode()

@@ -292,7 +292,7 @@ class RuntimeCosts:
     top_k: int
     expert_bytes: int  # of the runtime's measured model, in its dtype
     overlap: str  # "serial": the step's CPU half runs after its GPU half; "parallel": at the same time
-    path: str  # the execution path the non-expert time was measured with ("transformers", ...)
+    path: str  # the decode loop the non-expert time was measured in ("transformers" or "fast")
     kernel_tokens: np.ndarray  # int64 [J]: tokens of the operator's measured rows
     kernel_curves: tuple[Curve, ...]  # per measured token count: time against resident entries
     cpu_expert: Curve  # one more expert of m tokens in a CPU-path call

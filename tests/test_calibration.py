@@ -453,3 +453,107 @@ def test_calibrate_measures_the_runtime_on_cuda(tmp_path) -> None:
     cost = CostModel.for_trace(profile, _decode_trace())
     ratio = 1_000_000 / rt["model"]["expert_bytes"]  # the test trace's experts are 1 MB
     assert cost.copy_us() == pytest.approx(rt["copy_engine"]["per_copy_us"] * ratio)
+
+
+FAST_RUNTIME = [
+    "cost.runtime.repeats=3", "cost.runtime.warmup=1", "cost.runtime.kernel_tokens=[1,4]",
+    "cost.runtime.cpu_tokens_per_expert=[1]", "cost.runtime.visit_tokens=[1,16]",
+    "cost.runtime.prompt_tokens=[4,8]", "cost.runtime.decode_steps=3", "cost.runtime.step=fast",
+]  # fmt: skip
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test: on a busy 2-core machine the stand-in operator's two-thread
+    calls wait for a descheduled thread (70-270 ms against 0.2 ms quiet), one thread is only slowed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torch_thread) -> None:
+    """cost.runtime.step=fast: the non-expert time is the all-resident fast loop's step less what the
+    simulator adds back to it, so the timed replay of an all-resident decode gives back exactly the
+    measured step (the algebra of the profile's own numbers, not a timing comparison)."""
+    from conftest import trace_table
+
+    from moecache.sim.cost_model import CostModel
+    from moecache.sim.policy import make_policy
+    from moecache.sim.timed import replay_timed
+    from moecache.sim.trace_arrays import from_table
+
+    result = calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST, *FAST_RUNTIME]))
+    rt = json.loads((result.artifact / PROFILE_FILE).read_text())["runtime"]
+    assert rt["execution"]["path"] == "fast" and rt["host_timed"] == "in_model"
+    ne, costs = rt["non_expert"], CostProfile.load(result.artifact).runtime_costs()
+    L, K = ne["moe_layers"], costs.top_k
+    assert costs.path == "fast" and ne["decode_us_per_layer"] > 0 and ne["prefill_us_per_token_per_layer"] > 0
+    back = ne["added_back_us_per_layer"]
+    assert back["decode"] == pytest.approx(float(costs.visit_us(1) + costs.kernel_row_us(1)[K]), rel=1e-12)
+    measured_decode = ne["measured"]["decode"]["median_us"]
+    assert ne["decode_us_per_layer"] + back["decode"] == pytest.approx(measured_decode / L, rel=1e-12)
+    points = zip(ne["prefill_points"], ne["measured"]["prefill_points"], back["prefill_points"], strict=True)
+    for point, measured, added in points:
+        t = point["prompt_tokens"]
+        assert t == measured["prompt_tokens"] == added["prompt_tokens"] and point["median_us"] > 0
+        assert added["us"] == pytest.approx(
+            float(costs.visit_us(t) + costs.kernel_row_us(t)[t * K]), rel=1e-12
+        )
+        assert point["median_us"] + L * added["us"] == pytest.approx(measured["median_us"], rel=1e-12)
+    # An all-resident decode replayed through the timed simulator: each token costs the measured step.
+    experts = [[[(3 * i + j) % 32 for j in range(K)]] for i in range(3)]
+    steps = [(0, i, layer, tok) for i, tok in enumerate(experts) for layer in range(L)]
+    table, meta = trace_table(steps, L, 32, K, expert_bytes=rt["model"]["expert_bytes"])
+    trace = from_table(table, meta)
+    cost = CostModel.for_trace(CostProfile.load(result.artifact), trace)
+    timed = replay_timed(trace, make_policy("static_cold"), L * 32, cost)
+    assert timed.hit_A.all() and list(timed.forward_us_F) == pytest.approx([measured_decode] * 3, rel=1e-9)
+    row = result.summary["decode ms/token, all resident (fast loop, measured)"]
+    assert row == pytest.approx(result.summary["decode ms/token, all hits (model)"], rel=1e-9)
+
+
+def test_fast_non_expert_refuses_a_non_positive_remainder() -> None:
+    timing = cal.Timing(median_us=400.0, p10_us=390.0, p90_us=420.0, repeats=3)
+    less = calibrate._less_expert_path(timing, 4, 60.0, "decode step")
+    assert (less.median_us, less.p10_us, less.p90_us, less.repeats) == (160.0, 150.0, 180.0, 3)
+    with pytest.raises(
+        MoecacheError, match=r"cost.runtime.step=fast: the all-resident decode step took 100.0"
+    ):
+        calibrate._less_expert_path(timing, 4, 100.0, "decode step")
+
+
+def test_calibrate_refuses_an_unknown_step(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from moecache.cli import app
+
+    with pytest.raises(
+        MoecacheError, match=r"cost.runtime.step='warp': expected one of \['fast', 'transformers'\]"
+    ):
+        calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST, "cost.runtime.step=warp"]))
+    res = CliRunner().invoke(
+        app, ["calibrate", "model=tiny", f"output_root={tmp_path}", "cost.runtime.step=warp"]
+    )
+    assert res.exit_code == 2 and "cost.runtime.step='warp'" in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_calibrate_step_fast_on_cuda(tmp_path) -> None:
+    """On CUDA: the fast loop's all-resident steps (CUDA graphs between the host points) less the added-back
+    expert path, the algebra as on the CPU."""
+    fast = [
+        "model=tiny", f"output_root={tmp_path}", "device=cuda", "cost.repeats=3", "cost.warmup=1",
+        "cost.tokens_per_call=[1,4]", "cost.num_pool_experts=8", "cost.copy_sizes_bytes=[65536,1048576]",
+        "cost.runtime.repeats=5", "cost.runtime.warmup=2", "cost.runtime.kernel_tokens=[1,8]",
+        "cost.runtime.cpu_tokens_per_expert=[1,4]", "cost.runtime.visit_tokens=[1,8]",
+        "cost.runtime.prompt_tokens=[8]", "cost.runtime.decode_steps=5", "cost.runtime.step=fast",
+    ]  # fmt: skip
+    result = calibrate.run(compose(fast))
+    rt = json.loads((result.artifact / PROFILE_FILE).read_text())["runtime"]
+    ne = rt["non_expert"]
+    assert rt["execution"]["path"] == "fast" and rt["execution"]["device"] == "cuda"
+    assert ne["decode_us_per_layer"] > 0 and ne["prefill_points"][0]["median_us"] > 0
+    measured = ne["measured"]["decode"]["median_us"] / ne["moe_layers"]
+    assert ne["decode_us_per_layer"] + ne["added_back_us_per_layer"]["decode"] == pytest.approx(measured)

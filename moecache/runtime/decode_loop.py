@@ -254,8 +254,9 @@ class FastDecoder:
         return "fused" if self._taps.frozen() else "split"
 
     def _decode(self, mode: str, budget: int, eos: set[int], streamer) -> tuple[int, float, float, int, dict]:
-        """Up to `budget` decode steps (stopping after an `eos` token): eager warm-up steps, the capture,
-        then replays (graphs on); eager steps otherwise. Returns (steps, warmup_s, decode_s, timed, the
+        """Up to `budget` decode steps (stopping after an `eos` token): eager warm-up steps, the capture
+        and its first replay (warm-up too: a streamer's gap for that step holds the capture), then
+        replays (graphs on); eager steps otherwise. Returns (steps, warmup_s, decode_s, timed, the
         host points' times over the timed steps: ExpertsTaps.host_ns)."""
         host = dict.fromkeys(HOST_TIMES, 0)
         segments = self._segments[mode]
@@ -269,10 +270,12 @@ class FastDecoder:
                 self._eager_steps[mode] += 1
                 self._sync()
                 warmup_s += time.perf_counter() - t0
+            elif self.use_graphs and not segments.graphs:  # the capture, and its first replay: warm-up
+                segments.capture(self._run_step)
+                segments.replay()
+                self._sync()
+                warmup_s += time.perf_counter() - t0
             else:
-                if self.use_graphs and not segments.graphs:
-                    segments.capture(self._run_step)
-                    warmup_s += time.perf_counter() - t0
                 if t_start is None:  # the timed stretch: every step from here on
                     self._sync()
                     t_start = time.perf_counter()

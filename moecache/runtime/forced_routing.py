@@ -118,6 +118,31 @@ class ForcedRouting:
         requests = _requests(table, where, num_layers, top_k, weights, max_tokens)
         return cls(requests, num_layers=num_layers, num_experts=num_experts, top_k=top_k)
 
+    @classmethod
+    def from_arrays(
+        cls, requests: dict[str, tuple[np.ndarray, np.ndarray, int]], *, num_experts: int
+    ) -> ForcedRouting:
+        """From routing a caller drew itself (calibrate's random routing): per request id, (ids int64
+        [L, N, K], weights float32 [L, N, K], prompt_len), every request of one [L, ., K]; ids in
+        0..num_experts-1, 1 <= prompt_len <= N. Refuses anything else in one line."""
+        made: dict[str, _Request] = {}
+        shapes = set()
+        for rid, (ids, weights, prompt_len) in requests.items():
+            ids, weights = np.asarray(ids, np.int64), np.asarray(weights, np.float32)
+            if ids.ndim != 3 or weights.shape != ids.shape or not 1 <= prompt_len <= ids.shape[1]:
+                raise MoecacheError(
+                    f"forced routing: request {rid!r}: ids {ids.shape}, weights {weights.shape}, prompt_len "
+                    f"{prompt_len}: expected [L, N, K] twice and 1 <= prompt_len <= N"
+                )
+            if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < num_experts:
+                raise MoecacheError(f"forced routing: request {rid!r}: ids outside 0..{num_experts - 1}")
+            shapes.add((ids.shape[0], ids.shape[2]))
+            made[rid] = _Request(np.ascontiguousarray(ids), np.ascontiguousarray(weights), int(prompt_len))
+        if len(shapes) != 1:
+            raise MoecacheError(f"forced routing: requests of (layers, top_k) {sorted(shapes)}: expected one")
+        ((num_layers, top_k),) = shapes
+        return cls(made, num_layers=num_layers, num_experts=num_experts, top_k=top_k)
+
     # ---- what a driver needs ----------------------------------------------------------------------
 
     def _request(self, request_id: str) -> _Request:

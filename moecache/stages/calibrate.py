@@ -26,16 +26,17 @@ so a profile measured elsewhere never stands in for this machine's.
                     p10_us, p90_us, repeats}:
       model         {name, num_layers, num_experts, top_k, hidden_size, moe_intermediate_size, dtype,
                      expert_bytes}: the shape every runtime row was measured at
-      execution     {path: the step function of the non-expert time ("transformers"), overlap: "serial"
-                     (the runtime's step runs the CPU half after the GPU half; cost_model.py), device:
-                     "cuda" or "standin"}
+      execution     {path: the loop the non-expert time was measured in (cost.runtime.step: "transformers"
+                     or "fast"), overlap: "serial" (the runtime's step runs the CPU half after the GPU
+                     half; cost_model.py) or "parallel" (step=fast on CUDA), device: "cuda" or "standin"}
       cpu_backend, cpu_threads   the CPU path's executor (CpuExperts) as offload builds it
       store_experts, slots       the synthetic store's experts and the slot pool's slots
       slot_moe      [{tokens, entries, ..}]: one `ExpertsRuntime._gpu_part` call (slot_moe on CUDA, CUDA
                     events; its torch reference on the stand-in, wall time) for `entries` resident entries
       host_timed    how slot_moe, cpu_path and layer_call were timed: "in_model" (the stand-in with the
                     model at hand: each call inside the model's forward at its MoE layers, as the runtime
-                    runs it; `calibration.time_in_model`) or "loop" (calls back to back; CUDA, or no model)
+                    runs it, in the cost.runtime.step loop; `calibration.time_in_model`) or "loop" (calls
+                    back to back; CUDA, or no model)
       cpu_path      [{tokens_per_expert, experts, ..}]: one `ExpertsRuntime._cpu_part` call (gather,
                     CpuExperts.run, result back to x's device), wall time
       visit         [{tokens, ..}]: one `CacheManager.visit` + `commit` (policy lru, a quarter of E slots)
@@ -48,9 +49,15 @@ so a profile measured elsewhere never stands in for this machine's.
       non_expert    {moe_layers, prompt_tokens (the shortest of cost.runtime.prompt_tokens), decode_steps,
                     prefill, decode, decode_us_per_layer = decode median / moe_layers,
                     prefill_us_per_token_per_layer = prefill median / (prompt_tokens x moe_layers),
-                    prefill_points: [{prompt_tokens, median_us, ..}] one per prompt length}: the model,
-                    its routed experts returning zeros (after reading the routing back, as the runtime
-                    does), or null with `non_expert_reason`
+                    prefill_points: [{prompt_tokens, median_us, ..}] one per prompt length}, or null
+                    with `non_expert_reason`. step=transformers: the model, its routed experts returning
+                    zeros (after reading the routing back, as the runtime does), through `generate`.
+                    step=fast: the model offloaded with every expert resident in moecache's fast decode
+                    loop, as `moecache validate validate.loop=fast` runs it (random forced routing), less
+                    per layer step what the simulator adds back for it (layer_call/visit + slot_moe at
+                    N = tokens x top_k; a non-positive result is refused); plus `measured` {decode,
+                    prefill_points}: the loop's own times, and `added_back_us_per_layer` {decode,
+                    prefill_points: [{prompt_tokens, us}]}: what was taken off
     measured_at     UTC time, ISO 8601
     measure_s       wall seconds the measurements took
 """
@@ -70,7 +77,7 @@ from omegaconf import DictConfig, OmegaConf
 from moecache import calibration as cal
 from moecache.artifacts import artifact_id, write_json_atomic
 from moecache.config import to_container
-from moecache.cost_profile import PROFILE_FILE, CostProfile
+from moecache.cost_profile import PROFILE_FILE, CostProfile, RuntimeCosts
 from moecache.cost_profile import SCHEMA_VERSION as PROFILE_SCHEMA
 from moecache.env_info import cpu_model
 from moecache.errors import MoecacheError
@@ -82,8 +89,15 @@ SCHEMA_VERSION = PROFILE_SCHEMA  # the artifact's schema is the profile's
 # enqueued, then the CPU half starts by reading x and the routing weights back to the host, which on CUDA
 # waits behind that GPU work on the same stream, then the CPU result is copied back and added: the halves
 # run one after the other. The simulator models exactly that ("serial", moecache/sim/cost_model.py); an
-# execution path that overlaps them records "parallel".
+# execution path that overlaps them records "parallel": the fast loop's split decode step on CUDA
+# computes a layer's CPU misses while its resident experts run (moecache/runtime/segments.py), so
+# step=fast on CUDA records "parallel" (its prefill, a shorter part of a run, stays serial).
 RUNTIME_OVERLAP = "serial"
+
+
+def runtime_overlap(step: str, cuda: bool) -> str:
+    """How the measured execution path combines a layer step's GPU and CPU halves (above)."""
+    return "parallel" if step == "fast" and cuda else RUNTIME_OVERLAP
 
 
 def _first_set(*candidates: tuple[str, object]) -> tuple[str, object] | None:
@@ -284,11 +298,134 @@ def _timing_rows(keys: dict, timing: cal.Timing) -> dict:
     return {**keys, **timing.as_dict()}
 
 
+def _non_expert_zeroed(loaded, runtime, shape: cal.RuntimeShape, rs: dict, vocab: int, step) -> dict:
+    """cost.runtime.step=transformers: the model with its routed experts returning zeros (ZeroExperts),
+    its prefills and decode steps timed through `step` (module docstring, `non_expert`)."""
+    rdev = runtime.device
+    # On the stand-in the model runs behind the runtime's operator (its time subtracted), whose cache
+    # pressure a run's model work pays (docs/simulator.md); on CUDA that work is the device's.
+    spent_s = None if rdev.is_cuda else [0.0]
+    work = None if rdev.is_cuda else cal.resident_operator_work(runtime, shape)
+    layers = cal.zero_experts(loaded.adapter, work, spent_s)
+    lengths = sorted({int(t) for t in rs["prompt_tokens"]})
+    repeats, warmup = int(rs["repeats"]), int(rs["warmup"])
+    timed = [
+        cal.time_model_steps(
+            loaded.model,
+            prompt_tokens=t,
+            decode_steps=int(rs["decode_steps"]),
+            repeats=max(3, repeats // 4),
+            warmup=min(warmup, 1),
+            vocab_size=vocab,
+            step=step,
+            spent_s=spent_s,
+        )  # fmt: skip
+        for t in lengths
+    ]
+    return _non_expert_section(layers, lengths, timed, int(rs["decode_steps"]))
+
+
+def _non_expert_section(layers: int, lengths: list[int], timed: list, decode_steps: int) -> dict:
+    """The profile's `non_expert` from (prefill, decode) timings per prompt length (`lengths`, sorted)."""
+    prefill, decode = timed[0]  # the shortest prompt's prefill, and the decode steps after it
+    return {
+        "moe_layers": layers,
+        "prompt_tokens": lengths[0],
+        "decode_steps": decode_steps,
+        "prefill": prefill.as_dict(),
+        "decode": decode.as_dict(),
+        "decode_us_per_layer": decode.median_us / layers,
+        "prefill_us_per_token_per_layer": prefill.median_us / (lengths[0] * layers),
+        "prefill_points": [
+            {"prompt_tokens": t, **pre.as_dict()} for t, (pre, _) in zip(lengths, timed, strict=True)
+        ],
+    }
+
+
+def _expert_path_us(costs: RuntimeCosts, tokens: int) -> float:
+    """What the simulator adds to the non-expert time of a layer step of `tokens` tokens with every
+    entry resident (moecache/sim/cost_model.py): the layer step's host cost (`visit_us`: layer_call, else
+    visit) and the operator at N = tokens x top_k resident entries; no CPU half."""
+    return float(costs.visit_us(tokens)) + float(costs.kernel_row_us(tokens)[tokens * costs.top_k])
+
+
+def _less_expert_path(timing: cal.Timing, layers: int, per_layer_us: float, what: str) -> cal.Timing:
+    """`timing` of a whole step of `layers` MoE layers less `layers` x `per_layer_us` (every statistic
+    shifted); a median left non-positive is refused."""
+    minus = layers * per_layer_us
+    if not timing.median_us - minus > 0:
+        raise MoecacheError(
+            f"calibrate: cost.runtime.step=fast: the all-resident {what} took {timing.median_us / layers:.1f}"
+            f" us per MoE layer, not more than the {per_layer_us:.1f} us of expert path the simulator adds"
+            " back for it (runtime.layer_call + runtime.slot_moe): the non-expert time would be"
+            f" {(timing.median_us - minus) / layers:.1f} us; re-run on a quiet machine, or time the expert"
+            " path at this step's tokens (cost.runtime.kernel_tokens, cost.runtime.visit_tokens)"
+        )
+    return cal.Timing(timing.median_us - minus, timing.p10_us - minus, timing.p90_us - minus, timing.repeats)
+
+
+def _all_resident(model, device: str, rs: dict):
+    """`model` offloaded as `moecache validate` offloads it (capacity 0, static_cold), then reconfigured
+    as its all_resident run: every expert resident from the start (static_cold at all experts)."""
+    from moecache.offloading import offload_model
+
+    offload_model(
+        model, capacity=0, policy="static_cold", device=device, cpu_backend=rs["cpu_backend"],
+        cpu_threads=rs.get("cpu_threads"),
+    )  # fmt: skip
+    model.moecache.reconfigure(capacity="100%", policy="static_cold")
+    return model
+
+
+def _non_expert_fast(loaded, section: dict, rs: dict, device: str, vocab: int) -> dict:
+    """cost.runtime.step=fast: the all-resident model in moecache's fast decode loop, as validate's fast
+    runs pay it (`calibration.time_fast_steps`), less what the simulator adds back to every layer step of
+    such a run (`_expert_path_us`, from the section's own rows): the all-resident fast run is predicted
+    exactly, by construction. `measured` keeps the loop's own times. The model is offloaded: last."""
+    costs = RuntimeCosts.from_section(section, "calibrate")
+    layers = len(loaded.adapter.moe_layers())
+    loaded.adapter = None  # offload drops the model's experts: no other reference may keep them
+    gc.collect()
+    model = _all_resident(loaded.model, device, rs)
+    lengths = sorted({int(t) for t in rs["prompt_tokens"]})
+    repeats, warmup = int(rs["repeats"]), int(rs["warmup"])
+    measured = [
+        cal.time_fast_steps(
+            model,
+            prompt_tokens=t,
+            decode_steps=int(rs["decode_steps"]),
+            repeats=max(3, repeats // 4),
+            warmup=min(warmup, 1),
+            vocab_size=vocab,
+        )  # fmt: skip
+        for t in lengths
+    ]
+    back = {t: _expert_path_us(costs, t) for t in {1, *lengths}}  # per layer step of t tokens
+    decode = _less_expert_path(measured[0][1], layers, back[1], "decode step")  # after the shortest prompt
+    timed = [
+        (_less_expert_path(pre, layers, back[t], f"{t}-token prefill"), decode)
+        for t, (pre, _) in zip(lengths, measured, strict=True)
+    ]
+    ne = _non_expert_section(layers, lengths, timed, int(rs["decode_steps"]))
+    ne["measured"] = {
+        "decode": measured[0][1].as_dict(),
+        "prefill_points": [
+            {"prompt_tokens": t, **pre.as_dict()} for t, (pre, _) in zip(lengths, measured, strict=True)
+        ],
+    }
+    ne["added_back_us_per_layer"] = {
+        "decode": back[1],
+        "prefill_points": [{"prompt_tokens": t, "us": back[t]} for t in lengths],
+    }
+    return ne
+
+
 def measure_runtime(
     cfg: DictConfig, rs: dict, device: str, cache_bytes: int, max_pool_bytes: int, bar, step=None
 ) -> dict:
-    """The profile's `runtime` section (module docstring). `step`: the non-expert time's step function
-    (default: cost.runtime.step from calibration.STEP_FUNCTIONS)."""
+    """The profile's `runtime` section (module docstring). `step`: the decode loop of the non-expert
+    time (step=transformers) and of the stand-in's in-model timings (default: cost.runtime.step from
+    calibration.STEP_FUNCTIONS)."""
     from moecache.models import load_model
 
     step = step or cal.STEP_FUNCTIONS[rs["step"]]
@@ -323,40 +460,9 @@ def measure_runtime(
     runtime = cal.synthetic_runtime(
         shape, store_experts, slots, rdev, cpu_threads=rs.get("cpu_threads"), cpu_backend=rs["cpu_backend"]
     )
-    if loaded is not None:
+    if loaded is not None and rs["step"] == "transformers":
         bar.step("runtime non-expert time")
-        # On the stand-in the model runs behind the runtime's operator (its time subtracted), whose cache
-        # pressure a run's model work pays (docs/simulator.md); on CUDA that work is the device's.
-        spent_s = None if rdev.is_cuda else [0.0]
-        work = None if rdev.is_cuda else cal.resident_operator_work(runtime, shape)
-        layers = cal.zero_experts(loaded.adapter, work, spent_s)
-        lengths = sorted({int(t) for t in rs["prompt_tokens"]})
-        timed = [
-            cal.time_model_steps(
-                loaded.model,
-                prompt_tokens=t,
-                decode_steps=int(rs["decode_steps"]),
-                repeats=max(3, repeats // 4),
-                warmup=min(warmup, 1),
-                vocab_size=vocab,
-                step=step,
-                spent_s=spent_s,
-            )  # fmt: skip
-            for t in lengths
-        ]
-        prefill, decode = timed[0]  # the shortest prompt's prefill, and the decode steps after it
-        non_expert = {
-            "moe_layers": layers,
-            "prompt_tokens": lengths[0],
-            "decode_steps": int(rs["decode_steps"]),
-            "prefill": prefill.as_dict(),
-            "decode": decode.as_dict(),
-            "decode_us_per_layer": decode.median_us / layers,
-            "prefill_us_per_token_per_layer": prefill.median_us / (lengths[0] * layers),
-            "prefill_points": [
-                {"prompt_tokens": t, **pre.as_dict()} for t, (pre, _) in zip(lengths, timed, strict=True)
-            ],
-        }
+        non_expert = _non_expert_zeroed(loaded, runtime, shape, rs, vocab, step)
     # On the stand-in the operator, the CPU path and the layer call are host work whose cost depends on
     # what ran before them: timed inside the model's forward where the model is at hand (a tight loop
     # finds their code and data in the core's caches; docs/simulator.md). CUDA: the loop, as before.
@@ -405,9 +511,6 @@ def measure_runtime(
         else:
             timing = cal.time_layer_call(visiting, shape, int(tokens), repeats, warmup)
         call_rows.append(_timing_rows({"tokens": int(tokens)}, timing))
-    if loaded is not None:
-        del loaded, model_args
-        gc.collect()
     section = {
         "model": {
             "name": (cfg.get("model") or {}).get("name"),
@@ -418,7 +521,11 @@ def measure_runtime(
             "dtype": str(dtype).removeprefix("torch."),
             "expert_bytes": shape.expert_bytes(),
         },
-        "execution": {"path": rs["step"], "overlap": RUNTIME_OVERLAP, "device": rdev.name},
+        "execution": {
+            "path": rs["step"],
+            "overlap": runtime_overlap(rs["step"], rdev.is_cuda),
+            "device": rdev.name,
+        },
         "cpu_backend": runtime.cpu.backend,
         "cpu_threads": runtime.cpu.threads,
         "store_experts": store_experts,
@@ -431,7 +538,12 @@ def measure_runtime(
         "copy_engine": copy_engine,
         "non_expert": non_expert,
     }
-    if non_expert is None:
+    del runtime, visiting, model_args  # their stores and slot pools, before the model is offloaded
+    gc.collect()
+    if loaded is not None and rs["step"] == "fast":
+        bar.step("runtime non-expert time (fast loop)")
+        section["non_expert"] = _non_expert_fast(loaded, section, rs, device, vocab)
+    if section["non_expert"] is None:
         section["non_expert_reason"] = reason
     return section
 
@@ -566,6 +678,10 @@ def runtime_summary(profile: CostProfile) -> dict:
         rows[f"non-expert us/token/layer prefill, {point['prompt_tokens']} tokens"] = per
     if not ne.get("prefill_points"):
         rows["non-expert us/token/layer prefill"] = ne["prefill_us_per_token_per_layer"]
+    if "measured" in ne:  # step=fast: the all-resident fast loop as timed (the all-hits row equals it)
+        rows["decode ms/token, all resident (fast loop, measured)"] = (
+            ne["measured"]["decode"]["median_us"] / 1e3
+        )
     # The decode step the simulator's runtime formula gives (serial halves), all hits and all misses.
     layer = ne["decode_us_per_layer"] + float(costs.visit_us(1))
     all_hit = layer + float(costs.kernel_row_us(1)[k])

@@ -127,6 +127,7 @@ def _profile_path(store: ArtifactStore, ref: str | None) -> str | None:
 def run(cfg: DictConfig) -> StageResult:
     from moecache.config import CONF_DIR
     from moecache.sim.policy_spec import PolicySpec
+    from moecache.validation import fidelity
     from moecache.validation.baselines import build
     from moecache.validation.pipeline import Workload
     from moecache.validation.workloads import load_workload
@@ -147,6 +148,7 @@ def run(cfg: DictConfig) -> StageResult:
         workloads = [Workload(n, wcfg=load_workload(n, CONF_DIR)) for n in v["workloads"]]
     strategies = build(v["strategies"], selected)
     profile = _profile_path(store, v["cost_profile"])
+    fidelity.check_loop(profile, v["loop"])  # before the model is loaded
 
     import torch
 

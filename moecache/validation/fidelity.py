@@ -17,7 +17,9 @@ policy and capacity:
   expert counts only once its copy has landed, as on CUDA). None of them without a profile.
 
 `compare` gives the errors against what the run measured and whether each is within the issue's
-targets: 15% on time per token, one percentage point on hit rate.
+targets: 15% on time per token, one percentage point on hit rate. `check_loop` refuses a profile whose
+non-expert time was measured in another decode loop than the runs' (`cost.runtime.step` against
+`validate.loop`): it would price the wrong loop.
 """
 
 from __future__ import annotations
@@ -86,6 +88,23 @@ def predict_run(
         cost_notes=list(cost.all_notes()),
     )
     return out
+
+
+def check_loop(profile_path: str | None, loop: str) -> None:
+    """Refuse, in one line, a profile whose non-expert time was measured in another loop than `loop`
+    (its runtime.execution.path, cost.runtime.step); a profile without a measured one passes."""
+    if profile_path is None:
+        return
+    runtime = CostProfile.load(profile_path).runtime
+    if runtime is None or runtime.get("non_expert") is None:
+        return
+    step = runtime["execution"]["path"]
+    if step != loop:
+        raise MoecacheError(
+            f"validate.cost_profile={profile_path}: its non-expert time was measured with"
+            f" cost.runtime.step={step}, the runs use validate.loop={loop}; calibrate with"
+            f" cost.runtime.step={loop}"
+        )
 
 
 def _policy(spec: PolicySpec, cost: CostModel | None):

@@ -255,6 +255,33 @@ def test_bad_input_is_one_line(tmp_path):
     )
 
 
+def test_from_arrays_takes_routing_drawn_by_the_caller():
+    """Arrays in (calibrate's random routing), the trace's accessors out; a bad shape, id or prompt
+    length is one line."""
+    rng = np.random.default_rng(0)
+    ids_LNK = np.argsort(rng.random((2, 5, 8)), axis=-1)[..., :3]
+    w_LNK = np.full((2, 5, 3), 1 / 3, np.float32)
+    forced = ForcedRouting.from_arrays({"r": (ids_LNK, w_LNK, 2)}, num_experts=8)
+    assert (forced.num_layers, forced.num_experts, forced.top_k, forced.has_weights) == (2, 8, 3, True)
+    assert forced.prompt_len("r") == 2 and forced.decode_steps("r") == 3
+    assert np.array_equal(forced.expert_ids("r"), ids_LNK)
+    forced.start_request("r")
+    ids, w = forced.take(1, 2)
+    assert np.array_equal(ids, ids_LNK[1, :2]) and np.array_equal(w, w_LNK[1, :2])
+    for bad, match in (
+        ({"r": (ids_LNK, w_LNK[:, :4], 2)}, r"request 'r': ids \(2, 5, 3\), weights \(2, 4, 3\)"),
+        ({"r": (ids_LNK, w_LNK, 6)}, "prompt_len 6"),
+        ({"r": (ids_LNK + 8, w_LNK, 2)}, "ids outside 0..7"),
+        (
+            {"r": (ids_LNK, w_LNK, 2), "s": (ids_LNK[:1], w_LNK[:1], 2)},
+            r"\(layers, top_k\) \[\(1, 3\), \(2, 3\)\]",
+        ),
+    ):
+        with pytest.raises(MoecacheError, match=match) as info:
+            ForcedRouting.from_arrays(bad, num_experts=8)
+        assert "\n" not in str(info.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_moe"])  # float32 / bf16 router weights

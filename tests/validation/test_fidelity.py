@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +153,21 @@ def test_a_waiting_run_is_predicted_waiting(tiny_model, tmp_path):
         predict_run(
             trace, policy=PolicySpec.of("lru"), capacity=16, profile_path=profile, on_miss="sometimes"
         )
+
+
+def test_check_loop_refuses_a_profile_of_another_loop(tmp_path):
+    """validate refuses a profile whose non-expert time was measured in another decode loop than its runs'
+    (cost.runtime.step against validate.loop); a profile measuring none, or no profile, passes."""
+    from moecache.validation.fidelity import check_loop
+
+    profile = _profile(tmp_path)  # measured with cost.runtime.step=transformers
+    check_loop(profile, "transformers")
+    check_loop(None, "fast")
+    with pytest.raises(
+        MoecacheError, match=r"cost.runtime.step=transformers, the runs use validate.loop=fast"
+    ):
+        check_loop(profile, "fast")
+    data = json.loads(Path(profile).read_text())
+    data["runtime"]["non_expert"] = None
+    Path(profile).write_text(json.dumps(data))
+    check_loop(profile, "fast")
