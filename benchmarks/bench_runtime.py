@@ -288,7 +288,8 @@ def bench_manager(device, args) -> dict:
             visits = (routing.shape[0] - args.warm_tokens) * L
             calls_per_visit = {k: (counted[k] - before[k]) / visits for k in counted}
     else:  # the fast decode loop's sequence (moecache/runtime/segments.py), its read-back included
-        fast_ns = _fast_loop_sequence(manager, device_routing, args, captured=True)
+        phases: dict[str, list[int]] = {}
+        fast_ns = _fast_loop_sequence(manager, device_routing, args, captured=True, phases=phases)
         event_ns = _fast_loop_sequence(manager, device_routing, args, captured=False)
     s = manager.stats
     out = {
@@ -310,10 +311,11 @@ def bench_manager(device, args) -> dict:
         out["fast_loop_p90_us"] = float(np.percentile(fast_ns, 90)) / 1e3
     if device_routing is not None:
         out["fast_loop_event_median_us"] = float(np.median(event_ns)) / 1e3
+        out["fast_loop_phase_median_us"] = {k: float(np.median(v)) / 1e3 for k, v in phases.items()}
     return out
 
 
-def _fast_loop_sequence(manager, device_routing, args, *, captured: bool) -> list[int]:
+def _fast_loop_sequence(manager, device_routing, args, *, captured: bool, phases=None) -> list[int]:
     """Host ns per visit of the fast loop's sequence, prepare -> wait for the read-back -> visit -> commit.
     captured=True (what segments.py does): segment A's graph ends with the routing's copy to pinned
     memory, a device counter's bump and its copy; the host spins on the counter; the manager writes
@@ -322,7 +324,8 @@ def _fast_loop_sequence(manager, device_routing, args, *, captured: bool) -> lis
     and has run before the timer starts: in the loop it is segment A, whose compute the host waits for
     whoever reads its routing; what the manager adds is the spin's check, not the GPU's latency.
     captured=False (the previous loop): the host enqueues the copy and an event after A, and waits on
-    the event (the timer covers those calls and the copy's latency)."""
+    the event (the timer covers those calls and the copy's latency). `phases` (captured only) gets the
+    host ns of each part per visit: prepare, spin (the read-back check), visit, commit."""
     L = manager.shape.num_layers
     clock = time.perf_counter_ns
     manager.reset()
@@ -362,6 +365,7 @@ def _fast_loop_sequence(manager, device_routing, args, *, captured: bool) -> lis
                 t_replayed = clock()
                 while count_np[0] < expected:
                     pass
+                t_landed = clock()
                 t0 += t_replayed - t_prepared
             else:
                 t0 = clock()
@@ -370,10 +374,19 @@ def _fast_loop_sequence(manager, device_routing, args, *, captured: bool) -> lis
                 manager.prepare(layer)
                 read_back.synchronize()
             manager.visit(layer, host_np, compute_done=True)
+            t_visited = clock()
             manager.commit()
             t1 = clock()
             if t >= args.warm_tokens:
                 out.append(t1 - t0)
+                if phases is not None:
+                    for name, ns in (
+                        ("prepare", t_prepared - (t0 - (t_replayed - t_prepared))),
+                        ("spin", t_landed - t_replayed),
+                        ("visit", t_visited - t_landed),
+                        ("commit", t1 - t_visited),
+                    ):
+                        phases.setdefault(name, []).append(ns)
     manager.row_uploads = "manager"
     return out
 
@@ -505,6 +518,8 @@ def print_table(r: dict) -> None:
                     f"{m['fast_loop_median_us']:.2f}",
                 )
             )
+            for name, us in m.get("fast_loop_phase_median_us", {}).items():
+                rows.append((f"fast loop (captured), median of its {name} (us)", f"{us:.2f}"))
             rows.append(
                 (
                     "fast loop, previous: read-back copy + event + prepare + wait + visit + commit (us)",

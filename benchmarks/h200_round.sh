@@ -13,6 +13,8 @@
 #   --compile; SKIP= its --skip list, default hf; DECODE_S its time limit, default 420 s).
 # forced: bench_decode's validate baselines at 25% under real DeepSeek-V2-Lite traces (TRACES="law intent",
 #   POLICY=, WARM= untimed requests first, REQUESTS=, NEW= tokens, COMPILE=1, FORCED_S= limit per trace).
+# fidelity: calibrate (fast loop) + validate on the DeepSeek-V2-Lite shape, forced (DECISION=, FORCING= ids
+#   in .device-data/outputs; REQUESTS=, NEW=, STRATEGIES=, CAL_S=, VAL_S=).
 # Results go to $OUT; docs/benchmarks.md records them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +66,24 @@ for section in "$@"; do
         --warm-requests "${WARM:-0}" --requests "${REQUESTS:-2}" --prompt-tokens 32 --new-tokens "${NEW:-64}" ${COMPILE:+--compile} \
         2>&1 | grep -v '^\[transformers\]' | tail -30 | tee "$OUT/bench_decode_forced_$t.txt"
     done ;;
+  fidelity)
+    # Issue 13's fidelity on the H200: calibrate the DeepSeek-V2-Lite shape (random weights, the fast loop's
+    # non-expert time), then validate the decision DECISION forced by the trace import FORCING (both made
+    # on the dev VM into .device-data/outputs: import-trace, analyze, sweep, decide) with that profile.
+    ROOT=output_root=$PWD/.device-data/outputs
+    M="model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda $ROOT"
+    echo "== calibrate DeepSeek-V2-Lite (cost.runtime.step=fast)"
+    timeout "${CAL_S:-300}" python3 -m moecache.cli calibrate $M cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
+      cost.repeats=20 2>&1 | grep -v '^\[transformers\]' | tail -40 | tee "$OUT/calibrate_dsv2.txt"
+    CAL=$(tail -1 "$OUT/calibrate_dsv2.txt")
+    cp "$CAL/cost_profile.json" "$OUT/cost_profile_dsv2.json" || exit 1
+    echo "== validate, fast loop, with that profile"
+    timeout "${VAL_S:-300}" python3 -m moecache.cli validate validate.decision="$DECISION" $M validate.forced_trace="$FORCING" \
+      validate.forced_requests="${REQUESTS:-2}" validate.forced_max_tokens="${NEW:-33}" "validate.capacities=[25%]" \
+      "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
+      validate.cost_profile="$(basename "$CAL")" 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2.txt"
+    VAL=$(tail -1 "$OUT/validate_dsv2.txt")
+    cp "$VAL"/*.json "$OUT/" 2>/dev/null; ls "$VAL" > "$OUT/validate_files.txt" ;;
   *) echo "unknown section $section"; exit 2 ;;
   esac
 done
