@@ -83,7 +83,7 @@ for section in "$@"; do
       "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
       validate.cost_profile="$(basename "$CAL")" 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2.txt"
     VAL=$(tail -1 "$OUT/validate_dsv2.txt")
-    cp "$VAL"/*.json "$OUT/" 2>/dev/null; ls "$VAL" > "$OUT/validate_files.txt" ;;
+    cp "$VAL/validation.json" "$OUT/validation_dsv2.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2.parquet" ;;
   *) echo "unknown section $section"; exit 2 ;;
   esac
 done

@@ -557,3 +557,30 @@ def test_calibrate_step_fast_on_cuda(tmp_path) -> None:
     assert ne["decode_us_per_layer"] > 0 and ne["prefill_points"][0]["median_us"] > 0
     measured = ne["measured"]["decode"]["median_us"] / ne["moe_layers"]
     assert ne["decode_us_per_layer"] + ne["added_back_us_per_layer"]["decode"] == pytest.approx(measured)
+
+
+def test_a_random_weight_model_has_weights_to_run() -> None:
+    cfg = compose(["model=deepseek_v2_lite", "model.path=null", "model.random.seed=0"])
+    assert calibrate._model_weights(cfg) is None  # built in memory (models/random_full.py)
+    assert "model.path is not set" in calibrate._model_weights(
+        compose(["model=deepseek_v2_lite", "model.path=null"])
+    )
+
+
+class _SlowDrain:
+    """A device whose drain takes 50 ms (a visit's queued expert copies)."""
+
+    def __init__(self, is_cuda: bool):
+        self.is_cuda = is_cuda
+
+    def synchronize(self) -> None:
+        import time
+
+        time.sleep(0.05)
+
+
+def test_host_timer_leaves_a_cuda_drain_out_and_keeps_the_standins() -> None:
+    assert (
+        cal._host_timer(_SlowDrain(is_cuda=True))(lambda: None) < 40_000
+    )  # us: the copies run on the device
+    assert cal._host_timer(_SlowDrain(is_cuda=False))(lambda: None) >= 50_000  # host work of the stand-in

@@ -119,6 +119,13 @@ class CudaDevice(Device):
     def new_event(self, timing: bool = False) -> CudaEvent:
         return CudaEvent(timing)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: CudaStream) -> None:
+        if stream.current:
+            dst.copy_(src, non_blocking=True)
+            return
+        with stream.stream:
+            dst.copy_(src, non_blocking=True)
+
     def copy_many(self, pairs, stream: CudaStream) -> None:
         if stream.current:
             for dst, src in pairs:

@@ -101,7 +101,11 @@ class TransferEngine:
     def observe_in_order(self, copies) -> list[Copy]:
         """The leading complete copies of `copies` (given in enqueue order): no query for a copy at or
         below the watermark `completed_seq`, none after the first incomplete one (the stream completes
-        copies in order). Raises the watermark."""
+        copies in order); the last one is queried first: complete, it completes them all in one query.
+        Raises the watermark."""
+        last = copies[-1] if copies else None
+        if last is not None and last.seq > self.completed_seq and last.observe():
+            self.completed_seq = last.seq
         done = []
         for copy in copies:
             if not copy.observe(known_complete=copy.seq <= self.completed_seq):

@@ -265,7 +265,11 @@ def _h2d(settings: dict, expert_bytes: int, device: torch.device, bar) -> dict:
 
 def _model_weights(cfg: DictConfig) -> str | None:
     """Why the model group gives no model to run (None: it does: a checkpoint path or a tiny build)."""
+    from moecache.models.random_full import is_random
+
     model = cfg.get("model") or {}
+    if is_random(to_container(model)):  # random weights built in memory (models/random_full.py)
+        return None
     if OmegaConf.is_missing(model, "path") or (model.get("path") is None and not model.get("build")):
         return (
             "model.path is not set (an architecture-only model config): the non-expert time needs the model"

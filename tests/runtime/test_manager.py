@@ -202,13 +202,21 @@ def test_completed_copies_are_found_in_stream_order_with_few_queries():
         c.ready_event.query = lambda query=query, key=c.key: queries.append(key) or query()
     m.device.run(m.engine.stream, max_ops=2)  # the first copy only (untimed: the row, ready)
     assert [c.key for c in m.engine.observe_in_order(copies)] == [1]
-    assert queries == [1, 2]  # stops at the first incomplete copy
+    assert queries == [3, 1, 2]  # the last first (incomplete), then in order to the first incomplete one
     m.device.run()
     queries.clear()
     copies[2].observe()  # the last one seen complete: every copy before it is too
     m.engine.completed_seq = copies[2].seq
     assert [c.key for c in m.engine.observe_in_order(copies[1:])] == [2, 3]
     assert queries == [3]  # copy 2 below the watermark: no query (3 was queried by observe above)
+    fresh = m.visit(1, ids(4, 5, 6)).copies
+    queries.clear()
+    for c in fresh:
+        query = c.ready_event.query
+        c.ready_event.query = lambda query=query, key=c.key: queries.append(key) or query()
+    m.device.run()
+    assert [c.key for c in m.engine.observe_in_order(fresh)] == [12, 13, 14]
+    assert queries == [14]  # the last one complete: one query for all
 
 
 def test_copies_are_timed_only_while_the_logger_records():
