@@ -348,13 +348,47 @@ def _host_timer(device):
     return timed
 
 
+def _time_graphs(dev, calls, repeats: int, warmup: int) -> Timing:
+    """Device time of a CUDA graph replay of each of `calls` (captured once each, after an eager call),
+    in turn: `warmup` replays untimed, then `repeats` between events."""
+    graphs = []
+    for call in calls:
+        call()  # Triton's compile and launch caches, before the capture
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        graphs.append(graph)
+    for n in range(warmup):
+        graphs[n % len(graphs)].replay()
+    torch.cuda.synchronize(dev)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
+    ]
+    for n, (begin, end) in enumerate(events):
+        begin.record()
+        graphs[n % len(graphs)].replay()
+        end.record()
+    torch.cuda.synchronize(dev)
+    return summarize([begin.elapsed_time(end) * 1e3 for begin, end in events])
+
+
 @torch.inference_mode()
 def time_slot_moe(
-    runtime, shape: RuntimeShape, tokens: int, entries: int, repeats: int, warmup: int, seed: int = 0
+    runtime,
+    shape: RuntimeShape,
+    tokens: int,
+    entries: int,
+    repeats: int,
+    warmup: int,
+    seed: int = 0,
+    *,
+    graphs: bool = False,
 ) -> Timing:
     """One call of the runtime's GPU half (`ExpertsRuntime._gpu_part`: `slot_moe` on CUDA, its torch
     reference queued and run on the stand-in) for a step of `tokens` tokens with `entries` resident
-    entries. CUDA: device time between events around the call; stand-in: host wall time."""
+    entries. CUDA: device time between events around the call, launched eagerly or (`graphs`, as the
+    fast loop runs it) as a CUDA graph of the call replayed; stand-in: host wall time."""
     device = runtime.device
     dev = device.torch_device
     slot_of_E, calls = _operator_calls(runtime, shape, tokens, entries, min(warmup + repeats, 8), seed)
@@ -364,6 +398,8 @@ def time_slot_moe(
         ids_TK, w_TK = calls[n % len(calls)]
         return runtime._gpu_part(x_TH, ids_TK, w_TK, slot_of_E)
 
+    if device.is_cuda and graphs:
+        return _time_graphs(dev, [lambda n=n: one(n) for n in range(len(calls))], repeats, warmup)
     if device.is_cuda:
         for n in range(warmup):
             one(n)

@@ -254,6 +254,16 @@ def _check_runtime(rt, source: str) -> None:
         )
 
 
+def _host_rows(rt: dict) -> list[dict]:
+    """The rows of a layer step's host cost besides its two halves: the fast loop's host point is the
+    manager's visit and commit (`visit`: the loop reads the routing back in its graphs and combines on
+    the device); the experts-module call of the transformers path adds its read-back, split and combine
+    (`layer_call`, where measured)."""
+    if rt["execution"]["path"] == "fast" or rt.get("layer_call") is None:
+        return rt["visit"]
+    return rt["layer_call"]
+
+
 def _prefill_curve(ne: dict | None) -> Curve | None:
     """One prefill layer step's non-expert µs against its tokens, through the measured prompt lengths
     (None with fewer than two: one length cannot say how the cost grows)."""
@@ -338,9 +348,7 @@ class RuntimeCosts:
             kernel_curves=tuple(Curve(by_tokens[t]) for t in tokens),
             cpu_expert=Curve(per_expert),
             cpu_call_us=max(float(np.median(per_call)), 0.0),
-            visit=Curve(
-                [(float(r["tokens"]), float(r["median_us"])) for r in rt.get("layer_call") or rt["visit"]]
-            ),
+            visit=Curve([(float(r["tokens"]), float(r["median_us"])) for r in _host_rows(rt)]),
             copy_us=None if engine is None else float(engine["per_copy_us"]),
             non_expert_decode_us_per_layer=None if ne is None else float(ne["decode_us_per_layer"]),
             non_expert_prefill_us_per_token=None

@@ -348,8 +348,9 @@ def _non_expert_section(layers: int, lengths: list[int], timed: list, decode_ste
 
 def _expert_path_us(costs: RuntimeCosts, tokens: int) -> float:
     """What the simulator adds to the non-expert time of a layer step of `tokens` tokens with every
-    entry resident (moecache/sim/cost_model.py): the layer step's host cost (`visit_us`: layer_call, else
-    visit) and the operator at N = tokens x top_k resident entries; no CPU half."""
+    entry resident (moecache/sim/cost_model.py): the layer step's host cost (`visit_us`: for step=fast the
+    manager's visit + commit, cost_profile._host_rows) and the operator at N = tokens x top_k resident
+    entries (timed as CUDA graph replays for step=fast, as the fast loop runs it); no CPU half."""
     return float(costs.visit_us(tokens)) + float(costs.kernel_row_us(tokens)[tokens * costs.top_k])
 
 
@@ -361,7 +362,7 @@ def _less_expert_path(timing: cal.Timing, layers: int, per_layer_us: float, what
         raise MoecacheError(
             f"calibrate: cost.runtime.step=fast: the all-resident {what} took {timing.median_us / layers:.1f}"
             f" us per MoE layer, not more than the {per_layer_us:.1f} us of expert path the simulator adds"
-            " back for it (runtime.layer_call + runtime.slot_moe): the non-expert time would be"
+            " back for it (runtime.visit + runtime.slot_moe): the non-expert time would be"
             f" {(timing.median_us - minus) / layers:.1f} us; re-run on a quiet machine, or time the expert"
             " path at this step's tokens (cost.runtime.kernel_tokens, cost.runtime.visit_tokens)"
         )
@@ -482,7 +483,9 @@ def measure_runtime(
                     *model_args, runtime, shape, int(tokens), entries, *rw, **kw
                 )
             else:
-                timing = cal.time_slot_moe(runtime, shape, int(tokens), entries, repeats, warmup)
+                timing = cal.time_slot_moe(
+                    runtime, shape, int(tokens), entries, repeats, warmup, graphs=rs["step"] == "fast"
+                )
             kernel_rows.append(_timing_rows({"tokens": int(tokens), "entries": entries}, timing))
     cpu_rows = []
     for m in rs["cpu_tokens_per_expert"]:
