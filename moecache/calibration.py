@@ -274,11 +274,12 @@ def synthetic_runtime(
     *,
     cpu_threads: int | None = None,
     cpu_backend: str = "auto",
+    policy: str = "lru",
 ):
     """An `ExpertsRuntime` (the object every offloaded layer calls) over a one-layer store of
-    `store_experts` random experts of `shape` and a slot pool of `slots` filled with the first of them.
-    `device`: a runtime Device (CudaDevice or StandinDevice). The store is pinned on CUDA, as
-    `moecache.offload` pins it."""
+    `store_experts` random experts of `shape` and a slot pool of `slots` filled with the first of them,
+    its manager running `policy`. `device`: a runtime Device (CudaDevice or StandinDevice). The store is
+    pinned on CUDA, as `moecache.offload` pins it."""
     from moecache.runtime.cpu_experts import CpuExperts
     from moecache.runtime.expert_store import ExpertStore
     from moecache.runtime.experts_module import ExpertsRuntime
@@ -292,7 +293,7 @@ def synthetic_runtime(
     store.w13_GIH.copy_(gate_up_P2IH.expand(store_experts, 2 * i, h))
     store.w2_GHI.copy_(down_PHI.expand(store_experts, h, i))
     store.pin("auto" if device.is_cuda else "off")
-    manager = CacheManager.from_policy(store, device, slots, "lru", top_k=shape.top_k)
+    manager = CacheManager.from_policy(store, device, slots, policy, top_k=shape.top_k)
     manager.pool.flat_SB.copy_(store.flat_GB[:slots])
     cpu = CpuExperts(store.w13_GIH, store.w2_GHI, threads=cpu_threads, backend=cpu_backend)
     return ExpertsRuntime(manager, cpu)

@@ -233,6 +233,8 @@ def _check_runtime(rt, source: str) -> None:
     _require_rows(rt["visit"], ("tokens", *_TIMING_KEYS), "runtime.visit", source)
     if rt.get("layer_call") is not None:
         _require_rows(rt["layer_call"], ("tokens", *_TIMING_KEYS), "runtime.layer_call", source)
+    if rt.get("visit_hits") is not None:
+        _require_rows(rt["visit_hits"], ("tokens", *_TIMING_KEYS), "runtime.visit_hits", source)
     if rt["copy_engine"] is not None:
         _require(
             rt["copy_engine"],
@@ -256,12 +258,28 @@ def _check_runtime(rt, source: str) -> None:
 
 def _host_rows(rt: dict) -> list[dict]:
     """The rows of a layer step's host cost besides its two halves: the fast loop's host point is the
-    manager's visit and commit (`visit`: the loop reads the routing back in its graphs and combines on
-    the device); the experts-module call of the transformers path adds its read-back, split and combine
+    manager's visit and commit (the loop reads the routing back in its graphs and combines on the
+    device): `visit_hits` (no admissions; each copy enqueued adds `copy_host_us`) where measured, else
+    `visit`; the experts-module call of the transformers path adds its read-back, split and combine
     (`layer_call`, where measured)."""
-    if rt["execution"]["path"] == "fast" or rt.get("layer_call") is None:
-        return rt["visit"]
-    return rt["layer_call"]
+    if rt["execution"]["path"] == "fast":
+        return rt.get("visit_hits") or rt["visit"]
+    return rt.get("layer_call") or rt["visit"]
+
+
+def _copy_host_us(rt: dict) -> float:
+    """Host microseconds one admission's copy adds to a visit (enqueue, events), for the fast loop: the
+    median over the visit rows' token counts of (visit - visit_hits) / copies per visit, >= 0; 0.0 without
+    `visit_hits` rows or on another path (there the measured visit rows hold their copies)."""
+    hits = {int(r["tokens"]): float(r["median_us"]) for r in rt.get("visit_hits") or []}
+    if rt["execution"]["path"] != "fast" or not hits:
+        return 0.0
+    shares = [
+        (float(r["median_us"]) - hits[int(r["tokens"])]) / float(r["copies_per_visit"])
+        for r in rt["visit"]
+        if int(r["tokens"]) in hits and float(r.get("copies_per_visit") or 0) > 0
+    ]
+    return max(float(np.median(shares)), 0.0) if shares else 0.0
 
 
 def _prefill_curve(ne: dict | None) -> Curve | None:
@@ -307,14 +325,14 @@ class RuntimeCosts:
     kernel_curves: tuple[Curve, ...]  # per measured token count: time against resident entries
     cpu_expert: Curve  # one more expert of m tokens in a CPU-path call
     cpu_call_us: float  # fixed cost of a CPU-path call
-    visit: Curve  # the layer step's host cost against its tokens: the whole experts-module call with its
-    # halves stubbed (`layer_call`), or, in profiles without it, the manager's visit + commit alone
+    visit: Curve  # the layer step's host cost against its tokens (_host_rows)
     copy_us: float | None  # copy engine, one expert copy's share of back-to-back copies
     non_expert_decode_us_per_layer: float | None
     non_expert_prefill_us_per_token: float | None
     # µs of one prefill layer step against its tokens (from `prefill_points`: prefills of several lengths);
     # None in profiles measured at one length (then per token x tokens)
     non_expert_prefill_layer: Curve | None = None
+    copy_host_us: float = 0.0  # host time one admission's copy adds to its visit (_copy_host_us)
     source: str = ""
 
     @classmethod
@@ -355,6 +373,7 @@ class RuntimeCosts:
             if ne is None
             else float(ne["prefill_us_per_token_per_layer"]),
             non_expert_prefill_layer=_prefill_curve(ne),
+            copy_host_us=_copy_host_us(rt),
             source=source,
         )
 

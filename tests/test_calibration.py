@@ -584,3 +584,35 @@ def test_host_timer_leaves_a_cuda_drain_out_and_keeps_the_standins() -> None:
         cal._host_timer(_SlowDrain(is_cuda=True))(lambda: None) < 40_000
     )  # us: the copies run on the device
     assert cal._host_timer(_SlowDrain(is_cuda=False))(lambda: None) >= 50_000  # host work of the stand-in
+
+
+def test_the_fast_loop_prices_each_copy_enqueued_on_the_host(make_trace) -> None:
+    """step=fast with visit_hits rows: a layer step's host cost is the visit without admissions plus,
+    per admission, (visit - visit_hits) / copies per visit; the transformers path keeps its visit rows."""
+    from moecache.sim.cost_model import CostModel
+    from moecache.sim.policy import make_policy
+    from moecache.sim.timed import replay_timed
+
+    trace = _decode_trace(make_trace)
+    d = _runtime_profile("parallel")
+    rt = d["runtime"]
+    rt["execution"]["path"] = "fast"
+    rt["visit"] = [{**row, "copies_per_visit": 2.0, "median_us": 43.0} for row in rt["visit"]]
+    rt["visit_hits"] = [{**row, "median_us": 3.0} for row in rt["visit"]]
+    costs = CostProfile.from_dict(d).runtime_costs()
+    assert costs.visit_us(1) == pytest.approx(3.0) and costs.copy_host_us == pytest.approx(20.0)
+    cost = CostModel.for_trace(CostProfile.from_dict(d), trace, non_expert_us_per_layer=0.0)
+    timed = replay_timed(trace, make_policy("lru"), 4, cost)
+    rt["visit_hits"] = None
+    rt["visit"] = [{**row, "median_us": 3.0} for row in rt["visit"]]
+    plain = replay_timed(
+        trace, make_policy("lru"), 4, CostModel.for_trace(CostProfile.from_dict(d), trace, 0.0)
+    )
+    assert CostProfile.from_dict(d).runtime_costs().copy_host_us == 0.0
+    assert list(timed.step_us_V - plain.step_us_V) == pytest.approx(list(20.0 * timed.admits_V))
+    assert timed.admits_V.sum() > 0
+    rt["execution"]["path"] = "transformers"
+    rt["visit"] = [{**row, "copies_per_visit": 2.0, "median_us": 43.0} for row in rt["visit"]]
+    rt["visit_hits"] = [{**row, "median_us": 3.0} for row in rt["visit"]]
+    other = CostProfile.from_dict(d).runtime_costs()
+    assert other.copy_host_us == 0.0 and other.visit_us(1) == pytest.approx(43.0)

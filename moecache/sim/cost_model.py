@@ -305,6 +305,11 @@ class CostModel:
         """The step's GPU and CPU halves run one after the other (the runtime's step, module docstring)."""
         return self.runtime is not None and self.runtime.overlap == "serial"
 
+    def copy_host_us(self) -> float:
+        """Host time one admission's copy adds to its layer step (the fast loop's enqueue); 0.0 without
+        a runtime section or where the visit rows already hold their copies (RuntimeCosts.copy_host_us)."""
+        return 0.0 if self.runtime is None else self.runtime.copy_host_us
+
     def cpu_call_us(self) -> float:
         """Fixed CPU-path cost of a step with misses (scaled); 0.0 without a runtime section."""
         return 0.0 if self.runtime is None else self.runtime.cpu_call_us * self.cpu_scale
@@ -366,6 +371,7 @@ class CostModel:
                 "cpu_call_us": self.cpu_call_us(),
                 "kernel_us_T1": [float(v) for v in self.runtime.kernel_row_us(1)],
                 "visit_us_T1": float(self.runtime.visit_us(1)),
+                "copy_host_us": self.runtime.copy_host_us,
             },
             "notes": list(self.all_notes()),
         }

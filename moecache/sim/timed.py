@@ -108,7 +108,7 @@ class TimedResult(ReplayResult):
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
     cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, serial, wait,
-    hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
+    copy_host_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
     copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G, uses_G,
 ):  # fmt: skip
@@ -121,7 +121,8 @@ def _replay_timed(
     (int64: the key's uses in the step that last accessed it).
     With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
     the operator's row at the step's usable resident entries, a step with a miss adds cpu_call_us to
-    its CPU time, and `serial` adds the two halves instead of taking their max."""
+    its CPU time, and `serial` adds the two halves instead of taking their max. Every admission adds
+    `copy_host_us` of host time (its copy's enqueue) to its step."""
     fused = kernel_off_V.shape[0] > 0
     num_keys = resident_G.shape[0]
     num_steps = start_V.shape[0] - 1
@@ -208,7 +209,9 @@ def _replay_timed(
                 cpu += cpu_call_us
         if wait:
             gpu_end = tr + wait_us + gpu
-        step_us = non_expert_V[s] + wait_us + (gpu + cpu if serial else max(gpu, cpu))
+        step_us = (
+            non_expert_V[s] + wait_us + (gpu + cpu if serial else max(gpu, cpu)) + copy_host_us * n_admit
+        )
         n_pf = 0
         for j in range(n_admit):
             k = admit_buf[j]
@@ -305,7 +308,7 @@ def replay_timed(
                 policy.named_state(state), trace.key_A, trace.uses_A, trace.start_V, trace.clock_V,
                 trace.request_V, resident_G, int(capacity), cpu_us_M, cost.gpu_table(),
                 cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
-                cost.cpu_call_us(), cost.serial, bool(wait),
+                cost.cpu_call_us(), cost.serial, bool(wait), float(cost.copy_host_us()),
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
             )  # fmt: skip

@@ -39,10 +39,14 @@ so a profile measured elsewhere never stands in for this machine's.
                     back to back; CUDA, or no model)
       cpu_path      [{tokens_per_expert, experts, ..}]: one `ExpertsRuntime._cpu_part` call (gather,
                     CpuExperts.run, result back to x's device), wall time
-      visit         [{tokens, ..}]: one `CacheManager.visit` + `commit` (policy lru, a quarter of E slots)
+      visit         [{tokens, copies_per_visit, ..}]: one `CacheManager.visit` + `commit` (policy lru, a
+                    quarter of E slots: most visits admit, and enqueue those copies)
+      visit_hits    [{tokens, ..}]: the same with every expert resident (static_cold at E slots: no
+                    admission); step=fast prices a layer step's host cost as this plus, per admission,
+                    (visit - visit_hits) / copies_per_visit (cost_profile.RuntimeCosts.copy_host_us)
       layer_call    [{tokens, ..}]: one whole experts-module call (`ExpertsRuntime.run`) with its two halves
                     stubbed: the visit plus the module's own work (read-back, split, combine); the
-                    simulator's per-layer-step host cost where present (else `visit`)
+                    simulator's per-layer-step host cost of step=transformers where present (else `visit`)
       copy_engine   {expert_bytes, single, batch: {copies, ..}, per_copy_us = batch median / copies}:
                     `TransferEngine.enqueue` from the pinned store to the ready event seen complete, or
                     null without CUDA
@@ -508,11 +512,17 @@ def measure_runtime(
             "per_copy_us": batch.median_us / copies,
         }
     visiting = cal.synthetic_runtime(shape, e, max(1, e // 4), rdev, cpu_backend="torch")
-    visit_rows, call_rows = [], []
+    # every expert resident from the start: visits without admissions (the copies' host share, below)
+    resident = cal.synthetic_runtime(shape, e, e, rdev, cpu_backend="torch", policy="static_cold")
+    visit_rows, hit_rows, call_rows = [], [], []
     for tokens in rs["visit_tokens"]:
         bar.step(f"runtime visit T={tokens}")
+        copies0 = visiting.manager.stats.copies
         timing = cal.time_visit(visiting.manager, shape, int(tokens), repeats, warmup)
-        visit_rows.append(_timing_rows({"tokens": int(tokens)}, timing))
+        per_visit = (visiting.manager.stats.copies - copies0) / (repeats + warmup)
+        visit_rows.append(_timing_rows({"tokens": int(tokens), "copies_per_visit": per_visit}, timing))
+        timing = cal.time_visit(resident.manager, shape, int(tokens), repeats, warmup)
+        hit_rows.append(_timing_rows({"tokens": int(tokens)}, timing))
         if in_model:
             timing = cal.time_layer_call_in_model(*model_args, visiting, shape, int(tokens), *rw, **kw)
         else:
@@ -541,11 +551,12 @@ def measure_runtime(
         "host_timed": "in_model" if in_model else "loop",
         "cpu_path": cpu_rows,
         "visit": visit_rows,
+        "visit_hits": hit_rows,
         "layer_call": call_rows,
         "copy_engine": copy_engine,
         "non_expert": non_expert,
     }
-    del runtime, visiting, model_args  # their stores and slot pools, before the model is offloaded
+    del runtime, visiting, resident, model_args  # their stores and pools, before the model is offloaded
     gc.collect()
     if loaded is not None and rs["step"] == "fast":
         bar.step("runtime non-expert time (fast loop)")
