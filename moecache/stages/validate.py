@@ -38,8 +38,9 @@ EXECUTION = {
 SCHEMA_VERSION = 1
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
-    "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens",
+    "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup",
 )  # fmt: skip
+WARMUPS = ("auto", "on", "off")  # validate.warmup: an untimed generation per strategy first (auto: on CUDA)
 
 
 def _checked(c: dict) -> dict:
@@ -65,7 +66,7 @@ def _checked(c: dict) -> dict:
     from moecache.validation.generation import LOOPS
     from moecache.validation.pipeline import REFERENCES
 
-    for key, allowed in (("loop", LOOPS), ("reference", REFERENCES)):
+    for key, allowed in (("loop", LOOPS), ("reference", REFERENCES), ("warmup", WARMUPS)):
         if v[key] not in allowed:
             raise MoecacheError(f"validate.{key}={v[key]!r}: expected one of {', '.join(allowed)}")
     optional(string)("validate.forced_trace", v["forced_trace"])
@@ -211,6 +212,7 @@ def run(cfg: DictConfig) -> StageResult:
             device=device, seed=int(c["seed"]), loop=v["loop"], limit=v["requests"],
             max_new_tokens=v["max_new_tokens"], folder=tmp, run_id=run_id, profile=profile,
             reference=v["reference"],
+            warmup=v["warmup"] == "on" or (v["warmup"] == "auto" and device == "cuda"),
         )  # fmt: skip
         rows, latencies = validate_all(loaded, arch, workloads, strategies, grid, settings)
         write(tmp, rows, latencies)

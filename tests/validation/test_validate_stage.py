@@ -135,6 +135,31 @@ def test_the_same_config_gives_the_same_id_and_reuses_the_artifact(done):
     assert again.stdout.strip().splitlines()[-1] == str(folder) and "reused" in again.stderr
 
 
+def test_a_warm_up_first_leaves_every_run_as_it_was(done, tmp_path, monkeypatch):
+    """validate.warmup=on (auto: on CUDA) runs each strategy once untimed before the timed runs: every
+    run still starts from a cold cache, so its tokens, hits and copies are those of the run without."""
+    from moecache.validation import pipeline
+    from moecache.validation import runs as runs_module
+
+    _, _, runs, _ = done
+    measured = []
+    real_measure = runs_module.measure
+    monkeypatch.setattr(
+        pipeline, "measure", lambda *a, **kw: measured.append(a[1].label) or real_measure(*a, **kw)
+    )
+    decision(tmp_path)
+    res = validate(tmp_path, "validate.warmup=on")
+    assert res.exit_code == 0, res.output
+    strategies = {label for label, _ in runs} - {"unmodified"}
+    assert len(measured) == len(runs) + len(strategies)  # one warm-up per strategy, then every run
+    warmed = pq.read_table(Path(res.stdout.strip().splitlines()[-1]) / "runs.parquet").to_pylist()
+    assert len(warmed) == len(runs)
+    for r in warmed:
+        before = runs[(r["strategy"], r["capacity"])]
+        for key in ("hits", "misses", "copies", "token_match_rate", "generated_tokens"):
+            assert r[key] == before[key], (r["strategy"], key)
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -143,6 +168,7 @@ def test_the_same_config_gives_the_same_id_and_reuses_the_artifact(done):
         ("validate.capacities=[200%]", "validate.capacities[0]"),
         ("validate.workloads=[nope]", "no workload 'nope'"),
         ("validate.strategies=[selected,oracle]", "unknown strategy 'oracle'"),
+        ("validate.warmup=sometimes", "validate.warmup='sometimes'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_no_artifact(tmp_path, override, message):
