@@ -317,6 +317,7 @@ def run_strategy(
     timed, decode_s = sum(r.timed_steps for r in results), sum(r.decode_s for r in results)
     ms = 1e3 * decode_s / timed
     visits = sum(r.visits for r in results)
+    calls = sum(r.cpu_calls for r in results)
     return {
         **{k: spec[k] for k in ("strategy", "capacity", "on_miss")},
         "policy": stats["policy"], "slots": stats["capacity"],
@@ -328,6 +329,7 @@ def run_strategy(
         "waited_copies": stats["waited_copies"], "fallback_entries": stats["fallback_entries"],
         "gpu_entries": stats["gpu_entries"],
         "manager_us_per_visit": 1e6 * sum(r.manager_s for r in results) / visits if visits else None,
+        "cpu_path_us_per_call": 1e6 * sum(r.cpu_s for r in results) / calls if calls else None,
         "tokens": [r.tokens[0, r.prompt_tokens :].tolist() for r in results],
     }  # fmt: skip
 
@@ -430,7 +432,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (full models: 32768)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--capacities", default="100%,25%")
-    ap.add_argument("--policy", default="lru", help="the policy of capacities below 100%")
+    ap.add_argument("--policy", default="lru", help="the policy of capacities below 100%%")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(

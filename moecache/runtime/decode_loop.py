@@ -78,6 +78,10 @@ class DecodeResult:
     manager_s: float = 0.0
     readback_wait_s: float = 0.0
     visits: int = 0
+    # The CPU path at those host points: seconds, calls (visits with misses), (token, k) entries run
+    cpu_s: float = 0.0
+    cpu_calls: int = 0
+    cpu_entries: int = 0
 
     @property
     def new_tokens(self) -> int:
@@ -228,7 +232,8 @@ class FastDecoder:
             tokens=tokens, logits=logits, prompt_tokens=int(prompt_T.numel()), mode=mode,
             graphs_per_step=len(self._segments[mode].graphs), prefill_s=prefill_s, warmup_s=warmup_s,
             decode_s=decode_s, timed_steps=timed, manager_s=host["manager"] / 1e9,
-            readback_wait_s=host["wait"] / 1e9, visits=host["visits"],
+            readback_wait_s=host["wait"] / 1e9, visits=host["visits"], cpu_s=host["cpu"] / 1e9,
+            cpu_calls=host["cpu_calls"], cpu_entries=host["cpu_entries"],
         )  # fmt: skip
 
     def static_buffers(self) -> dict[str, torch.Tensor]:

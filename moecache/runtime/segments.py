@@ -61,7 +61,9 @@ import torch
 from moecache.errors import MoecacheError
 from moecache.runtime.experts_module import miss_entries
 
-HOST_TIMES = ("manager", "wait", "visits")  # what ExpertsTaps.host_ns adds up (ns, ns, a count)
+# what ExpertsTaps.host_ns adds up: ns in the manager's calls, ns waiting for read-backs, visits; ns of
+# the CPU path (a visit with misses: gather, CpuExperts.run, result to the device), its calls, its entries
+HOST_TIMES = ("manager", "wait", "visits", "cpu", "cpu_calls", "cpu_entries")
 
 
 class Segments:
@@ -383,7 +385,11 @@ class ExpertsTaps:
                 self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self.cpu_TH)
             if self.num_slots:  # after B(l) on the compute stream; with no slots cpu_TH is the result
                 self.y_TH.add_(self.cpu_TH)
-            self._visit_result.cpu_duration_ns = time.perf_counter_ns() - started_ns  # the trace's column
+            spent_ns = time.perf_counter_ns() - started_ns
+            self._visit_result.cpu_duration_ns = spent_ns  # the trace's column
+            self.host_ns["cpu"] += spent_ns
+            self.host_ns["cpu_calls"] += 1
+            self.host_ns["cpu_entries"] += int(keys_M.numel())
         self._visit_result = None
 
     def _commit(self) -> None:

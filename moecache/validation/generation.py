@@ -32,6 +32,10 @@ from moecache.token_clock import TokenStamps
 LOOPS = ("transformers", "fast")
 
 
+# DecodeResult fields a fast-loop generation reports (Generated.host)
+HOST_FIELDS = ("manager_s", "visits", "cpu_s", "cpu_calls", "cpu_entries")
+
+
 @dataclass
 class Generated:
     tokens: list[int]
@@ -40,6 +44,9 @@ class Generated:
     gaps_s: list[float]  # N - 1 gaps between consecutive generated tokens
     warmup_gaps: int  # the first gaps that were the decoder's warm-up (eager steps, graph capture)
     loop: str
+    # the fast loop's host points over its timed decode steps (DecodeResult): manager_s, visits, cpu_s,
+    # cpu_calls, cpu_entries; None for transformers
+    host: dict | None = None
 
 
 class TransformersLoop:
@@ -118,7 +125,8 @@ class FastLoop:
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         warmup = len(gaps) - int(result.timed_steps)
         loop = "fast-graphs" if result.graphs_per_step else "fast-eager"
-        return Generated(tokens, result.logits, times[0] - start, gaps, warmup, loop)
+        host = {k: getattr(result, k) for k in HOST_FIELDS}
+        return Generated(tokens, result.logits, times[0] - start, gaps, warmup, loop, host)
 
     def close(self) -> None:
         self.decoder = None  # it holds the session's slot pool and graphs: dropped before a reconfigure

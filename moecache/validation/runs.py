@@ -139,6 +139,7 @@ def measure(
     latencies: list[dict] = []
     done: list[Request] = []
     ttft_s, gaps_s, warm_n, loops = [], [], 0, set()
+    host: dict | None = None  # the fast loop's host points, summed over the requests
     prompt_tokens = generated = 0
     recorder = check = None
     stack = contextlib.ExitStack()
@@ -170,6 +171,8 @@ def measure(
                 ttft_s.append(gen.ttft_s)
                 warm = gen.warmup_gaps
                 gaps_s += gen.gaps_s[warm:]
+                if gen.host is not None:
+                    host = {k: (host or {}).get(k, 0) + v for k, v in gen.host.items()}
                 warm_n += warm
                 done.append(req)
                 prompt_tokens += len(req.prompt_ids)
@@ -187,8 +190,27 @@ def measure(
     finally:
         log_stats = logger.close()
         runner.close()
-    return _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss,
-                    cuda_peak, session, before, reference, outputs, latencies, loops, hooks, check)  # fmt: skip
+    outcome = _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss,
+                       cuda_peak, session, before, reference, outputs, latencies, loops, hooks, check)  # fmt: skip
+    outcome.row.update(_host_points(host))
+    return outcome
+
+
+HOST_KEYS = ("decode_manager_us_per_visit", "decode_cpu_path_us_per_call", "decode_cpu_entries_per_call")
+
+
+def _host_points(host: dict | None) -> dict:
+    """The fast loop's host points over the timed decode steps (None elsewhere, or without calls): the
+    manager's microseconds per visit, the CPU path's per call (a visit with misses: gather, run, result
+    to the device) and its (token, k) entries per call, to hold against the cost profile's rows."""
+    if not host:
+        return dict.fromkeys(HOST_KEYS)
+    visits, calls = host["visits"], host["cpu_calls"]
+    return {
+        "decode_manager_us_per_visit": 1e6 * host["manager_s"] / visits if visits else None,
+        "decode_cpu_path_us_per_call": 1e6 * host["cpu_s"] / calls if calls else None,
+        "decode_cpu_entries_per_call": host["cpu_entries"] / calls if calls else None,
+    }
 
 
 def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss, cuda_peak,
