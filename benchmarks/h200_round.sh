@@ -85,7 +85,21 @@ for section in "$@"; do
       "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
       validate.cost_profile="$(basename "$CAL")" 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2.txt"
     VAL=$(tail -1 "$OUT/validate_dsv2.txt")
-    cp "$VAL/validation.json" "$OUT/validation_dsv2.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2.parquet" ;;
+    cp "$VAL/validation.json" "$OUT/validation_dsv2.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2.parquet"
+    echo "== the runs' CPU path per call against the profile's (entries at one token each)"
+    python3 - "$OUT/validation_dsv2.json" "$OUT/cost_profile_dsv2.json" <<'PY'
+import json, sys
+from moecache.cost_profile import CostProfile
+runs = json.load(open(sys.argv[1]))["runs"]
+costs = CostProfile.load(sys.argv[2]).runtime_costs()
+for r in runs:
+    us, n = r.get("decode_cpu_path_us_per_call"), r.get("decode_cpu_entries_per_call")
+    if us is not None:
+        model = costs.cpu_call_us + n * float(costs.cpu_expert_us(1))
+        print(f"{r['strategy']:16s} run {us:8.1f} us/call, {n:.2f} entries; profile {model:8.1f} us; manager "
+              f"{r['decode_manager_us_per_visit']:.1f} us/visit")
+PY
+    ;;
   *) echo "unknown section $section"; exit 2 ;;
   esac
 done
