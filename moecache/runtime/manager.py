@@ -50,7 +50,7 @@ import torch
 
 from moecache.capacity import parse_capacity
 from moecache.errors import MoecacheError
-from moecache.runtime.manager_visit import ADMIT_AFTER, ADMIT_DEFERRED, FREE, HELD, CompiledVisit
+from moecache.runtime.manager_visit import ADMIT_DEFERRED, BAD_ROUTING, FREE, HELD, CompiledVisit
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import Copy, TransferEngine
 from moecache.sim.policy import Policy, make_policy
@@ -217,7 +217,7 @@ class CacheManager:
         self._pos_E = np.zeros(E, np.int64)  # its index in that visit's key_U
         self._freed_S = np.empty(self.capacity, np.int32)  # slots freed busy by a visit (scratch)
         # keys holding a slot, capacity, free slots (the top of free_S): manager_visit.py's counts_X
-        self._held_capacity = np.array([0, self.capacity, 0], np.int64)
+        self._counts_X = np.array([0, self.capacity, 0], np.int64)
         self._routing_views: dict = {}  # pinned read-back buffers of device routing, by shape
         self.stats = ManagerStats()
         self.last_visit: VisitResult | None = None  # the latest visit's result (the routing logger's)
@@ -304,8 +304,8 @@ class CacheManager:
         self.slot_of_G = np.full(G, -1, np.int32)
         # free slots, a stack: free_S[:_held_capacity[FREE]], slot 0 on top at first
         self.free_S = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)
-        self._held_capacity[HELD] = 0
-        self._held_capacity[FREE] = self.capacity
+        self._counts_X[HELD] = 0
+        self._counts_X[FREE] = self.capacity
         # copies in flight: per layer {key: Copy} in enqueue order, and as a mask over keys
         self.loading_L: list[dict[int, Copy]] = [{} for _ in range(self.shape.num_layers)]
         self._loading_G = np.zeros(G, np.bool_)
@@ -335,11 +335,11 @@ class CacheManager:
             if self.resident_G[k]:
                 raise MoecacheError(f"cache manager: key {k} listed twice among the residents")
             self.resident_G[k] = True
-            self._held_capacity[FREE] -= 1
-            slot = int(self.free_S[self._held_capacity[FREE]])
+            self._counts_X[FREE] -= 1
+            slot = int(self.free_S[self._counts_X[FREE]])
             self.slot_of_G[k] = slot
             copies.append(self.engine.enqueue(k, slot, after=self._slot_free_after(slot)))
-        self._held_capacity[HELD] = int(self.resident_G.sum())
+        self._counts_X[HELD] = int(self.resident_G.sum())
         for copy in copies:
             copy.ready_event.synchronize()
             copy.observe()
@@ -428,10 +428,10 @@ class CacheManager:
         K, E = self.shape.top_k, self.shape.num_experts
         state = type(self.state)(*(np.array(field, copy=True) for field in self.state))
         self._core(
-            state, np.zeros((0, K), np.int64), 0, 0, 0, 0, 0, 0, np.zeros(E, np.int64), self._pos_E, self._key_U,
+            state, np.zeros((0, K), np.int64), 0, 0, 0, 0, 0, np.zeros(E, np.int64), self._pos_E, self._key_U,
             self._uses_U, self._slot_U, self._miss_U, self._hit_U, np.empty((0, K), np.bool_),
             np.empty(E, np.int32), self.resident_G.copy(), self._loading_G.copy(), self._late_G.copy(),
-            self._held_capacity.copy(), self._admit_out, self._evict_out, self._slot_out, self._flag_out,
+            self._counts_X.copy(), self._admit_out, self._evict_out, self._slot_out, self._flag_out,
             self.slot_of_G.copy(), self.published_LE.copy(), self._dirty_L.copy(), self.free_S.copy(),
             self._freed_S, self.last_read_S.copy(),
         )  # fmt: skip
@@ -526,19 +526,21 @@ class CacheManager:
             snapshot_E = np.empty(self.shape.num_experts, np.int32)
             try:
                 U, n_miss, n_admit, n_evict, n_late, n_wasted = self._core(
-                    self.state, ids_TK, layer, self._serial, self._fence, self.a0, self.clock, self.request,
+                    self.state, ids_TK, layer, self._serial, self.a0, self.clock, self.request,
                     self._stamp_E, self._pos_E, self._key_U, self._uses_U, self._slot_U, self._miss_U,
                     self._hit_U, hit_TK, snapshot_E, self.resident_G, self._loading_G, self._late_G,
-                    self._held_capacity, self._admit_out, self._evict_out, self._slot_out, self._flag_out,
+                    self._counts_X, self._admit_out, self._evict_out, self._slot_out, self._flag_out,
                     self.slot_of_G, self.published_LE, self._dirty_L, self.free_S, self._freed_S,
                     self.last_read_S,
                 )  # fmt: skip
             except ValueError as exc:
-                if str(exc).startswith("routing"):
-                    raise MoecacheError(f"cache manager: layer {layer} routing: {exc}") from exc
                 raise MoecacheError(
                     f"policy {self.policy.label()} at capacity {self.capacity}: {exc}"
                 ) from exc
+            if U == BAD_ROUTING:
+                raise MoecacheError(
+                    f"cache manager: layer {layer} routing: an expert id outside 0..{self.shape.num_experts - 1}"
+                )
             self.a0 += U
             result = VisitResult(
                 layer=layer,
@@ -580,11 +582,7 @@ class CacheManager:
             self._pending = None
             self._committed = serial
             for key, slot in deferred:
-                copy = self.engine.enqueue(key, slot, after=self._slot_free_after(slot))
-                self.loading_L[key // self.shape.num_experts][key] = copy
-                self._loading_G[key] = True
-                result.copies.append(copy)
-                self.stats.copies += 1
+                self._start_copy(key, slot, result)
 
     def _covering_event(self, serial: int):
         """An event that completes once every visit up to `serial` has run on the compute stream."""
@@ -704,17 +702,20 @@ class CacheManager:
     def _enqueue_admitted(self, result: VisitResult, n_admit: int) -> list:
         """Enqueue the copies of the visit's admissions into the slots the compiled visit gave them, now;
         returns [(key, slot)] of those that must follow this visit's own kernels (see commit)."""
-        E = self.shape.num_experts
         deferred = []
         slots, flags = self._slot_out[:n_admit].tolist(), self._flag_out[:n_admit].tolist()
         for key, slot, flag in zip(result.admitted.tolist(), slots, flags, strict=True):
             if flag == ADMIT_DEFERRED:
                 self.stats.deferred_copies += 1
                 deferred.append((key, slot))
-                continue
-            after = self._covering_event(self.last_read_S[slot]) if flag == ADMIT_AFTER else None
-            copy = self.engine.enqueue(key, slot, after=after)
-            self.loading_L[key // E][key] = copy
-            result.copies.append(copy)
-        self.stats.copies += n_admit - len(deferred)
+            else:
+                self._start_copy(key, slot, result)
         return deferred
+
+    def _start_copy(self, key: int, slot: int, result: VisitResult) -> None:
+        """Enqueue `key`'s copy into `slot` after the slot's last reader; the key is loading from now."""
+        copy = self.engine.enqueue(key, slot, after=self._slot_free_after(slot))
+        self.loading_L[key // self.shape.num_experts][key] = copy
+        self._loading_G[key] = True
+        result.copies.append(copy)
+        self.stats.copies += 1

@@ -9,11 +9,11 @@ Routing in, placement changes out, every array of the manager's bookkeeping upda
 5. evictions forget their slot (to the free stack, or, if this visit's own kernels read it, to the
    freed-busy stack), clear their published entry (the row is marked dirty) and report whether their
    copy was still in flight (a wasted copy: the caller drops it);
-6. admissions take a free slot (flag ADMIT_READY, or ADMIT_AFTER when the slot's last reader is past
-   the fence: the copy must wait on the covering event), else a slot freed by this visit's eviction of
-   an expert its own kernels read (ADMIT_DEFERRED: the copy follows those kernels, at commit); such
-   slots left over go to the free stack (their last reader is this visit: a later copy waits for it).
-The caller (Python) then only enqueues the copies and keeps the Copy objects. Why one call: each call
+6. admissions take a free slot, else a slot freed by this visit's eviction of an expert its own kernels
+   read (flag ADMIT_DEFERRED: the copy follows those kernels, at commit); such slots left over go to the
+   free stack (their last reader is this visit: a later copy into one waits for it).
+The caller (Python) then enqueues the copies (each after its slot's last reader: the manager's
+`_slot_free_after`, the one place that rule lives) and keeps the Copy objects and the loading set. Why one call: each call
 into compiled code from Python costs ~0.05 us per array argument and ~1 us for the policy's state; the
 manager's visit used two such calls and a few microseconds of Python bookkeeping around them.
 
@@ -27,20 +27,22 @@ from numba import typeof
 from moecache.sim.jit import bound
 from moecache.sim.visit import apply_step
 
-ADMIT_READY, ADMIT_AFTER, ADMIT_DEFERRED = 0, 1, 2
+ADMIT_DEFERRED = 1  # flag_out[j] of an admission whose copy must follow this visit's own kernels
+BAD_ROUTING = -1  # the visit's first result when the routing holds an id outside 0..E-1
 # counts_X (int64): keys holding a slot, capacity, free slots on the stack, slots freed busy (scratch)
 HELD, CAPACITY, FREE = 0, 1, 2
 
 
 def _manager_visit(
-    state, ids_TK, layer, serial, fence, a0, clock, request, stamp_E, pos_E, key_U, uses_U, slot_U, miss_U,
+    state, ids_TK, layer, serial, a0, clock, request, stamp_E, pos_E, key_U, uses_U, slot_U, miss_U,
     hit_U, hit_TK, snapshot_E, resident_G, loading_G, late_G, counts_X, admit_out, evict_out, slot_out,
     flag_out, slot_of_G, published_LE, dirty_L, free_S, freed_S, last_read_S,
 ):  # fmt: skip
     """One visit of `layer` (module docstring) at visit `serial`. Returns (U, misses, admissions,
     evictions, late, wasted); the keys are key_U[:U], miss_U[:misses] (expert ids), admit_out[:admissions]
-    with slot_out / flag_out, evict_out[:evictions] with flag_out[G + j] = 1 for a wasted copy. Raises
-    ValueError: "routing ..." before any state changed, or the policy's broken rule."""
+    with slot_out / flag_out, evict_out[:evictions] with flag_out[G + j] = 1 for a wasted copy; U =
+    BAD_ROUTING (the rest 0) for an expert id outside 0..E-1, before any state changed. Raises ValueError
+    naming the policy's broken rule."""
     E = published_LE.shape[1]
     G = resident_G.shape[0]
     row_E = published_LE[layer]
@@ -51,7 +53,7 @@ def _manager_visit(
         for k in range(ids_TK.shape[1]):
             e = ids_TK[t, k]
             if e < 0 or e >= E:
-                raise ValueError("routing holds an expert id outside 0..num_experts-1")
+                return BAD_ROUTING, 0, 0, 0, 0, 0
             slot = row_E[e]
             hit_TK[t, k] = slot >= 0
             if stamp_E[e] == serial:
@@ -110,8 +112,7 @@ def _manager_visit(
         if n_free > 0:
             n_free -= 1
             slot = free_S[n_free]
-            loading_G[key] = True
-            flag_out[j] = ADMIT_AFTER if last_read_S[slot] > fence else ADMIT_READY
+            flag_out[j] = 0
         elif n_freed > 0:
             n_freed -= 1
             slot = freed_S[n_freed]

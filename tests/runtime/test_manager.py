@@ -503,3 +503,15 @@ def test_covers_says_whether_a_prepared_row_holds_every_entry():
     assert not m.covers(0, ids(1, 8)) and not m.covers(0, ids(-1, 2))  # outside 0..E-1: the visit refuses
     m.cancel_prepare()
     assert m.prepared is None
+
+
+@pytest.mark.parametrize("bad", [8, -1])
+def test_routing_outside_the_experts_is_refused_before_any_state_changes(bad):
+    m = manager("lru", 3)
+    m.visit(0, ids(1, 2))
+    before = (m.stats.visits, m.resident_G.copy(), m.slot_of_G.copy(), m.published_LE.copy())
+    with pytest.raises(MoecacheError, match=r"layer 1 routing: an expert id outside 0..7"):
+        m.visit(1, ids(3, bad))
+    after = (m.stats.visits, m.resident_G, m.slot_of_G, m.published_LE)
+    assert before[0] == after[0] and all((b == a).all() for b, a in zip(before[1:], after[1:], strict=True))
+    assert m.visit(1, ids(3, 4)).admitted.tolist() == [11, 12]  # the manager goes on as if it never came
