@@ -44,10 +44,7 @@ class Device:
         raise NotImplementedError
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-        self.copy_many(((dst, src),), stream)
-
-    def copy_many(self, pairs, stream) -> None:
-        """Enqueue `dst.copy_(src)` for each (dst, src) pair on `stream`, in order."""
+        """Enqueue `dst.copy_(src)` on `stream`."""
         raise NotImplementedError
 
     def on_visit(self) -> bool:
@@ -123,17 +120,8 @@ class CudaDevice(Device):
         if stream.current:
             dst.copy_(src, non_blocking=True)
             return
-        with stream.stream:
-            dst.copy_(src, non_blocking=True)
-
-    def copy_many(self, pairs, stream: CudaStream) -> None:
-        if stream.current:
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            return
         with stream.stream:  # torch.Stream's own context (C++): torch.cuda.stream() costs ~40 us here
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
@@ -238,9 +226,8 @@ class StandinDevice(Device):
     def new_event(self, timing: bool = False) -> StandinEvent:
         return StandinEvent(self, timing)
 
-    def copy_many(self, pairs, stream: StandinStream) -> None:
-        for dst, src in pairs:
-            stream.enqueue(lambda dst=dst, src=src: dst.copy_(src))
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: StandinStream) -> None:
+        stream.enqueue(lambda: dst.copy_(src))
 
     def enqueue(self, stream: StandinStream, op: Callable[[], None]) -> None:
         """Queue any host work (a test's stand-in kernel) on `stream`."""
