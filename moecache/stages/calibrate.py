@@ -58,7 +58,7 @@ so a profile measured elsewhere never stands in for this machine's.
                     zeros (after reading the routing back, as the runtime does), through `generate`.
                     step=fast: the model offloaded with every expert resident in moecache's fast decode
                     loop, as `moecache validate validate.loop=fast` runs it (random forced routing), less
-                    per layer step what the simulator adds back for it (layer_call/visit + slot_moe at
+                    per layer step what the simulator adds back for it (visit_hits, else visit, + slot_moe at
                     N = tokens x top_k; a non-positive result is refused); plus `measured` {decode,
                     prefill_points}: the loop's own times, and `added_back_us_per_layer` {decode,
                     prefill_points: [{prompt_tokens, us}]}: what was taken off
@@ -89,6 +89,8 @@ from moecache.stages.base import StageResult, prepare, reusable, store_for, torc
 
 STAGE = "calibrate"
 SCHEMA_VERSION = PROFILE_SCHEMA  # the artifact's schema is the profile's
+
+
 # How the runtime's layer step combines its halves (moecache/runtime/experts_module.py): the GPU half is
 # enqueued, then the CPU half starts by reading x and the routing weights back to the host, which on CUDA
 # waits behind that GPU work on the same stream, then the CPU result is copied back and added: the halves
@@ -96,12 +98,9 @@ SCHEMA_VERSION = PROFILE_SCHEMA  # the artifact's schema is the profile's
 # execution path that overlaps them records "parallel": the fast loop's split decode step on CUDA
 # computes a layer's CPU misses while its resident experts run (moecache/runtime/segments.py), so
 # step=fast on CUDA records "parallel" (its prefill, a shorter part of a run, stays serial).
-RUNTIME_OVERLAP = "serial"
-
-
 def runtime_overlap(step: str, cuda: bool) -> str:
     """How the measured execution path combines a layer step's GPU and CPU halves (above)."""
-    return "parallel" if step == "fast" and cuda else RUNTIME_OVERLAP
+    return "parallel" if step == "fast" and cuda else "serial"
 
 
 def _first_set(*candidates: tuple[str, object]) -> tuple[str, object] | None:
@@ -366,7 +365,7 @@ def _less_expert_path(timing: cal.Timing, layers: int, per_layer_us: float, what
         raise MoecacheError(
             f"calibrate: cost.runtime.step=fast: the all-resident {what} took {timing.median_us / layers:.1f}"
             f" us per MoE layer, not more than the {per_layer_us:.1f} us of expert path the simulator adds"
-            " back for it (runtime.visit + runtime.slot_moe): the non-expert time would be"
+            " back for it (runtime.visit_hits + runtime.slot_moe): the non-expert time would be"
             f" {(timing.median_us - minus) / layers:.1f} us; re-run on a quiet machine, or time the expert"
             " path at this step's tokens (cost.runtime.kernel_tokens, cost.runtime.visit_tokens)"
         )

@@ -91,9 +91,9 @@ WARMUP_TOKENS = 2  # tokens of each untimed warm-up generation (_warm_up)
 def _warm_up(model, w, strategies, grid, request, count_G, s: Settings, run) -> None:
     """Before a workload's timed runs (validate.warmup; auto: on CUDA): one untimed generation of its first request
     (WARMUP_TOKENS tokens) per strategy at its first capacity, traces thrown away. The process's
-    first-call costs (Triton compiling the operator for the prompt's token count, cuBLAS handles, the
-    allocator's first blocks) belong to no run; the first run would carry them (on the H200, the
-    DeepSeek-V2-Lite shape: a 344 ms time to first token against ~60 ms measured by calibrate). Each
+    first-call costs (what the first call at a new shape compiles or fills: Triton's operator, cuBLAS,
+    the allocator; which of them was not measured) belong to no run; the first run would carry them (on the H200, the
+    DeepSeek-V2-Lite shape: the first run's time to first token 344 ms without the warm-up, 64 with). Each
     timed run then starts from a cold cache of its own (_configure)."""
     import tempfile
 
