@@ -47,6 +47,26 @@ from .slot_moe_config import DECODE_MAX_T, decode_variant, device_name, get_conf
 
 
 @triton.jit
+def _slot_of(ids_ptr, slot_ptr, pair, E, S):
+    """(expert, slot, resident) of the (token, k) entry `pair`: its id, the mapping's slot for it (read only
+    for an id inside 0..E-1) and whether it runs here (id inside, slot inside 0..S-1)."""
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    inside = (expert >= 0) & (expert < E)
+    slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
+    return expert, slot, inside & (slot >= 0) & (slot < S)
+
+
+@triton.jit
+def _slots_of(ids_ptr, slot_ptr, pairs, valid, E, S):
+    """`_slot_of` for a block of entries `pairs`, of which `valid` are real: (slot, resident), -1 / False
+    for the others."""
+    expert = tl.load(ids_ptr + pairs, mask=valid, other=-1).to(tl.int32)
+    inside = valid & (expert >= 0) & (expert < E)
+    slot = tl.load(slot_ptr + tl.where(inside, expert, 0), mask=inside, other=-1).to(tl.int32)
+    return slot, inside & (slot >= 0) & (slot < S)
+
+
+@triton.jit
 def _gate_up_rows(
     x_ptr, w13_ptr, stride_wn, offs_i, mask_i,
     H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -82,10 +102,8 @@ def _gate_up_decode(
     if LAUNCH_DOWN_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int32)
-    inside = (expert >= 0) & (expert < E)
-    slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
-    if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):
+    expert, slot, _ = _slot_of(ids_ptr, slot_ptr, pair, E, S)
+    if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):  # not resident, as timed on the H200
         return
     token = pair // K
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -112,10 +130,7 @@ def _down_decode(
     acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
     for k in tl.static_range(K):  # unrolled, so the K experts' loads need not wait on each other
         pair = token * K + k
-        expert = tl.load(ids_ptr + pair).to(tl.int32)
-        inside = (expert >= 0) & (expert < E)
-        slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
-        resident = inside & (slot >= 0) & (slot < S)
+        expert, slot, resident = _slot_of(ids_ptr, slot_ptr, pair, E, S)
         weight = tl.load(wts_ptr + pair).to(tl.float32)
         w_ptrs = w2_ptr + tl.where(resident, slot, 0).to(tl.int64) * stride_ws + offs_h[:, None] * stride_wh
         i_end = tl.where(resident, I, 0)  # a non-resident entry loads nothing
@@ -149,10 +164,7 @@ def _down_decode_early(
     mask_i = offs_i < I
     in_k = offs_k < K
     pair_k = token * K + offs_k
-    expert = tl.load(ids_ptr + pair_k, mask=in_k, other=-1).to(tl.int32)
-    inside = in_k & (expert >= 0) & (expert < E)
-    slot = tl.load(slot_ptr + tl.where(inside, expert, 0), mask=inside, other=-1).to(tl.int32)
-    resident = inside & (slot >= 0) & (slot < S)
+    slot, resident = _slots_of(ids_ptr, slot_ptr, pair_k, in_k, E, S)
     weight = tl.load(wts_ptr + pair_k, mask=resident, other=0.0).to(tl.float32)
     w_ptrs = (
         w2_ptr
@@ -183,10 +195,8 @@ def _fused_decode(
     float32. Gate/up rows and down columns of one block of I are read by one program, in one launch."""
     block_i = tl.program_id(0)
     pair = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int32)
-    inside = (expert >= 0) & (expert < E)
-    slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
-    if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):
+    expert, slot, _ = _slot_of(ids_ptr, slot_ptr, pair, E, S)
+    if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):  # not resident, as timed on the H200
         return  # adds nothing: _sum_partials skips this pair's rows
     token = pair // K
     offs_i = block_i * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -225,10 +235,7 @@ def _sum_partials(
         offs_r = r0 + tl.arange(0, BLOCK_R)
         in_rows = offs_r < K * NUM_BLOCKS_I
         pair = token * K + offs_r // NUM_BLOCKS_I
-        expert = tl.load(ids_ptr + pair, mask=in_rows, other=-1).to(tl.int32)
-        inside = in_rows & (expert >= 0) & (expert < E)
-        slot = tl.load(slot_ptr + tl.where(inside, expert, 0), mask=inside, other=-1).to(tl.int32)
-        resident = inside & (slot >= 0) & (slot < S)  # rows of non-resident pairs were never written
+        slot, resident = _slots_of(ids_ptr, slot_ptr, pair, in_rows, E, S)  # others' rows: never written
         rows = (token * (K * NUM_BLOCKS_I) + offs_r).to(tl.int64)
         acc += tl.load(
             part_ptr + rows[:, None] * H + offs_h[None, :],
@@ -342,10 +349,7 @@ def _sum_pairs(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in range(0, K):
         pair = token * K + k
-        expert = tl.load(ids_ptr + pair).to(tl.int32)
-        inside = (expert >= 0) & (expert < E)
-        slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
-        resident = inside & (slot >= 0) & (slot < S)
+        expert, slot, resident = _slot_of(ids_ptr, slot_ptr, pair, E, S)
         acc += tl.load(
             out_ptr + pair.to(tl.int64) * stride_op + offs_h,
             mask=offs_h < tl.where(resident, H, 0),

@@ -605,9 +605,8 @@ def test_the_fast_loop_prices_each_copy_enqueued_on_the_host(make_trace) -> None
     timed = replay_timed(trace, make_policy("lru"), 4, cost)
     rt["visit_hits"] = None
     rt["visit"] = [{**row, "median_us": 3.0} for row in rt["visit"]]
-    plain = replay_timed(
-        trace, make_policy("lru"), 4, CostModel.for_trace(CostProfile.from_dict(d), trace, 0.0)
-    )
+    plain_cost = CostModel.for_trace(CostProfile.from_dict(d), trace, non_expert_us_per_layer=0.0)
+    plain = replay_timed(trace, make_policy("lru"), 4, plain_cost)
     assert CostProfile.from_dict(d).runtime_costs().copy_host_us == 0.0
     assert list(timed.step_us_V - plain.step_us_V) == pytest.approx(list(20.0 * timed.admits_V))
     assert timed.admits_V.sum() > 0
