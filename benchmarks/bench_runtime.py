@@ -366,8 +366,9 @@ def _fast_loop_sequence(manager, device_routing, args, *, captured: bool, phases
                 while count_np[0] < expected:
                     pass
                 t_landed = clock()
-                t0 += t_replayed - t_prepared
+                replay_ns = t_replayed - t_prepared  # B(l)'s replay: not the manager's time
             else:
+                replay_ns = 0
                 t0 = clock()
                 host.copy_(ids_dev, non_blocking=True)
                 read_back.record(manager.compute)
@@ -378,10 +379,10 @@ def _fast_loop_sequence(manager, device_routing, args, *, captured: bool, phases
             manager.commit()
             t1 = clock()
             if t >= args.warm_tokens:
-                out.append(t1 - t0)
+                out.append(t1 - t0 - replay_ns)
                 if phases is not None:
                     for name, ns in (
-                        ("prepare", t_prepared - (t0 - (t_replayed - t_prepared))),
+                        ("prepare", t_prepared - t0),
                         ("spin", t_landed - t_replayed),
                         ("visit", t_visited - t_landed),
                         ("commit", t1 - t_visited),
