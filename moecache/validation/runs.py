@@ -190,10 +190,8 @@ def measure(
     finally:
         log_stats = logger.close()
         runner.close()
-    outcome = _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss,
-                       cuda_peak, session, before, reference, outputs, latencies, loops, hooks, check)  # fmt: skip
-    outcome.row.update(_host_points(host))
-    return outcome
+    return _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss,
+                    cuda_peak, session, before, reference, outputs, latencies, loops, hooks, check, host)  # fmt: skip
 
 
 HOST_KEYS = ("decode_manager_us_per_visit", "decode_cpu_path_us_per_call", "decode_cpu_entries_per_call")
@@ -214,7 +212,7 @@ def _host_points(host: dict | None) -> dict:
 
 
 def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss, cuda_peak,
-             session, before, reference, outputs, latencies, loops, hooks, check) -> RunOutcome:  # fmt: skip
+             session, before, reference, outputs, latencies, loops, hooks, check, host) -> RunOutcome:  # fmt: skip
     L = meta.num_layers
     n_requests = len(done)
     if not n_requests:
@@ -244,6 +242,7 @@ def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens,
         "decode_tokens_per_s": len(gaps_s) / decode_s if decode_s > 0 else None,
         "prefill_tokens_per_s": prompt_tokens / sum(ttft_s),
         "time_per_token_ms": (sum(ttft_s) + decode_s) * 1e3 / (prompt_tokens + len(gaps_s)),
+        **_host_points(host),
         "peak_cpu_rss_bytes": rss,
         "peak_cuda_bytes": cuda_peak,
         **_cache_counts(session, before),
