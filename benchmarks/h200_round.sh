@@ -71,7 +71,8 @@ for section in "$@"; do
   fidelity)
     # Issue 13's fidelity on the H200: calibrate the DeepSeek-V2-Lite shape (random weights, the fast loop's
     # non-expert time), then validate the decision DECISION forced by the trace import FORCING (both made
-    # on the dev VM into .device-data/outputs: import-trace, analyze, sweep, decide) with that profile.
+    # on the dev VM into .device-data/outputs: import-trace, analyze, sweep, decide) with that profile;
+    # ON_MISS: the selected policy's validate.on_miss (cpu, split).
     ROOT=output_root=$PWD/.device-data/outputs
     M="model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda $ROOT"
     echo "== calibrate DeepSeek-V2-Lite (cost.runtime.step=fast)"
@@ -83,7 +84,7 @@ for section in "$@"; do
     timeout "${VAL_S:-300}" python3 -m moecache.cli validate validate.decision="$DECISION" $M validate.forced_trace="$FORCING" \
       validate.forced_requests="${REQUESTS:-2}" validate.forced_max_tokens="${NEW:-33}" "validate.capacities=[25%]" \
       "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
-      validate.cost_profile="$(basename "$CAL")" 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2.txt"
+      validate.cost_profile="$(basename "$CAL")" validate.on_miss="${ON_MISS:-cpu}" 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2.txt"
     VAL=$(tail -1 "$OUT/validate_dsv2.txt")
     cp "$VAL/validation.json" "$OUT/validation_dsv2.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2.parquet"
     echo "== the runs' CPU path per call against the profile's (entries at one token each)"

@@ -108,11 +108,13 @@ class OffloadSession:
         params: dict | None = None,
         decision: str | Path | None = None,
         on_miss: str = "cpu",
+        cost_profile: str | Path | None = None,
     ) -> OffloadSession:
         """A new cache for the same offloaded model: a new CacheManager (policy + params, or a
         decision.json's `selected`; default lfu) with a new slot pool of `capacity` (the one syntax), on
-        the SAME host store and CPU executor (nothing is copied from the model again), `on_miss` "cpu"
-        or "wait" (moecache/runtime/manager.py). Every argument is checked first (one line, the session
+        the SAME host store and CPU executor (nothing is copied from the model again), `on_miss` "cpu",
+        "wait" or "split" (moecache/runtime/manager.py; "split" weighs copies against the CPU with
+        `cost_profile`, a profile of moecache calibrate). Every argument is checked first (one line, the session
         untouched); then this session's manager and slot pool are released (gc, and the CUDA caching
         allocator's free blocks returned) before the new pool is allocated, every `OffloadedExperts` of
         the model is pointed at the new runtime, and `model.moecache` is the returned new session, its
@@ -139,6 +141,7 @@ class OffloadSession:
         made = _policy_of(policy, params, decision, who)
         if on_miss not in ON_MISS:
             raise MoecacheError(f"{who}: on_miss={on_miss!r}: expected one of {list(ON_MISS)}")
+        cost = split_cost(cost_profile, on_miss, store.expert_bytes, who)
         modules = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
         cpu, top_k, old_device = self.runtime.cpu, old.shape.top_k, old.device
         is_cuda = old_device.is_cuda
@@ -154,7 +157,7 @@ class OffloadSession:
         gc.collect()
         if is_cuda:
             torch.cuda.empty_cache()
-        manager = CacheManager(store, new_device, slots, made, top_k=top_k, on_miss=on_miss)
+        manager = CacheManager(store, new_device, slots, made, top_k=top_k, on_miss=on_miss, cost=cost)
         runtime = ExpertsRuntime(manager, cpu)
         for module in modules:
             module._runtime = runtime
@@ -183,12 +186,14 @@ def offload(
     cpu_threads: int | None = None,
     output_root: str | Path | None = None,
     on_miss: str = "cpu",
+    cost_profile: str | Path | None = None,
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
     local checkpoint folder (loaded through moecache/models/loading.py, `dtype` as model.dtype there;
     `output_root` holds its revision cache, default $MOECACHE_OUTPUT_ROOT or outputs). `on_miss`: "cpu"
-    (a miss runs on the CPU while its copy flies) or "wait" (the visit waits for its admissions' copies;
-    moecache/runtime/manager.py)."""
+    (a miss runs on the CPU while its copy flies), "wait" (the visit waits for its admissions' copies)
+    or "split" (the misses whose copies land before the CPU would finish wait for them, the others run on
+    the CPU, weighed with `cost_profile`, a profile of moecache calibrate; moecache/runtime/manager.py)."""
     capacity_spec(capacity, key="capacity")  # the syntax, before anything is loaded
     if isinstance(model_or_path, str | Path):
         from moecache.models.loading import load_model
@@ -198,7 +203,7 @@ def offload(
         return offload_model(
             loaded.model, capacity=capacity, policy=policy, params=params, decision=decision,
             device=device, checkpoint=loaded.path, standin_mode=standin_mode,
-            cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss,
+            cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss, cost_profile=cost_profile,
         )  # fmt: skip
     if not isinstance(model_or_path, nn.Module):
         raise MoecacheError(
@@ -208,6 +213,7 @@ def offload(
     return offload_model(
         model_or_path, capacity=capacity, policy=policy, params=params, decision=decision, device=device,
         standin_mode=standin_mode, cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss,
+        cost_profile=cost_profile,
     )  # fmt: skip
 
 
@@ -224,6 +230,7 @@ def offload_model(
     cpu_backend: str = "auto",
     cpu_threads: int | None = None,
     on_miss: str = "cpu",
+    cost_profile: str | Path | None = None,
 ) -> nn.Module:
     """`offload` of a model in memory; with `checkpoint` (the folder it was loaded from) the store is
     filled from the safetensors after the model's dense experts are dropped."""
@@ -251,15 +258,16 @@ def offload_model(
         capacity, key="capacity", num_keys=adapter.num_layers * adapter.num_experts,
         expert_bytes=adapter.expert_bytes,
     )  # fmt: skip
+    cost = split_cost(cost_profile, on_miss, adapter.expert_bytes, "moecache.offload")
     if checkpoint is not None:  # a model loaded for this call: drop its experts before the store fills
         del adapter
         _drop_experts(blocks)
         store = _checkpoint_store(checkpoint, dtype, architecture, target)
-        manager = CacheManager(store, runtime_device, slots, made, top_k=top_k, on_miss=on_miss)
+        manager = CacheManager(store, runtime_device, slots, made, top_k=top_k, on_miss=on_miss, cost=cost)
         cpu = CpuExperts(store.w13_GIH, store.w2_GHI, threads=cpu_threads, backend=cpu_backend)
     else:  # the caller's model: nothing of it changes until the store and the manager exist
         store = _store_from_model(adapter, target)
-        manager = CacheManager(store, runtime_device, slots, made, top_k=top_k, on_miss=on_miss)
+        manager = CacheManager(store, runtime_device, slots, made, top_k=top_k, on_miss=on_miss, cost=cost)
         cpu = CpuExperts(store.w13_GIH, store.w2_GHI, threads=cpu_threads, backend=cpu_backend)
         del adapter
         _drop_experts(blocks)
@@ -377,3 +385,27 @@ def _policy_of(policy, params, decision, who: str):
             "the runtime takes an online policy (e.g. lfu, lru, static_cold)"
         )
     return made
+
+
+SPLIT_MAX_TOKENS = 4096  # the CPU cost table's length for on_miss="split" (longer calls: its last entry)
+
+
+def split_cost(cost_profile, on_miss: str, expert_bytes: int, who: str):
+    """The cost model on_miss="split" weighs (None for the other settings, which read no profile): the
+    profile tabulated for this model's expert. A profile given for another setting is refused: it
+    would change nothing, which is not what its caller meant."""
+    if cost_profile is None:
+        if on_miss == "split":
+            raise MoecacheError(
+                f'{who}: on_miss="split" weighs copies against the CPU: give cost_profile= (a cost_profile.json'
+                " of moecache calibrate on this machine)"
+            )
+        return None
+    if on_miss != "split":
+        raise MoecacheError(
+            f"{who}: cost_profile={cost_profile} is read only with on_miss='split', not {on_miss!r}"
+        )
+    from moecache.cost_profile import CostProfile
+    from moecache.sim.cost_model import CostModel
+
+    return CostModel.from_profile(CostProfile.load(cost_profile), int(expert_bytes), SPLIT_MAX_TOKENS)

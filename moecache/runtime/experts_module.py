@@ -11,7 +11,8 @@ One call is one layer visit of the cache manager (docs/runtime.md):
 1. the routing is read to the host once (ids and weights: the manager and the CPU path need them);
 2. `manager.visit(layer, ids)` publishes the layer's finished copies and says which entries hit;
 3. the hits run from the slot pool on the compute device (`slot_moe` on CUDA, its torch reference on the
-   CPU stand-in), reading the mapping `slot_of_E` of this very visit; then `manager.commit()`;
+   CPU stand-in), reading the mapping `slot_of_E` of this very visit; with on_miss="split", the
+   experts whose copies the visit waits for by one more call over its wait row; then `manager.commit()`;
 4. the misses run on the CPU from the store (`CpuExperts.run`, keys = layer * E + expert) and are added.
 Both halves sum only their own entries, so y = GPU part + CPU part is every entry's weighted sum.
 
@@ -75,20 +76,27 @@ class ExpertsRuntime:
         """y_TH for one layer visit (module docstring), in x's dtype, on x's device."""
         ids_host_TK = ids_TK.detach().to("cpu", torch.int64).numpy()  # a blocking read on CUDA
         visit = self.manager.visit(layer, ids_host_TK, compute_done=ids_TK.is_cuda)
-        hit_TK = visit.hit_TK
+        hit_TK = visit.hit_TK  # with waited copies (on_miss="split"): their entries too
         n_hit = int(hit_TK.sum())
         y_TH = None
-        if n_hit:
+        if (visit.cache_hit_TK if visit.waited else hit_TK).any():
             timed = self.manager.time_gpu
             if timed:
                 visit.gpu_events = self._record_event(None)
             y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E)
             if timed:
                 visit.gpu_events = self._record_event(visit.gpu_events[0])
+        x_host_TH = None
+        if visit.waited:
+            if n_hit < hit_TK.size:  # read x for the CPU before the wait call: not behind the copies
+                x_host_TH = x_TH.detach().to("cpu")
+            row_E = self.manager.enqueue_waits(visit)  # after the hits: they do not wait for the copies
+            y_wait_TH = self._gpu_part(x_TH, ids_TK, weights_TK, row_E, waits=True)
+            y_TH = y_wait_TH if y_TH is None else y_TH + y_wait_TH
         self.manager.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
         if n_hit < hit_TK.size:
             started_ns = time.perf_counter_ns()
-            cpu_TH = self._cpu_part(layer, x_TH, ids_host_TK, weights_TK, hit_TK)
+            cpu_TH = self._cpu_part(layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH)
             visit.cpu_duration_ns = time.perf_counter_ns() - started_ns
             y_TH = cpu_TH if y_TH is None else y_TH + cpu_TH
         self.stats.gpu_entries += n_hit
@@ -104,8 +112,9 @@ class ExpertsRuntime:
             self.device.run(self.manager.compute)
         return (event,) if start is None else (start, event)
 
-    def _gpu_part(self, x_TH, ids_TK, weights_TK, slot_of_E) -> torch.Tensor:
-        """The resident entries from the slot pool, on the compute stream after the mapping's upload."""
+    def _gpu_part(self, x_TH, ids_TK, weights_TK, slot_of_E, waits: bool = False) -> torch.Tensor:
+        """The resident entries from the slot pool, on the compute stream after the mapping's upload.
+        `waits`: the call over a split visit's wait row (the stand-in runs the copies it waits for)."""
         self.stats.kernel_calls += 1
         pool = self.pool
         if self.device.is_cuda:
@@ -120,13 +129,14 @@ class ExpertsRuntime:
                 self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI)
             ),
         )
-        self.device.run(compute)
+        self.device.run(None if waits else compute)
         return out[0]
 
-    def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK) -> torch.Tensor:
-        """The entries whose expert is not in the visit's snapshot, from the host store."""
+    def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH=None) -> torch.Tensor:
+        """The entries the visit leaves to the CPU (`hit_TK` False), from the host store."""
         keys_M, token_t, weights_M = miss_entries(layer, self.num_experts, ids_host_TK, weights_TK, hit_TK)
-        x_host_TH = x_TH.detach().to("cpu")
+        if x_host_TH is None:
+            x_host_TH = x_TH.detach().to("cpu")
         y_host_TH = self.cpu.run(x_host_TH, keys_M, token_t, weights_M)
         return y_host_TH.to(x_TH.device, non_blocking=False)
 

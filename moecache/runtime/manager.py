@@ -30,8 +30,14 @@ the visit wait for its own admissions' copies (host wait on their ready events; 
 stand-in) and publish them, so those entries run on the device. Misses the policy does not admit, and
 admissions whose slot is freed by this visit's own kernels (deferred, see 4.), still run on the CPU. The
 counters (hits, misses) and the logged `cache_hit` are the cache's state when the visit began either way.
+"split" (moecache/sim/miss_split.py, the simulator's rule; needs a cost model, `cost`) weighs, for the
+visit's misses whose copy is in flight (admitted now or late), waiting on the device against the CPU:
+the first `split_waits` of them (in landing order) are waited for by the compute stream (a stream wait
+on the last one's ready event, `enqueue_waits`, which the executor calls after enqueueing the hits: the
+host never waits) and run there by one more operator call over the visit's `wait_slot_of_E` row
+(those experts only, `VisitResult.waited`); the CPU runs the other misses meanwhile.
 `stats.late_copies` counts copies still in flight at the next use of their expert (that use ran on the
-CPU); `stats.waited_copies` the copies an `on_miss="wait"` visit waited for.
+CPU); `stats.waited_copies` the copies a "wait" or "split" visit waited for.
 
 Updates are serialised by one lock. Counters and residency are session state: `reset`, `export_state`
 / `import_state`, `warm_from_trace` (replay a trace through the policy, then load its residents).
@@ -51,6 +57,7 @@ import torch
 from moecache.capacity import parse_capacity
 from moecache.errors import MoecacheError
 from moecache.runtime.manager_visit import ADMIT_DEFERRED, BAD_ROUTING, FREE, HELD, CompiledVisit
+from moecache.runtime.miss_split import SplitCosts
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import Copy, TransferEngine
 from moecache.sim.policy import Policy, make_policy
@@ -63,7 +70,7 @@ _NONE_I64 = np.empty(0, np.int64)
 _NONE_I32 = np.empty(0, np.int32)
 _NONE_I64.flags.writeable = False
 _NONE_I32.flags.writeable = False
-ON_MISS = ("cpu", "wait")  # what a miss does (module docstring)
+ON_MISS = ("cpu", "wait", "split")  # what a miss does (module docstring)
 ROW_UPLOADS = ("manager", "executor")  # who copies a published mapping row to the device (row_uploads)
 
 
@@ -89,6 +96,10 @@ class VisitResult:
     # copies (snapshot_E / hit_TK are then what the device ran). None: the same as snapshot_E / hit_TK.
     cache_snapshot_E: np.ndarray | None = None
     cache_hit_TK: np.ndarray | None = None
+    # on_miss="split": the copies the compute stream waits for (empty: none), and the device row
+    # mapping only their experts, for the executor's second operator call
+    waited: list[Copy] = field(default_factory=list)
+    wait_slot_of_E: torch.Tensor | None = None
 
     def cache_fields(self, num_experts: int) -> list[dict]:
         """The routing record's cache columns (moecache/trace/schema.py) for each of the visit's T rows.
@@ -140,7 +151,7 @@ class ManagerStats:
     wasted_copies: int = 0  # keys evicted before their copy was published
     publish_waits: int = 0  # times a mapping row's previous upload had not run yet (see _push_row)
     late_copies: int = 0  # copies still in flight at their expert's next use (which ran on the CPU)
-    waited_copies: int = 0  # on_miss="wait": copies a visit waited for before running them on the device
+    waited_copies: int = 0  # "wait" / "split": copies a visit waited for before running them on the device
 
 
 class CacheManager:
@@ -154,8 +165,8 @@ class CacheManager:
         top_k: int,
         synchronous: bool = False,
         on_miss: str = "cpu",
+        cost=None,
     ):
-        self.on_miss = on_miss
         self.store, self.device = store, device
         self.shape = ModelShape(store.num_layers, store.num_experts, int(top_k), store.expert_bytes)
         self.capacity = parse_capacity(
@@ -174,6 +185,8 @@ class CacheManager:
         # Copies are timed on the device (copy_duration_ns) only while time_gpu is set (below), so the hot
         # path records one event per copy, not two.
         self.engine = TransferEngine(device, store, self.pool, synchronous=synchronous, timing=False)
+        self.cost = cost
+        self.on_miss = on_miss
         self.compute = device.compute_stream()
         self._on_visit = device.on_visit
         self._lock = threading.RLock()
@@ -187,6 +200,13 @@ class CacheManager:
         self._device_rows = list(self.slot_of_LE.unbind(0))  # per-layer views, made once
         self._staging_rows = list(self._staging_LE.unbind(0))
         self._dirty_L = np.zeros(L, bool)
+        # on_miss="split": each layer's row of waited experts (pinned staging, fixed-address device row)
+        self._wait_staging_LE = torch.full((L, E), -1, dtype=torch.int32, pin_memory=device.is_cuda)
+        self._wait_staging_np = self._wait_staging_LE.numpy()
+        self.wait_slot_of_LE = torch.full((L, E), -1, dtype=torch.int32, device=device.torch_device)
+        self._wait_rows = list(self.wait_slot_of_LE.unbind(0))
+        self._wait_staging_rows = list(self._wait_staging_LE.unbind(0))
+        self._wait_upload_serial_L = [0] * L
         self._row_uploads = "manager"  # who copies a staging row to its device row (row_uploads)
         # What the compute stream has done, in visit serials (every visit, prepared or not, has one; the
         # kernels and row uploads a visit enqueues carry its serial). `_fence`: every visit up to it is
@@ -270,7 +290,26 @@ class CacheManager:
     def on_miss(self, mode: str) -> None:
         if mode not in ON_MISS:
             raise MoecacheError(f"cache manager: on_miss={mode!r}: expected one of {list(ON_MISS)}")
+        if mode == "split" and self._split is None:
+            if self._cost is None:
+                raise MoecacheError(
+                    'cache manager: on_miss="split" weighs copies against the CPU with a cost profile: give'
+                    " the manager one (cost=, from moecache calibrate)"
+                )
+            SplitCosts(self._cost)  # refuses, in one line, a cost model without the runtime's costs
         self._on_miss = mode
+
+    @property
+    def cost(self):
+        """The cost model (moecache/sim/cost_model.py, of this model's expert; None: none) that
+        on_miss="split" weighs (one with the runtime's costs) and the policy may read (impact)."""
+        return self._cost
+
+    @cost.setter
+    def cost(self, cost) -> None:
+        self._cost = cost
+        self._split = None if cost is None or cost.runtime is None else SplitCosts(cost)
+        self.engine.copy_estimate_ns = None if self._split is None else self._split.copy_ns
 
     # ---- construction from the configuration -----------------------------------------------------
 
@@ -282,7 +321,7 @@ class CacheManager:
         policy = make_policy(name, **dict(params or {}))
         if cost is not None:
             policy.bind_cost(cost)
-        return cls(store, device, capacity, policy, top_k=top_k, **kw)
+        return cls(store, device, capacity, policy, top_k=top_k, cost=cost, **kw)
 
     @classmethod
     def from_decision(cls, path, store, device, capacity, *, top_k: int, cost=None, **kw):
@@ -449,12 +488,12 @@ class CacheManager:
         """Step 1 of the layer's next visit on its own, before its routing is known: publish the layer's
         completed copies and enqueue its mapping row's upload. The executor may then enqueue the layer's
         kernels (they read the returned fixed-address device row) before it reads the routing back and
-        calls `visit`, which runs on exactly this snapshot (nothing is published in between). Only with
-        on_miss="cpu": a waiting visit changes the row its kernels read."""
+        calls `visit`, which runs on exactly this snapshot (nothing is published in between). Not with
+        on_miss="wait": a waiting visit changes the row its kernels read."""
         with self._lock:
-            if self._on_miss != "cpu":
+            if self._on_miss == "wait":
                 raise MoecacheError(
-                    'cache manager: prepare() is for on_miss="cpu" (a waiting visit sets its row)'
+                    'cache manager: prepare() is not for on_miss="wait" (a waiting visit sets its row)'
                 )
             self._begin_visit(layer)
             self._publish_ready(layer)
@@ -560,6 +599,8 @@ class CacheManager:
             if wait:
                 busy = set(self._slot_U[: U - n_miss].tolist())
                 self._wait_for_copies(layer, ids_TK, result, busy)
+            elif n_miss and self._on_miss == "split" and self.loading_L[layer]:
+                self._split_misses(layer, ids_TK, result, U - n_miss)
             self._pending = (self._serial, deferred, result)
             self.last_visit = result
             s.visits += 1
@@ -625,6 +666,63 @@ class CacheManager:
         )
         self._push_row(layer, visit_row)
         self._dirty_L[layer] = True  # the next visit uploads the published row
+
+    def _split_misses(self, layer: int, ids_TK: np.ndarray, result: VisitResult, n_hit: int) -> None:
+        """on_miss="split" (module docstring): the misses whose copy is in flight, in landing order,
+        weighed by the simulator's rule; the first `w` are waited for on the compute stream and mapped
+        in the visit's wait row, the visit's hit mask and misses updated (the cache's view kept in
+        cache_snapshot_E / cache_hit_TK)."""
+        E = self.shape.num_experts
+        base = layer * E
+        loading = self.loading_L[layer]
+        candidates, uses_J, rest_uses = [], [], []
+        for e in result.miss_experts.tolist():
+            uses = int(self._uses_U[self._pos_E[e]])
+            copy = loading.get(base + e)
+            if copy is None:
+                rest_uses.append(uses)
+            else:
+                candidates.append(copy)
+                uses_J.append(uses)
+        if not candidates:
+            return
+        order = sorted(range(len(candidates)), key=lambda j: candidates[j].seq)
+        candidates, uses_J = [candidates[j] for j in order], [uses_J[j] for j in order]
+        hit_entries = int(result.hit_TK.sum())
+        w = self._split.waits(candidates, uses_J, rest_uses, ids_TK.shape[0], hit_entries)
+        if w == 0:
+            return
+        waited = candidates[:w]
+        row = self._wait_staging_np[layer]
+        uploaded = self._wait_upload_serial_L[layer]
+        if uploaded > self._fence:  # the row's previous upload may not have run yet
+            event = self._covering_event(uploaded)
+            if not event.query():
+                self.stats.publish_waits += 1
+                event.synchronize()
+        row.fill(-1)
+        for copy in waited:
+            row[copy.key - base] = copy.slot
+            self.last_read_S[copy.slot] = self._serial  # the wait call reads it after this visit's hits
+        result.cache_snapshot_E = result.snapshot_E
+        result.cache_hit_TK = result.hit_TK
+        waited_E = row >= 0
+        result.hit_TK = result.hit_TK | waited_E[ids_TK]
+        result.miss_experts = np.array([e for e in result.miss_experts.tolist() if not waited_E[e]], np.int64)
+        result.waited = waited
+        result.wait_slot_of_E = self._wait_rows[layer]
+        self.stats.waited_copies += w
+
+    def enqueue_waits(self, result: VisitResult) -> torch.Tensor:
+        """on_miss="split", for the executor once the visit's hits are enqueued (before `commit`): the
+        compute stream waits for the visit's waited copies (the last one's ready event: the copy stream
+        is FIFO), then the visit's wait row is uploaded; returns that device row for the wait call."""
+        with self._lock:
+            layer = result.layer
+            self.compute.wait_event(result.waited[-1].ready_event)
+            self.device.copy(self._wait_rows[layer], self._wait_staging_rows[layer], self.compute)
+            self._wait_upload_serial_L[layer] = self._serial
+            return result.wait_slot_of_E
 
     # ---- helpers ---------------------------------------------------------------------------------
 

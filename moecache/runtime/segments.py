@@ -22,7 +22,9 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
   of its routing, after the next segment has been replayed (`flush`; the decode loop flushes after its
   last step): the host then never stands between the GPU's segments of a layer without misses. With
   on_miss="wait" (synchronous copies) the visit runs at `_route` instead, before B(l), which reads the
-  row it sets. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
+  row it sets. With on_miss="split" a visit that waits for some copies (VisitResult.waited) gets one
+  more operator call at `_combine`, eager, over its wait row, behind the compute stream's wait on those
+  copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
   (the stand-in device) there is no read-back (the tap buffer is host memory) and the manager uploads
   rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
@@ -175,6 +177,7 @@ class ExpertsTaps:
         self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
         self.y_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the resident experts' part
         self.cpu_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the CPU misses' part
+        self.wait_TH = torch.zeros((T, H), dtype=dtype, device=where)  # on_miss="split": the waited part
         self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
         self._visit_result = None
         # (layer, its routing) whose visit `_combine` left to the next host point: the routing copied out,
@@ -299,7 +302,7 @@ class ExpertsTaps:
         self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
         if self.forced is not None:
             self._substitute(layer)
-        if self.manager.on_miss == "cpu":
+        if self.manager.on_miss != "wait":
             started = time.perf_counter_ns()
             self.manager.prepare(layer)
             self.host_ns["manager"] += time.perf_counter_ns() - started
@@ -371,6 +374,8 @@ class ExpertsTaps:
                 self._deferred = (layer, ids_TK.copy())
                 return
             self._visit(layer, ids_TK)
+        if self._visit_result.waited:  # before commit: the visit reads those slots until then
+            self._run_waited(self._visit_result)
         self._commit()
         hit_TK = self._visit_result.hit_TK
         if not hit_TK.all():
@@ -391,6 +396,23 @@ class ExpertsTaps:
             self.host_ns["cpu_calls"] += 1
             self.host_ns["cpu_entries"] += int(keys_M.numel())
         self._visit_result = None
+
+    def _run_waited(self, visit) -> None:
+        """on_miss="split": the experts whose copies the compute stream waits for (the manager enqueued the
+        wait and their row), one more operator call over that row, added into y_TH; the host goes on to
+        the CPU misses at once."""
+        started = time.perf_counter_ns()
+        pool = self.pool
+        row_E = self.manager.enqueue_waits(visit)
+        operands = (self.x_TH, self.ids_TK, self.weights_TK, row_E, pool.w13_SIH, pool.w2_SHI)
+        if self.is_cuda:
+            self._kernel(*operands, out=self.wait_TH)
+            self.y_TH.add_(self.wait_TH)
+        else:  # the stand-in: the copies, the stream's wait and the row's upload run first
+            self.device.run()
+            self.y_TH.add_(self._kernel(*operands))
+        self.runtime.stats.kernel_calls += 1
+        self.host_ns["manager"] += time.perf_counter_ns() - started
 
     def _commit(self) -> None:
         started = time.perf_counter_ns()

@@ -8,6 +8,10 @@ here blocks the caller: the manager later queries (never waits on) the ready eve
 
 `synchronous=True` waits for every copy before returning: only for tests and transfer-cost calibration.
 
+With `copy_estimate_ns` set (on_miss="split", moecache/runtime/miss_split.py) each copy also carries
+when it should land on the host clock, the timed replay's FIFO timeline: `est_ready_ns` = max(its
+enqueue, the previous copy's estimate) + copy_estimate_ns.
+
 Legend: G global expert keys, S slots.
 """
 
@@ -30,6 +34,7 @@ class Copy:
     ready_event: object
     start_event: object
     seq: int = -1  # its place on the copy stream (0, 1, ...): copies complete in this order
+    est_ready_ns: int = 0  # when it should land (host clock), with TransferEngine.copy_estimate_ns set
     ready_ns: int | None = None  # when the manager saw the ready event complete
     duration_ns: int | None = None
     wasted: bool = field(default=False)  # its key was evicted before the copy was published
@@ -58,6 +63,8 @@ class TransferEngine:
         self.copies_enqueued = 0
         self.bytes_enqueued = 0
         self.completed_seq = -1  # every copy up to this seq is known complete (the stream is FIFO)
+        self.copy_estimate_ns: float | None = None  # one copy's time, for est_ready_ns (module docstring)
+        self._est_free_ns = 0
         # every slot's and every expert's row as a view, made once (indexing a tensor per copy costs more
         # than the copy's enqueue)
         self._slot_rows = list(pool.flat_SB.unbind(0))
@@ -90,6 +97,10 @@ class TransferEngine:
         device.copy(self._slot_rows[slot], self._expert_rows[key], stream)  # one row: w13 then w2
         ready.record(stream)
         copy = Copy(key, slot, self.store.expert_bytes, enqueued, ready, start, seq=self.copies_enqueued)
+        if self.copy_estimate_ns is not None:
+            self._est_free_ns = copy.est_ready_ns = int(
+                max(enqueued, self._est_free_ns) + self.copy_estimate_ns
+            )
         self.copies_enqueued += 1
         self.bytes_enqueued += self.store.expert_bytes
         if self.synchronous:

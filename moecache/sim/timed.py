@@ -23,13 +23,19 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
 4. an admission of a key the step did not access is a prefetch. Its copy is pending until the key is
    next accessed while it still holds the slot (the prefetch is used then; timely if the copy was
    complete at that routing time) or until the key is evicted (unused).
-5. `wait=True` models the runtime's on_miss="wait" (synchronous on-demand copies, the lru_sync
+5. `on_miss="wait"` models the runtime's on_miss="wait" (synchronous on-demand copies, the lru_sync
    baseline): the step's copies into safe slots are enqueued first and the step waits for them
    (wait = last ready - tr); the misses they admitted then run on the GPU with the hits, the other
    misses on the CPU; the step takes non_expert + wait + max (or, serial, the sum) of the two halves.
    Copies into slots freed by the step's own GPU work are enqueued after that work (the runtime's
    deferred copies) and their misses stay on the CPU. Hits and misses are counted as the cache was
    when the step began (hit_A), as the runtime counts them.
+6. `on_miss="split"` models the runtime's on_miss="split" (moecache/sim/miss_split.py): the step's
+   misses whose copy is in flight (late ones, then its own admissions into safe slots, in the order
+   their copies land) are candidates; `split_waits` picks how many of the first ones wait for their
+   copy and run on the device (one more operator call over their entries, after the last of them
+   lands) while the CPU runs the other misses: the step takes non_expert + max (serial: the sum) of
+   the CPU part and max(hits' kernel, last waited copy's landing + that call).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import numpy as np
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel, forward_index
 from moecache.sim.jit import bound
+from moecache.sim.miss_split import ON_MISS_CODES, split_waits
 from moecache.sim.policy import Policy
 from moecache.sim.replay import ReplayResult, check_capacity, initial_resident_mask
 from moecache.sim.trace_arrays import TraceArrays
@@ -107,10 +114,11 @@ class TimedResult(ReplayResult):
 # visit goes through visit.apply_step, as in instant mode.
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
-    cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, serial, wait,
+    cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, serial, miss_mode,
     copy_host_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
     copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G, uses_G,
+    cand_key_J, cand_ready_J, cand_cpu_J, gpu_wait_W,
 ):  # fmt: skip
     """Returns (copies, CPU fallback selections, prefetches, prefetches used); copies = -1 when the
     copy arrays are too short (the caller retries with longer ones: arrays reassigned inside the loop
@@ -118,12 +126,15 @@ def _replay_timed(
     ready_G (float64, zeros: copy completion of keys holding a slot), copy_of_G (int64, -1: the key's
     latest copy), gpu_step_G (int64, -1: last step that ran the key on the GPU), seen_G (int64, -1:
     last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy), uses_G
-    (int64: the key's uses in the step that last accessed it).
+    (int64: the key's uses in the step that last accessed it); on_miss="split"'s candidates (cand_*_J,
+    gpu_wait_W: one more entry). miss_mode: ON_MISS_CODES (0 cpu, 1 wait, 2 split).
     With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
     the operator's row at the step's usable resident entries, a step with a miss adds cpu_call_us to
     its CPU time, and `serial` adds the two halves instead of taking their max. Every admission adds
     `copy_host_us` of host time (its copy's enqueue) to its step."""
     fused = kernel_off_V.shape[0] > 0
+    wait = miss_mode == 1
+    split = miss_mode == 2
     num_keys = resident_G.shape[0]
     num_steps = start_V.shape[0] - 1
     cap_C = copy_key_C.shape[0]
@@ -146,6 +157,7 @@ def _replay_timed(
         cpu = 0.0
         entries = 0
         misses = 0
+        n_cand = 0  # on_miss="split": this step's misses whose copy is in flight (late ones first)
         for a in range(a0, a1):
             k = key_A[a]
             m = uses_A[a]
@@ -170,7 +182,10 @@ def _replay_timed(
                 cpu += cpu_us_M[m]
                 misses += 1
                 cpu_fallback_sel += m
-        # the hits' GPU work ends here: the eviction's busy-slot test (with wait, the copies' below)
+                if split and held_k:  # late: its copy is still in flight
+                    cand_key_J[n_cand] = k
+                    n_cand += 1
+        cpu_misses = cpu  # the misses' CPU cost, no call cost        # the hits' GPU work ends here: the eviction's busy-slot test (with wait, the copies' below)
         gpu_end = tr + (kernel_us_X[kernel_off_V[s] + entries] if fused else gpu)
         n_admit, n_evict, held = apply_step(
             state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_V[s], request_V[s], resident_G,
@@ -209,15 +224,25 @@ def _replay_timed(
                 cpu += cpu_call_us
         if wait:
             gpu_end = tr + wait_us + gpu
-        step_us = (
-            non_expert_V[s] + wait_us + (gpu + cpu if serial else max(gpu, cpu)) + copy_host_us * n_admit
-        )
+        if split:  # late candidates evicted by this step are no longer in flight for it
+            kept = 0
+            for j in range(n_cand):
+                k = cand_key_J[j]
+                if resident_G[k]:
+                    cand_key_J[kept] = k
+                    cand_ready_J[kept] = ready_G[k]
+                    kept += 1
+            n_cand = kept
         n_pf = 0
         for j in range(n_admit):
             k = admit_buf[j]
             start = max(tr, engine_free)
             if safe_slots > 0:
                 safe_slots -= 1
+                if split and seen_G[k] == s:  # a miss of this step into a safe slot: a candidate
+                    cand_key_J[n_cand] = k
+                    cand_ready_J[n_cand] = start + copy_us
+                    n_cand += 1
             else:
                 busy_slots -= 1
                 start = max(start, gpu_end)
@@ -241,6 +266,40 @@ def _replay_timed(
             copy_of_G[k] = n_copies
             n_copies += 1
         safe_slots += busy_slots  # safe by the next step: it starts after this step's GPU work
+        if split and n_cand > 0:
+            for j in range(1, n_cand):  # in landing order (insertion sort: a handful of candidates)
+                r, k = cand_ready_J[j], cand_key_J[j]
+                i = j - 1
+                while i >= 0 and cand_ready_J[i] > r:
+                    cand_ready_J[i + 1], cand_key_J[i + 1] = cand_ready_J[i], cand_key_J[i]
+                    i -= 1
+                cand_ready_J[i + 1], cand_key_J[i + 1] = r, k
+            cand_cpu = 0.0
+            waited_entries = 0
+            for j in range(n_cand):
+                m = uses_G[cand_key_J[j]]
+                cand_cpu_J[j] = cpu_us_M[m]
+                cand_cpu += cpu_us_M[m]
+                cand_ready_J[j] -= tr
+                waited_entries += m
+                gpu_wait_W[j + 1] = (
+                    kernel_us_X[kernel_off_V[s] + waited_entries] if fused else gpu_wait_W[j] + gpu_us_M[m]
+                )
+            w = split_waits(
+                cand_ready_J, cand_cpu_J, gpu_wait_W, n_cand, misses - n_cand, cpu_misses - cand_cpu,
+                cpu_call_us if fused else 0.0, gpu, serial,
+            )  # fmt: skip
+            if w > 0:
+                cpu = cpu_misses
+                for j in range(w):
+                    cpu -= cand_cpu_J[j]
+                misses -= w
+                if fused and misses > 0:
+                    cpu += cpu_call_us
+                gpu = max(gpu, cand_ready_J[w - 1] + gpu_wait_W[w])
+        step_us = (
+            non_expert_V[s] + wait_us + (gpu + cpu if serial else max(gpu, cpu)) + copy_host_us * n_admit
+        )
         n_prefetch += n_pf
         n_pending += n_pf
         admits_V[s] = n_admit
@@ -271,10 +330,13 @@ def _next_visit(
 
 
 def replay_timed(
-    trace: TraceArrays, policy: Policy, capacity: int, cost: CostModel, *, wait: bool = False
+    trace: TraceArrays, policy: Policy, capacity: int, cost: CostModel, *, on_miss: str = "cpu"
 ) -> TimedResult:
-    """Replay `trace` through `policy` with `capacity` GPU slots on the timeline of `cost`; `wait`: a
-    step waits for its own admissions' copies (module docstring, 5.: the runtime's on_miss="wait")."""
+    """Replay `trace` through `policy` with `capacity` GPU slots on the timeline of `cost`; `on_miss`
+    the runtime's setting: "cpu", "wait" (a step waits for its own admissions' copies, module
+    docstring 5.) or "split" (6.)."""
+    if on_miss not in ON_MISS_CODES:
+        raise MoecacheError(f"timed replay: on_miss={on_miss!r}: expected one of {list(ON_MISS_CODES)}")
     check_capacity(trace, capacity)
     cost.check_trace(trace)
     if policy.cost is None:
@@ -300,6 +362,10 @@ def replay_timed(
             *(np.empty(k, np.int32), np.empty(k, np.int32), np.zeros(k)),
             *(np.full(k, -1, np.int64) for _ in range(4)),  # copy_of_G, gpu_step_G, seen_G, pending_G
             np.zeros(k, np.int64),  # uses_G
+            np.empty(k, np.int64),
+            np.empty(k),
+            np.empty(k),
+            np.zeros(k + 1),  # split's candidates
         )
         start_C, ready_C, wasted_C = np.empty(cap_C), np.empty(cap_C), np.empty(cap_C, np.bool_)
         prefetch_C, used_C, use_C = np.empty(cap_C, np.bool_), np.empty(cap_C, np.bool_), np.empty(cap_C)
@@ -308,7 +374,7 @@ def replay_timed(
                 policy.named_state(state), trace.key_A, trace.uses_A, trace.start_V, trace.clock_V,
                 trace.request_V, resident_G, int(capacity), cpu_us_M, cost.gpu_table(),
                 cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
-                cost.cpu_call_us(), cost.serial, bool(wait), float(cost.copy_host_us()),
+                cost.cpu_call_us(), cost.serial, ON_MISS_CODES[on_miss], float(cost.copy_host_us()),
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
             )  # fmt: skip

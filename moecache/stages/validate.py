@@ -38,7 +38,7 @@ EXECUTION = {
 SCHEMA_VERSION = 1
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
-    "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup",
+    "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss",
 )  # fmt: skip
 WARMUPS = ("auto", "on", "off")  # validate.warmup: an untimed generation per strategy first (auto: on CUDA)
 
@@ -79,6 +79,16 @@ def _checked(c: dict) -> dict:
         )
     if v["reference"] == "all_resident" and "all_resident" not in v["strategies"]:
         raise MoecacheError("validate.reference=all_resident: validate.strategies must list all_resident")
+    from moecache.validation.baselines import SELECTED_ON_MISS
+
+    if v["on_miss"] not in SELECTED_ON_MISS:
+        raise MoecacheError(
+            f"validate.on_miss={v['on_miss']!r}: expected one of {', '.join(SELECTED_ON_MISS)}"
+        )
+    if v["on_miss"] == "split" and v["cost_profile"] is None:
+        raise MoecacheError(
+            "validate.on_miss=split: weighs copies against the CPU with validate.cost_profile, which is null"
+        )
     return v
 
 
@@ -147,7 +157,7 @@ def run(cfg: DictConfig) -> StageResult:
         workloads = []
     else:
         workloads = [Workload(n, wcfg=load_workload(n, CONF_DIR)) for n in v["workloads"]]
-    strategies = build(v["strategies"], selected)
+    strategies = build(v["strategies"], selected, v["on_miss"])
     profile = _profile_path(store, v["cost_profile"])
     fidelity.check_loop(profile, v["loop"])  # before the model is loaded
 

@@ -7,7 +7,7 @@
 | `n_cpu_moe` | each of validate.capacities | static_layers: the last whole layers resident, the first layers' experts on the CPU (`--n-cpu-moe`) | CPU | static_layers |
 | `lru_sync` | each | lru_per_layer (split equal) | wait for the copy, run on the device (mixtral-offloading) | lru_per_layer, timed mode waiting for its copies (moecache/sim/timed.py, 5.) |
 | `hindsight_static` | each | the `capacity` most used experts of the workload's own trace, fixed (see below) | CPU | static_hindsight |
-| `selected` | each | the decision's `selected` policy | CPU | the same policy |
+| `selected` | each | the decision's `selected` policy | CPU, or (validate.on_miss=split) split between waiting for its copy and the CPU | the same policy (and on_miss) |
 
 The hindsight placement is the plan's oracle: the keys ranked by (-uses, key) over the routing trace of the
 unmodified model on the very requests of the run (`static_hindsight.top_keys`). The runtime refuses the
@@ -30,6 +30,7 @@ from moecache.sim.policy_spec import PolicySpec
 STRATEGIES = ("all_resident", "all_cpu", "n_cpu_moe", "lru_sync", "hindsight_static", "selected")
 FIXED_CAPACITY = {"all_resident": "all", "all_cpu": "0"}  # the others run at every validate capacity
 HINDSIGHT = "static_hindsight"
+SELECTED_ON_MISS = ("cpu", "split")  # validate.on_miss: the selected policy's (manager.py)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,11 @@ def check_names(names, key: str = "validate.strategies") -> list[str]:
     return list(names)
 
 
-def build(names: list[str], selected: PolicySpec) -> list[Strategy]:
-    """The strategies `names` (in STRATEGIES order), `selected` being the decision's policy."""
+def build(names: list[str], selected: PolicySpec, on_miss: str = "cpu") -> list[Strategy]:
+    """The strategies `names` (in STRATEGIES order), `selected` being the decision's policy run with
+    `on_miss` (SELECTED_ON_MISS; a placement that never moves makes no copies: "cpu")."""
+    if on_miss not in SELECTED_ON_MISS:
+        raise MoecacheError(f"validate.on_miss={on_miss!r}: expected one of {', '.join(SELECTED_ON_MISS)}")
     cold = PolicySpec.of("static_cold")
     made = {
         "all_resident": Strategy("all_resident", cold, "cpu", cold),
@@ -77,7 +81,7 @@ def build(names: list[str], selected: PolicySpec) -> list[Strategy]:
         "selected": (
             Strategy("selected", cold, "cpu", selected, hindsight=True)
             if selected.name == HINDSIGHT
-            else Strategy("selected", selected, "cpu", selected)
+            else Strategy("selected", selected, on_miss, selected)
         ),
     }
     return [made[n] for n in STRATEGIES if n in names]

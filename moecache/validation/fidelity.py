@@ -31,6 +31,7 @@ import numpy as np
 from moecache.cost_profile import CostProfile
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel, forward_index, forward_tokens
+from moecache.sim.miss_split import ON_MISS_CODES
 from moecache.sim.metrics import summarize
 from moecache.sim.policy import make_policy
 from moecache.sim.policy_spec import PolicySpec
@@ -54,8 +55,8 @@ def predict_run(
         raise MoecacheError(f"fidelity: {path}: no such trace file")
     if not isinstance(policy, PolicySpec):
         raise MoecacheError(f"fidelity: policy must be a PolicySpec, got {type(policy).__name__}")
-    if on_miss not in ("cpu", "wait"):
-        raise MoecacheError(f"fidelity: on_miss={on_miss!r}: expected cpu or wait")
+    if on_miss not in ON_MISS_CODES:
+        raise MoecacheError(f"fidelity: on_miss={on_miss!r}: expected one of {list(ON_MISS_CODES)}")
     trace = load_trace(path)
     check_capacity(trace, int(capacity))
     cost = None
@@ -77,7 +78,7 @@ def predict_run(
     }
     if cost is None:
         return out
-    timed = replay_timed(trace, _policy(policy, cost), int(capacity), cost, wait=on_miss == "wait")
+    timed = replay_timed(trace, _policy(policy, cost), int(capacity), cost, on_miss=on_miss)
     metrics = summarize(trace, timed, cost)
     out.update(
         time_per_token_ms=metrics["est_ms_per_token"],

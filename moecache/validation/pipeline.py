@@ -67,11 +67,12 @@ def _meta(model_label: str, arch: dict, workload: str, spec: RunSpec, s: Setting
     )  # fmt: skip
 
 
-def _configure(model, strategy: Strategy, slots: int, hindsight_G) -> None:
-    """A new cold cache for the run on the model's host store (module docstring, 2.)."""
+def _configure(model, strategy: Strategy, slots: int, hindsight_G, profile: str | None = None) -> None:
+    """A new cold cache for the run on the model's host store (module docstring, 2.); `profile`: the
+    cost profile an on_miss="split" strategy weighs with."""
     session = model.moecache.reconfigure(
         capacity=slots, policy=strategy.policy.name, params=dict(strategy.policy.params),
-        on_miss=strategy.on_miss,
+        on_miss=strategy.on_miss, cost_profile=profile if strategy.on_miss == "split" else None,
     )  # fmt: skip
     if strategy.hindsight:
         if hindsight_G is None:
@@ -103,7 +104,13 @@ def _warm_up(model, w, strategies, grid, request, count_G, s: Settings, run) -> 
         for n, strategy in enumerate(strategies):
             fixed = strategy.fixed_capacity
             capacity, slots = (fixed, num_keys if fixed == "all" else 0) if fixed else grid[0]
-            _configure(model, strategy, slots, hindsight_keys(count_G, slots) if strategy.hindsight else None)
+            _configure(
+                model,
+                strategy,
+                slots,
+                hindsight_keys(count_G, slots) if strategy.hindsight else None,
+                s.profile,
+            )
             spec = RunSpec(w.name, strategy, capacity, slots)
             measure(
                 model, spec, [warm], loop=s.loop, device=s.device, max_new_tokens=WARMUP_TOKENS,
@@ -194,7 +201,7 @@ def validate_all(
             points = [(fixed, num_keys if fixed == "all" else 0)] if fixed else grid
             for capacity, slots in points:
                 hindsight = hindsight_keys(count_G, slots) if strategy.hindsight else None
-                _configure(model, strategy, slots, hindsight)
+                _configure(model, strategy, slots, hindsight, s.profile)
                 one(w, RunSpec(w.name, strategy, capacity, slots), made, reference)
         _release()
     return [r for w in workloads for r in rows_of[w.name]], latencies

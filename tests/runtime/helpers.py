@@ -62,3 +62,41 @@ def spy_visits(manager) -> dict[int, list[np.ndarray]]:
 
     manager.visit = spy
     return seen
+
+
+def split_profile(store, copy_us: float, cpu_us: float, overlap: str = "parallel") -> dict:
+    """A schema-2 cost profile of `store`'s expert for on_miss="split" (hand-made, not measurements): a
+    copy takes `copy_us`, a missed expert `cpu_us` on the CPU (+ 1 us per call), the operator 1 us per
+    entry."""
+    timing = {"p10_us": 0.0, "p90_us": 0.0, "repeats": 1}
+    profile = {
+        "schema_version": 2,
+        "shape": {"hidden_size": store.hidden_size, "moe_intermediate_size": 1, "expert_bytes": store.expert_bytes},
+        "dtype": "float32",
+        "machine": {"threads": 1},
+        "cpu": [{"dtype": "float32", "tokens_per_call": 1, "median_us": cpu_us, "p10_us": cpu_us, "p90_us": cpu_us, "pool_experts": 2}],
+        "cuda": None,
+        "h2d": None,
+        "measured_at": "2026-01-01T00:00:00Z",
+        "runtime": {
+            "model": {"num_experts": store.num_experts, "top_k": 2, "expert_bytes": store.expert_bytes},
+            "execution": {"path": "fast", "overlap": overlap},
+            "slot_moe": [{"tokens": 1, "entries": n, "median_us": float(n), **timing} for n in (1, 2)],
+            "cpu_path": [
+                {"tokens_per_expert": 1, "experts": u, "median_us": 1.0 + u * cpu_us, **timing} for u in (1, 2)
+            ],
+            "visit": [{"tokens": 1, "median_us": 1.0, **timing}],
+            "copy_engine": {"expert_bytes": store.expert_bytes, "per_copy_us": copy_us, "single": {}, "batch": {}},
+            "non_expert": None,
+        },
+    }  # fmt: skip
+    return profile
+
+
+def split_cost(store, copy_us: float, cpu_us: float, overlap: str = "parallel"):
+    """split_profile's CostModel, tabulated for `store`'s expert."""
+    from moecache.cost_profile import CostProfile
+    from moecache.sim.cost_model import CostModel
+
+    profile = CostProfile.from_dict(split_profile(store, copy_us, cpu_us, overlap), source="split_profile")
+    return CostModel.from_profile(profile, store.expert_bytes, 64)

@@ -12,6 +12,8 @@ Legend: T prompt tokens, N generated tokens, L MoE layers, K top-k, V vocabulary
 from __future__ import annotations
 
 import copy
+import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +29,7 @@ from moecache.runtime.forced_routing import ForcedRouting
 from moecache.runtime.segments import ExpertsTaps
 from moecache.trace.esft_import import EsftArrays, esft_to_table
 from moecache.trace.schema import TraceMeta
-from tests.runtime.helpers import spy_visits, tiny
+from tests.runtime.helpers import split_profile, spy_visits, tiny
 
 MODEL_TYPES = ["qwen3_5_moe", "deepseek_v2", "mixtral", "qwen3_moe", "olmoe"]
 PROMPT_T = [5, 17, 99, 42, 7, 250, 3]
@@ -456,11 +458,22 @@ def trace_ids(forced, layer) -> np.ndarray:
     return np.concatenate([forced.expert_ids(r)[layer] for r in forced.request_ids])
 
 
-def check_forced_fast_loop(model_type, capacity, policy, device="cpu", graphs="off"):
+def check_forced_fast_loop(model_type, capacity, policy, device="cpu", graphs="off", split_dir=None):
+    """`split_dir`: both runs with on_miss="split", weighed by a profile written there whose copies are
+    far cheaper than the CPU (so misses wait for their copies on the device)."""
     plain = tiny(model_type)
     adapter = adapter_for(plain)
     forced = random_forcing(adapter)
     offload = dict(capacity=capacity, policy=policy, device=device)
+    if split_dir is not None:
+        profile = split_dir / "profile.json"
+        shape = SimpleNamespace(
+            hidden_size=adapter.hidden_size,
+            num_experts=adapter.num_experts,
+            expert_bytes=adapter.expert_bytes,
+        )
+        profile.write_text(json.dumps(split_profile(shape, copy_us=1.0, cpu_us=1e6)))
+        offload.update(on_miss="split", cost_profile=profile)
     hf_model = moecache.offload(copy.deepcopy(plain), **offload)
     with forced.attach(hf_model):  # transformers' generate, forced by the router hooks
         want, want_ids = forced_runs(hf_model, forced, hf_decode)
@@ -505,6 +518,15 @@ def test_forced_fast_loop_equals_forced_transformers_generate(model_type, capaci
     forced = random_forcing(adapter)
     FastDecoder(natural, 16).generate(forced.input_ids(rid, 320), FORCED_NEW[rid])
     assert not np.array_equal(np.concatenate(seen[0]), forced.expert_ids(rid)[0])
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_5_moe"])
+def test_forced_fast_loop_splits_misses_as_transformers_generate_does(model_type, tmp_path):
+    """on_miss="split" in both loops: the fast loop's wait call (after B(l), over the visit's wait row)
+    gives transformers' tokens; misses did wait for their copies."""
+    _, model, _ = check_forced_fast_loop(model_type, "25%", "lru", split_dir=tmp_path)
+    s = model.moecache.stats()
+    assert s["waited_copies"] > 0 and s["misses"] > 0
 
 
 def test_forced_fast_loop_refuses_what_it_cannot_force():
@@ -566,6 +588,19 @@ def test_forced_graph_replay_equals_forced_transformers_generate(model_type, cap
     if capacity == "25%":
         s = model.moecache.stats()
         assert s["evictions"] > 0 and s["hits"] > 0 and s["misses"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_5_moe"])
+def test_forced_graph_replay_splits_misses_as_transformers_generate_does(model_type, tmp_path):
+    """on_miss="split" with CUDA graphs: the wait call runs eagerly between B(l) and the CPU misses,
+    behind the compute stream's wait on the copies; tokens as transformers' forced generate (split too)."""
+    _, model, results = check_forced_fast_loop(
+        model_type, "25%", "lru", device="cuda", graphs="on", split_dir=tmp_path
+    )
+    s = model.moecache.stats()
+    assert s["waited_copies"] > 0 and s["misses"] > 0 and s["evictions"] > 0
 
 
 @pytest.mark.gpu

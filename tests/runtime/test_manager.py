@@ -19,7 +19,7 @@ from moecache.runtime.manager import CacheManager
 from moecache.sim.policy import make_policy
 from moecache.sim.replay import replay_instant
 from tests.conftest import build_trace
-from tests.runtime.helpers import manager, random_store
+from tests.runtime.helpers import manager, random_store, split_cost
 
 
 def ids(*experts):
@@ -191,6 +191,67 @@ def test_prepare_is_refused_for_waits_and_for_another_layers_visit():
     m.on_miss = "wait"
     with pytest.raises(MoecacheError, match="prepare"):
         m.prepare(1)
+
+
+# ---- on_miss="split" ----------------------------------------------------------------------------
+
+
+def split_manager(copy_us: float, cpu_us: float, capacity=4, mode="manual"):
+    store = random_store()
+    return manager(
+        "lru", capacity, store=store, mode=mode, on_miss="split", cost=split_cost(store, copy_us, cpu_us)
+    )
+
+
+def test_split_waits_on_the_device_for_copies_that_land_before_the_cpu_would_finish():
+    m = split_manager(copy_us=1.0, cpu_us=1e6)  # copies far cheaper than the CPU: wait for both
+    r = m.visit(0, ids(1, 2))
+    assert [c.key for c in r.waited] == [1, 2] and r.hit_TK.all() and r.miss_experts.tolist() == []
+    assert not r.cache_hit_TK.any() and (r.cache_snapshot_E == -1).all()  # the cache's view: two misses
+    assert m.stats.misses == 2 and m.stats.hits == 0 and m.stats.waited_copies == 2
+    # the compute stream waits for the copies before the wait row's upload: nothing moves until they land
+    assert m.enqueue_waits(r) is r.wait_slot_of_E
+    m.device.run(m.compute)
+    assert (m.wait_slot_of_LE[0] == -1).all()
+    m.device.run()
+    row = m.wait_slot_of_LE[0].tolist()
+    assert row[1] == r.waited[0].slot and row[2] == r.waited[1].slot
+    assert sum(s >= 0 for s in row) == 2
+    assert m.pool.flat_SB[r.waited[0].slot].equal(m.store.flat_GB[1])  # the weights the wait call reads
+    m.commit()
+    nxt = m.visit(0, ids(1, 2))  # published as usual at the next visit: hits, no wait
+    assert nxt.hit_TK.all() and nxt.waited == [] and nxt.cache_hit_TK is None
+
+
+def test_split_leaves_misses_to_the_cpu_when_copies_are_slow():
+    m = split_manager(copy_us=1e6, cpu_us=1.0)
+    r = m.visit(0, ids(1, 2))
+    assert r.waited == [] and not r.hit_TK.any() and r.miss_experts.tolist() == [1, 2]
+    assert len(r.copies) == 2 and m.stats.waited_copies == 0  # admitted and copied all the same
+
+
+def test_split_places_and_counts_exactly_as_cpu():
+    """Where a miss runs changes nothing of the cache: admissions, evictions, hits, misses equal
+    on_miss="cpu"'s over random routing at a small capacity."""
+    rng = np.random.default_rng(3)
+    routing = [(layer, rng.choice(8, size=(1, 2), replace=False)) for _ in range(30) for layer in range(2)]
+    trails = {}
+    for mode in ("cpu", "split"):
+        store = random_store()
+        m = manager("lru", 3, store=store, cost=split_cost(store, 1.0, 1e6))
+        m.on_miss = mode
+        trails[mode] = [
+            (r.admitted.tolist(), r.evicted.tolist(), (r.cache_hit_TK if r.waited else r.hit_TK).tolist())
+            for r in (m.visit(layer, x) for layer, x in routing)
+        ]
+        if mode == "split":
+            assert m.stats.waited_copies > 0
+    assert trails["split"] == trails["cpu"]
+
+
+def test_split_needs_a_cost_model():
+    with pytest.raises(MoecacheError, match='on_miss="split".*cost'):
+        manager("lru", 4, on_miss="split")
 
 
 def test_completed_copies_are_found_in_stream_order_with_few_queries():

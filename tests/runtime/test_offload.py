@@ -22,7 +22,7 @@ from moecache.models import adapter_for, build_tiny
 from moecache.models.loading import load_model
 from moecache.offloading import offload_model
 from moecache.runtime.experts_module import OffloadedExperts
-from tests.runtime.helpers import tiny
+from tests.runtime.helpers import split_profile, tiny
 
 MODEL_TYPES = ["qwen3_5_moe", "deepseek_v2", "mixtral", "qwen3_moe", "olmoe"]
 CAPACITIES = [0, "25%", "100%"]
@@ -77,6 +77,32 @@ def test_offloaded_greedy_tokens_equal_the_unmodified_model(reference, capacity)
         assert s["residents_per_layer"] == [0] * L
     if capacity == "100%":  # nothing is ever evicted; every expert used is copied once
         assert s["evictions"] == 0 and s["copies"] == s["admissions"] == s["misses"] and s["hits"] > 0
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_5_moe"])
+def test_split_misses_keep_the_unmodified_models_tokens(model_type, tmp_path):
+    """on_miss="split" with copies far cheaper than the CPU (a hand-made profile): the misses whose copies
+    are in flight run on the device from their slots once copied, the others on the CPU; the greedy
+    tokens are the unmodified model's, the counters on_miss="cpu"'s."""
+    plain = tiny(model_type)
+    want = greedy_logits(plain)
+    runs = {}
+    for on_miss in ("cpu", "split"):
+        model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+        if on_miss == "split":
+            store = model.moecache.manager.store
+            profile = tmp_path / "profile.json"
+            profile.write_text(json.dumps(split_profile(store, copy_us=1.0, cpu_us=1e6)))
+            model.moecache.reconfigure(capacity="25%", policy="lru", on_miss="split", cost_profile=profile)
+        tokens, logits = greedy_logits(model)
+        assert torch.equal(tokens, want[0]), on_miss
+        torch.testing.assert_close(logits, want[1], rtol=1e-4, atol=1e-5)
+        runs[on_miss] = model.moecache.stats()
+    split, cpu = runs["split"], runs["cpu"]
+    assert split["on_miss"] == "split" and split["waited_copies"] > 0 == cpu["waited_copies"]
+    for key in ("hits", "misses", "admissions", "evictions", "copies"):
+        assert split[key] == cpu[key], key
+    assert split["fallback_entries"] < cpu["fallback_entries"]
 
 
 def test_the_dense_experts_are_gone_and_the_rest_is_the_models():
@@ -231,7 +257,12 @@ def test_reconfigure_switches_the_cache_and_keeps_the_models_tokens(model_type):
             "moecache reconfigure: give policy= or decision=",
         ),
         (dict(capacity=4, decision="absent.json"), "absent.json: cannot read the decision"),
-        (dict(capacity=4, on_miss="later"), r"on_miss='later': expected one of \['cpu', 'wait'\]"),
+        (dict(capacity=4, on_miss="later"), r"on_miss='later': expected one of \['cpu', 'wait', 'split'\]"),
+        (
+            dict(capacity=4, on_miss="split"),
+            'on_miss="split" weighs copies against the CPU: give cost_profile=',
+        ),
+        (dict(capacity=4, cost_profile="p.json"), "cost_profile=p.json is read only with on_miss='split'"),
     ],
 )
 def test_reconfigure_refuses_bad_arguments_in_one_line_and_keeps_the_session(kwargs, message):

@@ -138,14 +138,14 @@ def test_fifo_copy_engine(make_trace):
 
 
 def test_wait_mode_waits_for_its_copies_and_runs_those_misses_on_the_gpu(make_trace):
-    """wait=True (the runtime's on_miss="wait"): one layer, LRU with 4 slots; cpu 6, gpu 1 per call,
+    """on_miss="wait" (the runtime's on_miss="wait"): one layer, LRU with 4 slots; cpu 6, gpu 1 per call,
     copy 10 us.
     t=0  [0,1]: both miss, both admitted: copies [0, 10], [10, 20]; the step waits 20, then runs both on
          the GPU (2): 22. The cache's hits are counted as the step began: none.
     t=22 [0,2]: 0 hits; 2 admitted: copy [22, 32], wait 10, then 2 on the GPU: 10 + 2 = 12.
     t=34 [1,2]: both hit: 2."""
     trace = make_trace([(0, i, 0, [e]) for i, e in enumerate([[0, 1], [0, 2], [1, 2]])], 1, 8)
-    r = replay_timed(trace, make_policy("lru"), 4, hand_cost(), wait=True)
+    r = replay_timed(trace, make_policy("lru"), 4, hand_cost(), on_miss="wait")
     assert r.step_us_V.tolist() == [22, 12, 2]
     assert r.route_us_V.tolist() == [0, 22, 34]
     assert r.hit_A.tolist() == [False, False, True, False, True, True]
@@ -155,13 +155,13 @@ def test_wait_mode_waits_for_its_copies_and_runs_those_misses_on_the_gpu(make_tr
 
 
 def test_wait_mode_leaves_a_copy_into_a_busy_slot_to_the_cpu(make_trace):
-    """wait=True, one slot; cpu 6, gpu 1 per call; copy 10 us.
+    """on_miss="wait", one slot; cpu 6, gpu 1 per call; copy 10 us.
     t=0  [0,1]: LRU admits 1 (0's admission cancelled): copy [0, 10] waited, 1 on the GPU, 0 on the
          CPU: 10 + max(1, 6) = 16.
     t=16 [1,2]: 1 hits (GPU until 17); 2 evicts it, so 2's copy can only take the slot this step's own
          GPU work reads: enqueued after it (starts 17), not waited for; 2 runs on the CPU: max(1, 6)."""
     trace = make_trace([(0, i, 0, [e]) for i, e in enumerate([[0, 1], [1, 2]])], 1, 4)
-    r = replay_timed(trace, make_policy("lru"), 1, hand_cost(), wait=True)
+    r = replay_timed(trace, make_policy("lru"), 1, hand_cost(), on_miss="wait")
     assert r.step_us_V.tolist() == [16, 6]
     assert r.copy_key_C.tolist() == [1, 2] and r.copy_start_us_C.tolist() == [0, 17]
 
@@ -374,3 +374,35 @@ def test_real_trace_smoke(esft_law_trace):
     assert 0 < row["hit_rate"] <= row["slot_hit_rate"] == pytest.approx(inst.hit_A.mean())
     assert row["est_ms_per_token"] > 0 and math.isfinite(row["est_tokens_per_s"])
     assert "not modelled" in row["cost_notes"]
+
+
+def test_split_mode_waits_for_the_copies_that_land_before_the_cpu_would_finish(make_trace):
+    """on_miss="split": one layer, LRU with 4 slots; cpu 6, gpu 1 per call, copy 10 us.
+    t=0  [0,1,2]: three misses, three copies landing at 10, 20, 30. CPU alone 18; waiting for the
+         first (lands 10, +1 on the GPU: 11) leaves 12 on the CPU: 12; for two: 21 against 6: worse.
+         w = 1: the step takes 12.
+    t=12 [0,1,2]: 0 hits, 1 is late (lands 20: 8 from now, +1 = 9) and 2 too (30): CPU 12 alone,
+         waiting for 1 leaves 6 against 9: 9; for both: 19. w = 1: 9.
+    Hits, copies and placements are on_miss="cpu"'s."""
+    trace = make_trace([(0, i, 0, [[0, 1, 2]]) for i in range(2)], 1, 8)
+    r = replay_timed(trace, make_policy("lru"), 4, hand_cost(), on_miss="split")
+    assert r.step_us_V.tolist() == [12, 9]
+    cpu = replay_timed(trace, make_policy("lru"), 4, hand_cost())
+    assert cpu.step_us_V.tolist() == [18, 12]
+    assert r.hit_A.tolist() == cpu.hit_A.tolist() == [False, False, False, True, False, False]
+    assert r.copy_ready_us_C.tolist() == cpu.copy_ready_us_C.tolist() == [10, 20, 30]
+
+
+def test_split_mode_leaves_everything_to_the_cpu_when_copies_are_slow(make_trace):
+    """A copy of 1000 us never lands before the CPU's 6 us: on_miss="split" is on_miss="cpu"."""
+    trace = make_trace([(0, i, 0, [[0, 1]]) for i in range(3)], 1, 8)
+    slow = hand_cost(latency=992.0)
+    split = replay_timed(trace, make_policy("lru"), 4, slow, on_miss="split")
+    cpu = replay_timed(trace, make_policy("lru"), 4, slow)
+    assert split.step_us_V.tolist() == cpu.step_us_V.tolist()
+
+
+def test_replay_timed_refuses_an_unknown_on_miss(make_trace):
+    trace = make_trace([(0, 0, 0, [[0]])], 1, 4)
+    with pytest.raises(MoecacheError, match="on_miss='later'"):
+        replay_timed(trace, make_policy("lru"), 1, hand_cost(), on_miss="later")
