@@ -31,8 +31,8 @@ import numpy as np
 from moecache.cost_profile import CostProfile
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel, forward_index, forward_tokens
-from moecache.sim.miss_split import ON_MISS_CODES
 from moecache.sim.metrics import summarize
+from moecache.sim.miss_split import ON_MISS_CODES
 from moecache.sim.policy import make_policy
 from moecache.sim.policy_spec import PolicySpec
 from moecache.sim.replay import check_capacity, replay_instant
