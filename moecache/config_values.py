@@ -162,6 +162,7 @@ RULES: dict[str, dict[str, Check]] = {
         "sim.cost_profile": string,
         "sim.dtype": optional(string),
         "sim.non_expert_us_per_layer": number(0),
+        "sim.on_miss": one_of("cpu", "wait", "split"),  # moecache.sim.miss_split.ON_MISS_CODES
         **{f"sim.{s}": number(0, low_open=True) for s in SCALES},
     },
     "sweep.capacities": {

@@ -62,6 +62,12 @@ CASES = [
         "sim.non_expert",
     ),
     ("mode-unknown", ["simulate", T, "capacity=4", "sim.mode=fast"], "sim.mode='fast'"),
+    ("on-miss-unknown", ["simulate", T, "capacity=4", "sim.on_miss=later"], "sim.on_miss='later'"),
+    (
+        "on-miss-instant",
+        ["simulate", T, "capacity=4", "sim.mode=instant", "sim.on_miss=split"],
+        "sim.on_miss=split: only a timed replay",
+    ),
     ("targets-above-one", ["sweep", T, "sweep.targets=[1.5]"], "sweep.targets[0]=1.5"),
     ("dense-step-zero", ["sweep", T, "sweep.capacities.dense_step=0"], "sweep.capacities.dense_step=0"),
     ("fraction-above-one", ["sweep", T, "sweep.capacities.fractions=[2]"], "sweep.capacities.fractions[0]=2"),

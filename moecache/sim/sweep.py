@@ -33,6 +33,7 @@ class CostSettings:
     bandwidth_scale: float = 1.0
     cpu_scale: float = 1.0
     gpu_scale: float = 1.0
+    on_miss: str = "cpu"  # what a timed replay's misses do (timed.py: cpu, wait, split)
 
     def scaled(self, **scales: float) -> CostSettings:
         return CostSettings(**{**self.__dict__, **scales})
@@ -86,13 +87,17 @@ def run_job(trace: TraceArrays, profile: CostProfile, job: Job) -> tuple[dict, o
     if job.mode not in MODES:
         raise MoecacheError(f"mode={job.mode!r}: expected one of {list(MODES)}")
     check_capacity(trace, job.capacity)
+    if job.mode == "instant" and job.cost.on_miss != "cpu":
+        raise MoecacheError(
+            f"sim.on_miss={job.cost.on_miss}: only a timed replay has copies to wait for (sim.mode=timed)"
+        )
     policy = make_policy(job.policy, **job.params)
     cost = cost_model(trace, profile, job.cost)
     policy.bind_cost(cost)
     if job.mode == "instant":
         result = replay_instant(trace, policy, job.capacity)
     else:
-        result = replay_timed(trace, policy, job.capacity, cost)
+        result = replay_timed(trace, policy, job.capacity, cost, on_miss=job.cost.on_miss)
     metrics = summarize(trace, result, cost)
     row = {
         "trace": trace.name,

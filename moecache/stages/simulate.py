@@ -38,6 +38,7 @@ def cost_settings(sim: dict) -> CostSettings:
         bandwidth_scale=float(sim["bandwidth_scale"]),
         cpu_scale=float(sim["cpu_scale"]),
         gpu_scale=float(sim["gpu_scale"]),
+        on_miss=str(sim.get("on_miss", "cpu")),
     )
 
 

@@ -52,6 +52,22 @@ def test_simulate_writes_metrics_per_layer_and_per_request(root):
     assert again.reused and again.artifact == res.artifact
 
 
+def test_simulate_on_miss_split_changes_only_where_misses_run(root):
+    """sim.on_miss=split: the same hits and copies as cpu, a step never slower (w = 0 is cpu's step)."""
+    runs = {
+        mode: pq.read_table(
+            simulate.run(
+                compose([f"output_root={root}", "capacity=[9,24]", "policy=lru", f"sim.on_miss={mode}"])
+            ).artifact
+            / "metrics.parquet"
+        ).to_pylist()
+        for mode in ("cpu", "split")
+    }
+    for cpu, split in zip(runs["cpu"], runs["split"], strict=True):
+        assert split["hit_rate"] == cpu["hit_rate"] and split["transfers"] == cpu["transfers"]
+        assert split["est_ms_per_token"] <= cpu["est_ms_per_token"]
+
+
 def test_sweep_grid_targets_and_sensitivity(root):
     res = sweep.run(compose([f"output_root={root}", "sweep.modes=[instant,timed]"]))
     table = pq.read_table(res.artifact / "sweep.parquet")
