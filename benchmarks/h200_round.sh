@@ -15,6 +15,8 @@
 #   POLICY=, WARM= untimed requests first, REQUESTS=, NEW= tokens, COMPILE=1, FORCED_S= limit per trace).
 # fidelity: calibrate (fast loop) + validate on the DeepSeek-V2-Lite shape, forced (DECISION=, FORCING= ids
 #   in .device-data/outputs; REQUESTS=, NEW=, STRATEGIES=, CAL_S=, VAL_S=).
+# gputests: `pytest -m gpu $TESTS -k $TESTS_K` (TESTS_S limit). prefill: tune the Qwen3.6 prefill (T = 512,
+#   4096; TUNE_S budget), bench_slot_moe at T = 512, 4096.
 # Results go to $OUT; docs/benchmarks.md records them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +58,19 @@ for section in "$@"; do
     for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-qwen3_6.json"; done
     echo "== bench_slot_moe T = 1, 4, 16"
     PYTHONPATH=/tmp/mk:$PWD timeout 120 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16 2>&1 | tail -40 | tee "$OUT/bench_slot_moe.txt" ;;
+  gputests)
+    echo "== GPU tests: ${TESTS} -k ${TESTS_K:-.}"
+    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
+    PYTHONPATH=/tmp/mk:$PWD timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS ${TESTS_K:+-k "$TESTS_K"} \
+      2>&1 | tail -12 | tee "$OUT/gpu_tests.txt" ;;
+  prefill)
+    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
+    echo "== tune the Qwen3.6 prefill (T = 512, 4096)"
+    PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-200} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 \
+      --top-k 8 --tokens 512 4096 --budget-s "${TUNE_S:-200}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune_prefill.txt"
+    for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-prefill-qwen3_6.json"; done
+    echo "== bench_slot_moe T = 512, 4096"
+    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 512 4096 2>&1 | tail -40 | tee "$OUT/bench_slot_moe_prefill.txt" ;;
   decode)
     echo "== bench_decode Qwen3.6, all resident, fused vs split"
     timeout ${DECODE_S:-420} python3 benchmarks/bench_decode.py --model $QWEN --capacities 100% --prompt-tokens 512 \

@@ -2,7 +2,8 @@
 
 For each token count T, times candidate block sizes (triton.testing.do_bench over CUDA-graph replays, L2
 flushed, routings rotating over the whole expert pool so weights are cold) and keeps the fastest, checking each result
-against the default config's. The two stages (gate/up, down) are tuned one after the other; for T <= 16
+against the default config's. For T > 16 (prefill) the layout and TMA keys, BLOCK_M and the two stages'
+tiles are searched likeliest first (PREFILL_LAYOUT below), the stages in turns; for T <= 16
 both decode variants ("two_stage" and "fused", see kernels/slot_moe_config.py) are searched, their
 candidates taken in turns so that a short budget tries both, and the faster variant's best is kept. The
 search stops at --budget-s (the best found so far is kept), and the file is written atomically:
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -32,8 +34,31 @@ DECODE_GATE_UP = [{"BLOCK_I": i, "BLOCK_H": h, "num_warps": w}
 DECODE_DOWN = [{"BLOCK_H": h, "BLOCK_I": i, "num_warps": w}
                for h, i, w in itertools.product((1, 2, 4, 8, 16), (128, 256, 512), (4, 8))]  # fmt: skip
 PDL_DOWN = [{"BLOCK_H": h, "num_warps": w} for h, w in itertools.product((1, 2, 4, 8, 16), (4, 8))]
-PREFILL_STAGE = [{"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": w, "num_stages": s}
-                 for n, k, w, s in itertools.product((64, 128), (32, 64), (4, 8), (3, 4))]  # fmt: skip
+# prefill, likeliest first, so that a short --budget-s spends itself on these: each item is merged into the
+# best entry so far (with_choice). The layout and TMA first (kernels/slot_moe_config.py), then BLOCK_M, then
+# each stage's tile with its warps, its pipeline depth and its GROUP_M (the two stages in turns), then
+# BLOCK_M and the layout again (the tiles may have moved them), then the rest of the full space
+# PREFILL_STAGE (BLOCK_N 64/128/256 x BLOCK_K 32/64/128 x warps 4/8 x stages 2-5 x GROUP_M 1/8/16).
+PREFILL_BLOCK_M = (16, 32, 64, 128)
+PREFILL_LAYOUT = [("layout", "sorted"), ("tma", True), ("layout", "pairs"), ("tma", False)]
+PREFILL_TILES = [
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+    for n, k, w in (
+        (128, 64, 8), (128, 64, 4), (64, 64, 4), (256, 64, 8), (128, 128, 8),
+        (64, 128, 4), (128, 32, 4), (64, 32, 4), (256, 128, 8), (256, 32, 8),
+    )
+]  # fmt: skip
+PREFILL_DEPTH = [{"num_stages": s} for s in (3, 4, 2, 5)]
+PREFILL_GROUP = [{"GROUP_M": g} for g in (8, 16, 1)]
+PREFILL_ALL_TILES = PREFILL_TILES + [
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+    for n, k, w in itertools.product((64, 128, 256), (32, 64, 128), (4, 8))
+    if {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} not in PREFILL_TILES
+]
+PREFILL_STAGE = [
+    tile | depth | group
+    for tile, depth, group in itertools.product(PREFILL_ALL_TILES, PREFILL_DEPTH, PREFILL_GROUP)
+]
 # the fused decode, one or two keys at a time (merged into that variant's best so far), likeliest first:
 # rows of I per program (how many programs, how long the down columns' rows are) with warps, then the
 # gate/up and down tile widths, then the reduce's tiles. Rows per warp above 2 spill registers at H 4096
@@ -53,9 +78,11 @@ FUSED = (
 )
 
 
-def candidates(num_tokens: int, default: dict, variant: str = "two_stage"):
+def candidates(
+    num_tokens: int, default: dict, variant: str = "two_stage", rows_per_expert: float | None = None
+):
     """(stage, choice) pairs to try in order, each merged into the best entry so far (with_choice): each
-    stage's options with the other stage at its best."""
+    stage's options with the other stage at its best. `rows_per_expert`: T*K/E, for prefill's BLOCK_M."""
     if "BLOCK_M" not in default:
         if variant == "fused":
             yield from FUSED
@@ -67,10 +94,29 @@ def candidates(num_tokens: int, default: dict, variant: str = "two_stage"):
         yield from (("gate_up", c) for c in DECODE_GATE_UP)
         yield from (("down", c) for c in DECODE_DOWN)
         return
-    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 4 * num_tokens)]
+    yield from prefill_candidates(num_tokens, rows_per_expert)
+
+
+def prefill_candidates(num_tokens: int, rows_per_expert: float | None = None):
+    """The prefill search, likeliest first (see PREFILL_LAYOUT): BLOCK_M nearest the mean rows per expert
+    (T*K/E; T when not given) first, as padding each expert's run to BLOCK_M wastes about half a block."""
+    mean = max(1.0, rows_per_expert if rows_per_expert is not None else float(num_tokens))
+    fits = [m for m in PREFILL_BLOCK_M if m <= max(16, 4 * num_tokens)]
+    block_ms = sorted(fits, key=lambda m: (abs(math.log2(m / mean)), -m))
+    yield from PREFILL_LAYOUT[:2]
     yield from (("BLOCK_M", m) for m in block_ms)
-    yield from (("gate_up", c) for c in PREFILL_STAGE)
-    yield from (("down", c) for c in PREFILL_STAGE)
+    for choices in (PREFILL_TILES, PREFILL_DEPTH, PREFILL_GROUP[1:]):
+        yield from _both_stages(choices)
+    yield from (("BLOCK_M", m) for m in block_ms)
+    yield from PREFILL_LAYOUT
+    yield from _both_stages(PREFILL_STAGE)
+
+
+def _both_stages(choices: list[dict]):
+    """("gate_up", c) and ("down", c) for each choice c in turn."""
+    for choice in choices:
+        yield "gate_up", choice
+        yield "down", choice
 
 
 def with_choice(best: dict, stage: str, choice) -> dict:
@@ -149,7 +195,8 @@ def tune_one(
         if ms is not None:
             best[variant], best_ms[variant] = start, ms
     tried = {json.dumps(entry, sort_keys=True) for entry in best.values()}
-    streams = {v: candidates(num_tokens, best[v], v) for v in best}
+    rows_per_expert = num_tokens * args.top_k / args.experts
+    streams = {v: candidates(num_tokens, best[v], v, rows_per_expert) for v in best}
     for variant, (stage, choice) in in_turns(streams):
         if time.monotonic() > deadline:
             print(f"  T={num_tokens}: budget spent, keeping the best so far")

@@ -20,10 +20,12 @@ is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T,
   launch 2, one small program per (token, block of H), sums the token's resident partial rows in a fixed
   order (deterministic: no atomics).
 - prefill (T > DECODE_MAX_T): as vLLM's fused_moe, (token, k) pairs are sorted by expert on the device
-  and each expert's run is padded to BLOCK_M; tensor-core tiles then run gate/up + activation (to a
-  [T*K, I] buffer in x's dtype), then down times the router weight (to a [T*K, H] float32 buffer), and a
-  last launch sums each token's K rows. Blocks past the padded total, or of non-resident experts, exit.
-
+  (`align_by_expert_triton`) and each expert's run is padded to BLOCK_M; tensor-core tiles then run
+  gate/up + activation (to a [T*K, I] buffer in x's dtype), then down times the router weight (to a
+  [T*K, H] float32 buffer), and a last launch sums each token's K rows. Blocks past the padded total, or
+  of non-resident experts, exit. The entry's "layout" puts the buffers' rows in pair order ("pairs") or
+  in rank order ("sorted": a block's rows contiguous), its "tma" reads weights (and, "sorted", the down
+  launch's act) through tensor descriptors.
 CPU tensors run only under Triton's interpreter: TRITON_INTERPRET=1 set before triton is first imported
 (triton decides at import whether its own library functions are interpreted), as the CPU tests do in a
 subprocess. Expert ids outside [0, E)
@@ -41,9 +43,17 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .slot_moe_align import align_by_expert
-from .slot_moe_config import DECODE_MAX_T, decode_variant, device_name, get_config
+from .slot_moe_align import align_by_expert_triton
+from .slot_moe_config import (
+    DECODE_MAX_T,
+    decode_variant,
+    device_name,
+    get_config,
+    prefill_layout,
+    prefill_tma,
+)
 
 
 @triton.jit
@@ -258,13 +268,16 @@ def _grouped_tile(pid, num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_grouped(
-    x_ptr, pair_ptr, block_slot_ptr, w13_ptr, act_ptr,
+    x_ptr, pair_ptr, block_slot_ptr, block_rank_ptr, w13, act_ptr,
     num_pairs, num_blocks_m, H, I, K,
     stride_xt, stride_ws, stride_wn, stride_at,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SORTED: tl.constexpr, W_DESC: tl.constexpr,
 ):  # fmt: skip
-    """Program (block of BLOCK_M pairs sorted by expert, block of I): act = silu(x @ gate.T) * (x @ up.T)."""
+    """Program (block of BLOCK_M pairs sorted by expert, block of I): act = silu(x @ gate.T) * (x @ up.T),
+    into act's row of each pair (layout "pairs") or of its rank (layout "sorted": the block's rows are
+    contiguous, from block_rank[block]). W_DESC: w13 is a tensor descriptor of the pool as [S * 2I, H]
+    (TMA on Hopper), else a pointer. x's rows are gathered through pointers either way."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     slot = tl.load(block_slot_ptr + pid_m).to(tl.int32)
     if slot < 0:
@@ -277,36 +290,52 @@ def _gate_up_grouped(
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
-    gate_ptrs = w13_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None]
-    up_ptrs = gate_ptrs + I * stride_wn
+    if W_DESC:  # the gate rows of this block of I; a box past row I reads up rows, only into masked columns
+        gate_row = slot * (2 * I) + pid_n * BLOCK_N
+    else:
+        gate_ptrs = w13 + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None]
+        up_ptrs = gate_ptrs + I * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(H, BLOCK_K)):
         mask_k = offs_k < H - k0 * BLOCK_K
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        gate = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if W_DESC:  # zero past H: the descriptor's bounds
+            gate = w13.load([gate_row, k0 * BLOCK_K]).T
+            up = w13.load([gate_row + I, k0 * BLOCK_K]).T
+        else:
+            gate = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
         if UPCAST:  # the interpreter: its bf16 tl.dot is wrong (triton 3.9), float32 is exact
             x, gate, up = x.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
         acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    act_ptrs = act_ptr + pair[:, None].to(tl.int64) * stride_at + offs_n[None, :]
+    if SORTED:
+        rows = tl.load(block_rank_ptr + pid_m) + tl.arange(0, BLOCK_M)
+    else:
+        rows = pair
+    act_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + offs_n[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _down_grouped(
-    act_ptr, pair_ptr, block_slot_ptr, wts_ptr, w2_ptr, out_ptr,
+    act, pair_ptr, block_slot_ptr, block_rank_ptr, wts_ptr, w2, out_ptr,
     num_pairs, num_blocks_m, H, I,
     stride_at, stride_ws, stride_wh, stride_op,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SORTED: tl.constexpr, ACT_DESC: tl.constexpr,
+    W_DESC: tl.constexpr,
 ):  # fmt: skip
-    """Program (block of sorted pairs, block of H): out[p, h] = w[p] * act[p] . down[h], float32."""
+    """Program (block of sorted pairs, block of H): out[row, h] = w[p] * act[row] . down[h], float32, row =
+    the pair p (layout "pairs") or its rank (layout "sorted": the block's act and out rows are contiguous).
+    ACT_DESC ("sorted" only): act is a tensor descriptor of [P, I], its box at the block's first rank (rows
+    past the block's pairs are another expert's or unwritten: their results are masked off); W_DESC: w2 is
+    a tensor descriptor of the pool as [S * H, I]. Either is a pointer otherwise."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     slot = tl.load(block_slot_ptr + pid_m).to(tl.int32)
     if slot < 0:
@@ -315,23 +344,38 @@ def _down_grouped(
     pair = tl.load(pair_ptr + offs_m)
     mask_m = pair < num_pairs
     pair_c = tl.where(mask_m, pair, 0).to(tl.int64)
+    if SORTED:
+        first_rank = tl.load(block_rank_ptr + pid_m)
+        rows = (first_rank + tl.arange(0, BLOCK_M)).to(tl.int64)
+    else:
+        rows = pair_c
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    act_ptrs = act_ptr + pair_c[:, None] * stride_at + offs_k[None, :]
-    w_ptrs = w2_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wh + offs_k[:, None]
+    if not ACT_DESC:
+        act_ptrs = act + rows[:, None] * stride_at + offs_k[None, :]
+    if W_DESC:  # a box past row H reads the next slot's rows, only into masked columns
+        w_row = slot * H + pid_n * BLOCK_N
+    else:
+        w_ptrs = w2 + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wh + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         mask_k = offs_k < I - k0 * BLOCK_K
-        act = tl.load(act_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if ACT_DESC:  # zero past I and past P: the descriptor's bounds
+            a = act.load([first_rank, k0 * BLOCK_K])
+        else:
+            a = tl.load(act_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            act_ptrs += BLOCK_K
+        if W_DESC:
+            w = w2.load([w_row, k0 * BLOCK_K]).T
+        else:
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            w_ptrs += BLOCK_K
         if UPCAST:
-            act, w = act.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(act, w, acc, input_precision=PRECISION)
-        act_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
     weight = tl.load(wts_ptr + pair_c, mask=mask_m, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + pair_c[:, None] * stride_op + offs_n[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_op + offs_n[None, :]
     tl.store(out_ptrs, acc * weight[:, None], mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -342,7 +386,8 @@ def _sum_pairs(
     stride_op, stride_yt,
     BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Program (token t, block of H): y[t] = sum over resident k of out[t*K + k], in float32."""
+    """Program (token t, block of H): y[t] = sum over resident k of out[t*K + k], in float32 (layout
+    "pairs")."""
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
@@ -356,6 +401,29 @@ def _sum_pairs(
             other=0.0,
         )
     tl.store(y_ptr + token * stride_yt + offs_h, acc.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _sum_ranks(
+    out_ptr, rank_ptr, y_ptr,
+    H, K,
+    stride_op, stride_yt,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (token t, block of H): y[t] = the sum over its K pairs of out[rank of pair t*K + k], in float32
+    (layout "sorted": out's rows are in rank order); a pair left out (rank -1) adds nothing. The K rows
+    load as one [BLOCK_K, BLOCK_H] tile, all in flight at once, and sum in one fixed order (a tree)."""
+    token = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_k = tl.arange(0, BLOCK_K)
+    rank = tl.load(rank_ptr + token * K + offs_k, mask=offs_k < K, other=-1)
+    rows = tl.load(
+        out_ptr + tl.maximum(rank, 0).to(tl.int64)[:, None] * stride_op + offs_h[None, :],
+        mask=(rank >= 0)[:, None] & mask_h[None, :],
+        other=0.0,
+    )
+    tl.store(y_ptr + token * stride_yt + offs_h, tl.sum(rows, 0).to(y_ptr.dtype.element_ty), mask=mask_h)
 
 
 def _check(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, out) -> None:
@@ -531,40 +599,81 @@ def _decode_fused(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, co
 
 
 def _prefill(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """Sort pairs by expert, then tensor-core tiles: gate/up + SiLU, down x router weight, sum over k."""
+    """Sort pairs by expert (`align_by_expert_triton`), then tensor-core tiles: gate/up + SiLU, down x
+    router weight, sum over k. The entry's "layout" places act and out rows by pair ("pairs") or by rank
+    ("sorted"); its "tma" reads the weights (and, "sorted", act) through tensor descriptors where they can
+    be made (`_descriptor`), else through pointers."""
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
     num_pairs = num_tokens * top_k
     num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
     block_m = config["BLOCK_M"]
-    pair_of_row, slot_of_block = align_by_expert(ids_TK, slot_of_E, num_slots, block_m)
-    num_blocks_m = slot_of_block.shape[0]
+    sorted_rows = prefill_layout(config) == "sorted"
+    tma = prefill_tma(config)
+    aligned = align_by_expert_triton(ids_TK, slot_of_E, num_slots, block_m)
+    num_blocks_m = aligned.slot_of_block.shape[0]
     interpret = bool(knobs.runtime.interpret)
     # float32 inputs get exact ("ieee") dots, not tf32; bf16/fp16 dots ignore the setting
     precision = "ieee" if x_TH.dtype == torch.float32 or interpret else "tf32"
     act_PI = torch.empty((num_pairs, inter), dtype=x_TH.dtype, device=x_TH.device)
     out_PH = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x_TH.device)
     gate_up, down = config["gate_up"], config["down"]
+    w13 = _descriptor(w13_SIH, [gate_up["BLOCK_N"], gate_up["BLOCK_K"]]) if tma else None
     grid = (num_blocks_m * triton.cdiv(inter, gate_up["BLOCK_N"]),)
     _gate_up_grouped[grid](
-        x_TH, pair_of_row, slot_of_block, w13_SIH, act_PI,
+        x_TH, aligned.pair_of_row, aligned.slot_of_block, aligned.rank_of_block,
+        w13_SIH if w13 is None else w13, act_PI,
         num_pairs, num_blocks_m, hidden, inter, top_k,
         x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1), act_PI.stride(0),
         BLOCK_M=block_m, BLOCK_N=gate_up["BLOCK_N"], BLOCK_K=gate_up["BLOCK_K"], GROUP_M=gate_up["GROUP_M"],
-        PRECISION=precision, UPCAST=interpret, num_warps=gate_up["num_warps"], num_stages=gate_up["num_stages"],
+        PRECISION=precision, UPCAST=interpret, SORTED=sorted_rows, W_DESC=w13 is not None,
+        num_warps=gate_up["num_warps"], num_stages=gate_up["num_stages"],
     )  # fmt: skip
+    act = _descriptor(act_PI, [block_m, down["BLOCK_K"]]) if tma and sorted_rows else None
+    w2 = _descriptor(w2_SHI, [down["BLOCK_N"], down["BLOCK_K"]]) if tma else None
     grid = (num_blocks_m * triton.cdiv(hidden, down["BLOCK_N"]),)
     _down_grouped[grid](
-        act_PI, pair_of_row, slot_of_block, weights_TK, w2_SHI, out_PH,
+        act_PI if act is None else act, aligned.pair_of_row, aligned.slot_of_block, aligned.rank_of_block,
+        weights_TK, w2_SHI if w2 is None else w2, out_PH,
         num_pairs, num_blocks_m, hidden, inter,
         act_PI.stride(0), w2_SHI.stride(0), w2_SHI.stride(1), out_PH.stride(0),
         BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
-        PRECISION=precision, UPCAST=interpret, num_warps=down["num_warps"], num_stages=down["num_stages"],
+        PRECISION=precision, UPCAST=interpret, SORTED=sorted_rows, ACT_DESC=act is not None,
+        W_DESC=w2 is not None, num_warps=down["num_warps"], num_stages=down["num_stages"],
     )  # fmt: skip
     block_h = 1024 if x_TH.device.type != "cpu" else 64
-    _sum_pairs[(num_tokens, triton.cdiv(hidden, block_h))](
-        out_PH, ids_TK, slot_of_E, y_TH,
-        hidden, num_experts, num_slots, top_k,
-        out_PH.stride(0), y_TH.stride(0),
-        BLOCK_H=block_h,
-    )  # fmt: skip
+    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    if sorted_rows:
+        _sum_ranks[grid](
+            out_PH, aligned.rank_of_pair, y_TH,
+            hidden, top_k,
+            out_PH.stride(0), y_TH.stride(0),
+            BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h,
+        )  # fmt: skip
+    else:
+        _sum_pairs[grid](
+            out_PH, ids_TK, slot_of_E, y_TH,
+            hidden, num_experts, num_slots, top_k,
+            out_PH.stride(0), y_TH.stride(0),
+            BLOCK_H=block_h,
+        )  # fmt: skip
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
+    """A tensor descriptor of `t`'s rows (all leading dims as one: a slot pool [S, N, C] as [S * N, C])
+    with boxes of `block`, or None where TMA cannot address it: leading dims not contiguous with each
+    other, a row stride or base not 16-byte aligned, or a box row narrower than 16 bytes (host metadata
+    only). Boxes past the end read zeros."""
+    rows, cols = t.numel() // t.shape[-1], t.shape[-1]
+    nbytes = t.element_size()
+    stacked = all(t.stride(d) == t.stride(d + 1) * t.shape[d + 1] for d in range(t.dim() - 2))
+    if (
+        not stacked
+        or t.stride(-1) != 1
+        or (t.stride(-2) * nbytes) % 16
+        or t.data_ptr() % 16
+        or (block[-1] * nbytes) % 16
+        or rows >= 2**31
+    ):
+        return None
+    return TensorDescriptor(t, [rows, cols], [t.stride(-2), 1], block)

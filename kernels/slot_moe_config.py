@@ -13,7 +13,15 @@ token count T (a JSON string key) to the block sizes measured fastest for it by
     "pdl": {"variant": "pdl", "gate_up": {as two_stage's}, "down": {"BLOCK_H", "num_warps"}} (the down
            launch's tile holds all K experts' rows of its block of H, the whole of I)
 - prefill (T > DECODE_MAX_T): {"BLOCK_M", "gate_up": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
-                               "num_stages"}, "down": {the same keys}}
+                               "num_stages"}, "down": {the same keys}, "layout"?, "tma"?}, two optional keys:
+    "layout": where the activations and the per-pair float32 down results live. "pairs" (the default when
+        absent; what every entry tuned before the key existed ran): row t*K + k, so the down launch gathers
+        act rows and scatters its output rows, and the sum reads a token's K adjacent rows. "sorted": row
+        = the pair's rank in expert order (slot_moe_align), so a block's act and output rows are contiguous
+        and the sum gathers a token's K rows through rank_of_pair.
+    "tma": true reads the weights (and, with "sorted", the down launch's act) through tensor descriptors
+        (TMA on Hopper; plain loads before it, and in the interpreter) where the tensors allow one, else
+        through pointers as false (the default) does. x's rows are gathered through pointers either way.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ DECODE_VARIANTS = {
 DEFAULT_DECODE_VARIANT = "two_stage"
 DECODE_KEYS = DECODE_VARIANTS["two_stage"]
 PREFILL_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+PREFILL_LAYOUTS = ("pairs", "sorted")
+DEFAULT_PREFILL_LAYOUT = "pairs"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -78,7 +88,14 @@ def validate_entry(entry: object, where: str) -> dict:
         _positive_ints(entry, ("BLOCK_M",), where)
         for stage in ("gate_up", "down"):
             _positive_ints(entry.get(stage), PREFILL_STAGE_KEYS, f"{where}.{stage}")
+        if prefill_layout(entry) not in PREFILL_LAYOUTS:
+            raise ValueError(f"{where}.layout: want one of {list(PREFILL_LAYOUTS)}, got {entry['layout']!r}")
+        if not isinstance(entry.get("tma", False), bool):
+            raise ValueError(f"{where}.tma: want true or false, got {entry['tma']!r}")
     else:
+        for key in ("layout", "tma"):
+            if key in entry:
+                raise ValueError(f"{where}.{key}: only prefill entries (with BLOCK_M) have a {key}")
         variant = entry.get("variant", DEFAULT_DECODE_VARIANT)
         if variant not in DECODE_VARIANTS:
             raise ValueError(f"{where}.variant: want one of {sorted(DECODE_VARIANTS)}, got {variant!r}")
@@ -90,6 +107,16 @@ def validate_entry(entry: object, where: str) -> dict:
 def decode_variant(entry: dict) -> str:
     """The decode variant a (validated) decode entry names: "two_stage" when it names none."""
     return entry.get("variant", DEFAULT_DECODE_VARIANT)
+
+
+def prefill_layout(entry: dict) -> str:
+    """The prefill layout an entry names: "pairs" when it names none."""
+    return entry.get("layout", DEFAULT_PREFILL_LAYOUT)
+
+
+def prefill_tma(entry: dict) -> bool:
+    """Whether a prefill entry asks for tensor-descriptor (TMA) loads: false when it says nothing."""
+    return entry.get("tma", False)
 
 
 def _positive_ints(block: object, keys: tuple[str, ...], where: str) -> None:

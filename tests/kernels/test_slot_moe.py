@@ -47,6 +47,23 @@ PDL_CPU = {
     "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "num_warps": 4},
     "down": {"BLOCK_H": 16, "num_warps": 4},
 }
+# The prefill path's layouts and TMA (kernels/slot_moe_config.py), pinned like the decode variants. Blocks
+# that cut every dimension unevenly: gate/up BLOCK_N 16 over I = 40 (the last block 8 wide, its boxes past
+# row I), down BLOCK_N 32 over H = 64 and BLOCK_K 16 over I = 40 (a tail step); BLOCK_M 16, so an expert's
+# run spans several blocks at T = 100 or with one expert chosen by every token. "sorted_tma" also reads
+# gate/up in one BLOCK_K 128 step past H = 64 (zeros from the descriptor's bounds) with BLOCK_M 32.
+PREFILL_CPU = {
+    "BLOCK_M": 16,
+    "gate_up": {"BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 2},
+    "down": {"BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+}
+PREFILL_CPU_CONFIGS = {
+    "sorted": PREFILL_CPU | {"layout": "sorted"},
+    "sorted_tma": PREFILL_CPU
+    | {"BLOCK_M": 32, "layout": "sorted", "tma": True}
+    | {"gate_up": PREFILL_CPU["gate_up"] | {"BLOCK_K": 128}},
+    "pairs_tma": PREFILL_CPU | {"tma": True},
+}
 CPU_CASES = (
     [(t, torch.float32, p, None) for t in (1, 5, 16, 17, 37) for p in PATTERNS]
     + [
@@ -63,10 +80,20 @@ CPU_CASES = (
         (16, torch.float32, "all", "pdl"),
         (5, torch.bfloat16, "some", "pdl"),
     ]
+    + [(37, torch.float32, p, c) for c in ("sorted", "sorted_tma") for p in PATTERNS]
+    + [
+        (17, torch.float32, "all", "sorted"),
+        (100, torch.float32, "some", "sorted"),
+        (100, torch.float32, "one_expert", "sorted_tma"),
+        (37, torch.bfloat16, "some", "sorted"),
+        (37, torch.bfloat16, "all", "sorted_tma"),
+        (37, torch.float32, "some", "pairs_tma"),
+        (37, torch.bfloat16, "one_expert", "pairs_tma"),
+    ]
 )
 # ids -1 and E and a slot S count as not resident: (T, config), run on out_of_range_case
-OUT_OF_RANGE_CASES = [(5, None), (5, "fused"), (5, "pdl")]
-CONFIGS = {None: None, "fused": FUSED_CPU, "pdl": PDL_CPU}
+OUT_OF_RANGE_CASES = [(5, None), (5, "fused"), (5, "pdl"), (37, None), (37, "sorted"), (37, "sorted_tma")]
+CONFIGS = {None: None, "fused": FUSED_CPU, "pdl": PDL_CPU} | PREFILL_CPU_CONFIGS
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -166,7 +193,7 @@ def test_align_by_expert_covers_each_resident_pair_once(pattern: str, block_m: i
     case = make_case(23, **SMALL, pattern=pattern, dtype=torch.float32, seed=SEED)
     ids_TK, slot_of_E = case["topk_ids_TK"], case["slot_of_E"]
     num_pairs = ids_TK.numel()
-    pair_of_row, slot_of_block = align_by_expert(ids_TK, slot_of_E, case["w13_SIH"].shape[0], block_m)
+    pair_of_row, slot_of_block, *_ = align_by_expert(ids_TK, slot_of_E, case["w13_SIH"].shape[0], block_m)
     assert pair_of_row.shape[0] == slot_of_block.shape[0] * block_m
     resident_P = slot_of_E[ids_TK.reshape(-1)] >= 0
     real = pair_of_row[pair_of_row < num_pairs]
@@ -179,6 +206,81 @@ def test_align_by_expert_covers_each_resident_pair_once(pattern: str, block_m: i
         else:
             assert pairs.numel() > 0, f"block {block} has slot {slot} but no pairs"
             assert (slot_of_E[ids_TK.reshape(-1)[pairs.long()]] == slot).all(), f"block {block} mixes experts"
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_align_by_expert_ranks_invert_the_rows(pattern: str, block_m: int) -> None:
+    """A block's real rows hold the pairs of ranks rank_of_block + 0, 1, ...; rank_of_pair is the inverse
+    (a permutation of 0 .. resident pairs - 1 over the resident pairs, -1 for the others)."""
+    case = make_case(23, **SMALL, pattern=pattern, dtype=torch.float32, seed=SEED)
+    ids_TK, slot_of_E = case["topk_ids_TK"], case["slot_of_E"]
+    num_pairs = ids_TK.numel()
+    aligned = align_by_expert(ids_TK, slot_of_E, case["w13_SIH"].shape[0], block_m)
+    assert all(t.dtype == torch.int32 for t in aligned), [t.dtype for t in aligned]
+    resident_P = slot_of_E[ids_TK.reshape(-1)] >= 0
+    rank_P = aligned.rank_of_pair
+    assert (rank_P[~resident_P] == -1).all(), f"seed {SEED}"
+    assert sorted(rank_P[resident_P].tolist()) == list(range(int(resident_P.sum()))), f"seed {SEED}"
+    rows_B = aligned.pair_of_row.view(-1, block_m)
+    for block, slot in enumerate(aligned.slot_of_block.tolist()):
+        real = rows_B[block] < num_pairs
+        if slot < 0:
+            assert int(aligned.rank_of_block[block]) == num_pairs, f"block {block} past the total"
+            continue
+        want = aligned.rank_of_block[block] + torch.arange(block_m, dtype=torch.int32)
+        assert torch.equal(rank_P[rows_B[block][real].long()], want[real]), f"block {block}, seed {SEED}"
+        assert real[: int(real.sum())].all(), f"block {block}: padding before a real row"
+
+
+# The Triton align (`align_by_expert_triton`) against the torch one under the interpreter, in a process of
+# its own: cases (T, E, pattern, BLOCK_M, pairs per program; 0 = its own pick, 8 in the interpreter),
+# including E = 10 (not a power of two: the key E of left-out pairs is a real column of the padded 16).
+ALIGN_CASES = [
+    (t, e, p, m, c)
+    for t, e in ((1, 8), (23, 8), (37, 10))
+    for p in PATTERNS
+    for m, c in ((1, 0), (4, 4), (16, 0), (16, 64))
+] + [(100, 8, "all", 16, 0), (100, 8, "one_expert", 4, 32)]
+ALIGN_SCRIPT = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from moecache_kernels.slot_moe_align import align_by_expert_triton
+cases = torch.load(sys.argv[1])
+torch.save([tuple(align_by_expert_triton(*c)) for c in cases], sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def aligned_by_triton(tmp_path_factory) -> list:
+    """[(case dict, torch Alignment, Triton Alignment)] for ALIGN_CASES."""
+    cases, args = [], []
+    for i, (t, e, pattern, block_m, chunk) in enumerate(ALIGN_CASES):
+        shape = SMALL | {"num_experts": e}
+        case = make_case(t, **shape, pattern=pattern, dtype=torch.float32, seed=SEED + 7 * i)
+        cases.append((case, block_m))
+        args.append((case["topk_ids_TK"], case["slot_of_E"], case["w13_SIH"].shape[0], block_m, chunk))
+    folder = tmp_path_factory.mktemp("align")
+    torch.save(args, folder / "cases.pt")
+    run = subprocess.run(
+        [sys.executable, "-c", ALIGN_SCRIPT, str(folder / "cases.pt"), str(folder / "out.pt")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, f"interpreted align failed:\n{run.stderr[-4000:]}"
+    got = torch.load(folder / "out.pt")
+    want = [align_by_expert(*a[:4]) for a in args]
+    return list(zip(cases, want, got, strict=True))
+
+
+@pytest.mark.parametrize(
+    "index", range(len(ALIGN_CASES)), ids=[f"T{t}-E{e}-{p}-M{m}-C{c}" for t, e, p, m, c in ALIGN_CASES]
+)
+def test_triton_align_equals_torch_align(aligned_by_triton, index: int) -> None:
+    """Element for element, every output (the same stable order: an expert's pairs in pair order)."""
+    _, want, got = aligned_by_triton[index]
+    for name, w, g in zip(want._fields, want, got, strict=True):
+        assert g.dtype == torch.int32 and torch.equal(g, w), f"{ALIGN_CASES[index]} {name}, seed {SEED}"
 
 
 # -- launch configurations as data ---------------------------------------------------------------------
@@ -272,6 +374,81 @@ def test_default_decode_variant_is_two_stage_and_unknown_ones_are_refused() -> N
     assert decode_variant(default_config(1, "fused")) == "fused"
     with pytest.raises(ValueError, match="variant must be one of .*'unrolled'"):
         default_config(1, "unrolled")
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "entry", "message"),
+    [
+        (
+            64,
+            default_config(64) | {"layout": "rows"},
+            r"\[64\]\.layout: want one of \['pairs', 'sorted'\], got 'rows'",
+        ),
+        (64, default_config(64) | {"tma": 1}, r"\[64\]\.tma: want true or false, got 1"),
+        (4, default_config(4) | {"layout": "sorted"}, r"\[4\]\.layout: only prefill entries"),
+        (4, default_config(4) | {"tma": True}, r"\[4\]\.tma: only prefill entries"),
+    ],
+    ids=["unknown-layout", "tma-not-a-bool", "decode-layout", "decode-tma"],
+)
+def test_config_with_a_bad_prefill_layout_is_refused_naming_file_and_T(
+    tmp_path, num_tokens: int, entry: dict, message: str
+) -> None:
+    folder = _write(tmp_path, {str(num_tokens): entry})
+    with pytest.raises(ValueError, match=r"E=8,N=40,device_name=Test_GPU,dtype=float32\.json" + message):
+        get_config(num_tokens, 8, 40, torch.float32, "Test_GPU", folder)
+
+
+def test_prefill_layout_defaults_to_pairs_without_tma_and_a_sorted_entry_is_picked(tmp_path) -> None:
+    from moecache_kernels.slot_moe_config import prefill_layout, prefill_tma
+
+    assert (prefill_layout(default_config(64)), prefill_tma(default_config(64))) == ("pairs", False)
+    sorted_tma = default_config(512) | {"layout": "sorted", "tma": True}
+    folder = _write(tmp_path, {"1": default_config(1), "512": sorted_tma})
+    picked = get_config(600, 8, 40, torch.float32, "Test_GPU", folder)
+    assert picked == sorted_tma and (prefill_layout(picked), prefill_tma(picked)) == ("sorted", True)
+
+
+def test_tensor_descriptors_only_where_tma_can_address_the_tensor() -> None:
+    """`_descriptor` (host metadata only): a pool's slots as one [S * N, C] matrix, or None (pointers)."""
+    import importlib
+
+    kernel = importlib.import_module("moecache_kernels.slot_moe")
+    pool = torch.zeros(3, 80, 64, dtype=torch.bfloat16)
+    desc = kernel._descriptor(pool, [16, 32])
+    assert desc is not None and list(desc.shape) == [240, 64] and list(desc.strides) == [64, 1]
+    assert list(desc.block_shape) == [16, 32]
+    wide = torch.zeros(3, 80, 128, dtype=torch.bfloat16)[:, :, :64]  # rows 256 bytes apart: still one matrix
+    assert kernel._descriptor(wide, [16, 32]) is not None
+    assert kernel._descriptor(torch.zeros(6, 80, 64, dtype=torch.bfloat16)[::2], [16, 32]) is None  # gaps
+    assert kernel._descriptor(torch.zeros(3, 80, 36, dtype=torch.bfloat16), [16, 32]) is None  # 72-byte rows
+    assert kernel._descriptor(pool, [16, 4]) is None  # 8-byte box rows
+    flat = torch.zeros(3 * 80 * 64 + 8, dtype=torch.bfloat16)
+    assert kernel._descriptor(flat[1 : 1 + 3 * 80 * 64].view(3, 80, 64), [16, 32]) is None  # base + 2 bytes
+
+
+def test_tuner_tries_prefill_layouts_first_and_spans_the_wide_space() -> None:
+    """benchmarks/tune_slot_moe.py's prefill search: layout and TMA first, then BLOCK_M nearest T*K/E, then
+    the likeliest tiles in turns for both stages; every candidate a valid entry; the whole space (BLOCK_N
+    64-256, BLOCK_K 32-128, warps 4/8, stages 2-5, GROUP_M 1/8/16) reached for both stages."""
+    import importlib.util
+
+    path = HERE.parents[1] / "benchmarks" / "tune_slot_moe.py"
+    spec = importlib.util.spec_from_file_location("tune_slot_moe", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    start = default_config(4096)
+    items = list(tune.candidates(4096, start, "two_stage", 4096 * 8 / 256))
+    assert items[:2] == [("layout", "sorted"), ("tma", True)]
+    assert items[2:6] == [("BLOCK_M", m) for m in (128, 64, 32, 16)]
+    assert [stage for stage, _ in items[6:10]] == ["gate_up", "down", "gate_up", "down"]
+    assert [m for stage, m in tune.candidates(512, start, "two_stage", 16.0) if stage == "BLOCK_M"][0] == 16
+    for stage, choice in items:
+        validate_entry(tune.with_choice(start, stage, choice), f"{stage}={choice}")
+    for stage in ("gate_up", "down"):
+        reached = {
+            json.dumps(tune.with_choice(start, s, c)[stage], sort_keys=True) for s, c in items if s == stage
+        }
+        assert len(reached) == 3 * 3 * 2 * 4 * 3, stage
 
 
 def test_shipped_configs_are_valid() -> None:
@@ -370,9 +547,21 @@ FUSED_GPU = {
         "reduce": {"BLOCK_R": 16, "BLOCK_H": 64, "num_warps": 4},
     },
 }
+# the prefill layouts at real shapes: the default blocks in each layout, and wide TMA tiles as the tuner
+# may pick them (BLOCK_M 128, down tiles 256 columns of H)
+PREFILL_GPU = {
+    "sorted": default_config(600) | {"layout": "sorted"},
+    "sorted_tma": default_config(600) | {"layout": "sorted", "tma": True},
+    "pairs_tma": default_config(600) | {"tma": True},
+    "sorted_tma_wide": {
+        "BLOCK_M": 128, "layout": "sorted", "tma": True,
+        "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+        "down": {"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 16, "num_warps": 8, "num_stages": 3},
+    },
+}  # fmt: skip
 PINNED = {
     "picked": None, "two_stage": default_config(1), "fused": FUSED_GPU["default"], "pdl": default_config(1, "pdl")
-}  # fmt: skip
+} | PREFILL_GPU  # fmt: skip
 
 
 def _pin_config(monkeypatch, config: dict | str) -> None:
@@ -457,7 +646,19 @@ def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize(
     ("num_tokens", "variant"),
-    [(1, "picked"), (64, "picked"), (1, "two_stage"), (1, "fused"), (16, "fused"), (1, "pdl"), (16, "pdl")],
+    [
+        (1, "picked"),
+        (64, "picked"),
+        (1, "two_stage"),
+        (1, "fused"),
+        (16, "fused"),
+        (1, "pdl"),
+        (16, "pdl"),
+        (600, "sorted"),
+        (600, "sorted_tma"),
+        (600, "pairs_tma"),
+        (600, "sorted_tma_wide"),
+    ],  # fmt: skip
 )
 def test_cuda_kernel_replays_in_a_graph(monkeypatch, num_tokens: int, variant: str) -> None:
     """No host sync: the call captures into a CUDA graph, and replays with new routing copied in."""
@@ -480,6 +681,49 @@ def test_cuda_kernel_replays_in_a_graph(monkeypatch, num_tokens: int, variant: s
     out.fill_(float("nan"))
     graph.replay()
     _assert_matches(out, static, f"graph replay T={num_tokens} {variant}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("config", sorted(PREFILL_GPU))
+@pytest.mark.parametrize("shape", [QWEN36, DSV2, LARGE], ids=["qwen3.6", "dsv2-lite", "large"])
+@pytest.mark.parametrize("num_tokens", [17, 600])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_cuda_prefill_layouts_match_reference(
+    monkeypatch, shape: dict, num_tokens: int, pattern: str, config: str
+) -> None:
+    _pin_config(monkeypatch, config)
+    _cuda_run_matches(num_tokens, shape, pattern, f"prefill {config} T={num_tokens} {pattern}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("config", ["picked", *sorted(PREFILL_GPU)])
+def test_cuda_prefill_at_4096_tokens_matches_reference_and_is_bit_identical(monkeypatch, config: str) -> None:
+    """T = 4096 at the Qwen3.6 shape, half resident: 5 runs equal to the bit (no atomics anywhere)."""
+    from moecache_kernels.slot_moe import slot_moe
+
+    _pin_config(monkeypatch, config)
+    case = make_case(4096, **QWEN36, pattern="some", dtype=torch.bfloat16, seed=SEED, device="cuda")
+    args = [case[name] for name in ARGS]
+    first = slot_moe(*args)
+    _assert_matches(first, case, f"prefill {config} T=4096")
+    for run in range(5):
+        assert torch.equal(slot_moe(*args), first), f"prefill {config}: run {run + 1} differs, seed {SEED}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_cuda_triton_align_equals_torch_align(block_m: int, pattern: str) -> None:
+    from moecache_kernels.slot_moe_align import align_by_expert_triton
+
+    case = make_case(4096, **QWEN36, pattern=pattern, dtype=torch.bfloat16, seed=SEED, device="cuda")
+    args = (case["topk_ids_TK"].contiguous(), case["slot_of_E"], case["w13_SIH"].shape[0], block_m)
+    want, got = align_by_expert(*args), align_by_expert_triton(*args)
+    for name, w, g in zip(want._fields, want, got, strict=True):
+        assert torch.equal(g, w), f"{name} block_m {block_m} {pattern}, seed {SEED}"
 
 
 @pytest.mark.gpu
