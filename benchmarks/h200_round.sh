@@ -61,7 +61,7 @@ for section in "$@"; do
   gputests)
     echo "== GPU tests: ${TESTS} -k ${TESTS_K:-.}"
     mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
-    PYTHONPATH=/tmp/mk:$PWD timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS ${TESTS_K:+-k "$TESTS_K"} \
+    PYTHONPATH=/tmp/mk:$PWD:${PYTHONPATH:-} timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS ${TESTS_K:+-k "$TESTS_K"} \
       2>&1 | tail -12 | tee "$OUT/gpu_tests.txt" ;;
   prefill)
     mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
