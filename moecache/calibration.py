@@ -784,8 +784,9 @@ def random_forcing(shape, prompt_tokens: int, tokens: int, seed: int = 0):
 
 
 def time_fast_steps(
-    model, *, prompt_tokens: int, decode_steps: int, repeats: int, warmup: int, vocab_size: int, seed: int = 0
-) -> tuple[Timing, Timing]:
+    model, *, prompt_tokens: int, decode_steps: int, repeats: int, warmup: int, vocab_size: int, seed: int = 0,
+    cpu_log: list | None = None,
+) -> tuple[Timing, Timing]:  # fmt: skip
     """(prefill, decode) of an offloaded model (`moecache.offload`) in moecache's fast decode loop, run
     as `moecache validate validate.loop=fast` runs a request (its `FastLoop`: `FastDecoder(model,
     keep_logits=True, forced=...)`, split at the host points, CUDA graphs on CUDA, tokens stamped by a
@@ -793,7 +794,8 @@ def time_fast_steps(
     tokens (`warmup` generations untimed first), and the gaps between later tokens, the decoder's warm-up
     gaps left out (`time_model_steps`' measurements, in the fast loop). The fast loop decodes forced
     (validate's fast runs do): the routing is random (`random_forcing`), every token of every layer K
-    distinct experts, as the operator's rows are timed."""
+    distinct experts, as the operator's rows are timed. `cpu_log`: a list that receives the timed
+    generations' CPU-path calls, (tokens, entries, ns) each (`FastDecoder.log_cpu_calls`)."""
     from moecache.validation.generation import FastLoop
 
     per_run = max(1, -(-decode_steps // max(repeats, 1)))  # decode steps timed per generation
@@ -807,6 +809,8 @@ def time_fast_steps(
         for n in range(warmup + repeats):
             session.begin_request()
             forced.start_request("calibrate")
+            if cpu_log is not None and n == warmup:
+                loop.decoder.log_cpu_calls(cpu_log)
             got = loop.generate(prompt, per_run + 1)
             if n >= warmup:
                 prefill.append(got.ttft_s * 1e6)

@@ -365,7 +365,7 @@ class RuntimeCosts:
             kernel_tokens=np.array(tokens, np.int64),
             kernel_curves=tuple(Curve(by_tokens[t]) for t in tokens),
             cpu_expert=Curve(per_expert),
-            cpu_call_us=max(float(np.median(per_call)), 0.0),
+            cpu_call_us=max(float(per_call[0]), 0.0),  # the smallest M's: a decode step's call
             visit=Curve([(float(r["tokens"]), float(r["median_us"])) for r in _host_rows(rt)]),
             copy_us=None if engine is None else float(engine["per_copy_us"]),
             non_expert_decode_us_per_layer=None if ne is None else float(ne["decode_us_per_layer"]),

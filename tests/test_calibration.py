@@ -511,6 +511,15 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     assert timed.hit_A.all() and list(timed.forward_us_F) == pytest.approx([measured_decode] * 3, rel=1e-9)
     row = result.summary["decode ms/token, all resident (fast loop, measured)"]
     assert row == pytest.approx(result.summary["decode ms/token, all hits (model)"], rel=1e-9)
+    # The one-token CPU-path rows are the fast loop's own calls (all-CPU and half-resident runs): several
+    # entry counts, among them K (every entry of the all-CPU run's calls); the call cost is theirs.
+    one = [r for r in rt["cpu_path"] if r["tokens_per_expert"] == 1]
+    assert one and all(r["timed"] == "fast_loop" and r["median_us"] > 0 for r in one)
+    counts = [r["experts"] for r in one]
+    assert K in counts and len(counts) >= 2 and counts == sorted(set(counts))
+    lo, hi = one[0], one[-1]
+    slope = max((hi["median_us"] - lo["median_us"]) / (hi["experts"] - lo["experts"]), 0.0)
+    assert costs.cpu_call_us == pytest.approx(max(lo["median_us"] - lo["experts"] * slope, 0.0))
 
 
 def test_fast_non_expert_refuses_a_non_positive_remainder() -> None:

@@ -172,6 +172,13 @@ class FastDecoder:
         # compiled region is one segment; compiled at the first (warm-up) step of each mode.
         self._run_step = self._compiled_step() if compile else self._step
 
+    def log_cpu_calls(self, log: list | None) -> None:
+        """Log every CPU-path call of the offloaded model's host points into `log` as (tokens, entries,
+        ns) (ExpertsTaps.cpu_log: calibrate's in-loop CPU-path rows); None: stop."""
+        if self._taps is None:
+            raise MoecacheError("fast decode: an unmodified model has no CPU path to log")
+        self._taps.cpu_log = log
+
     def _compiled_step(self):
         """`torch.compile` of the step, compiled (at the warm-up step) with a recompile limit above the
         number of decoder layers: each layer's forward is the same code with its own guards (its layer

@@ -38,7 +38,10 @@ so a profile measured elsewhere never stands in for this machine's.
                     runs it, in the cost.runtime.step loop; `calibration.time_in_model`) or "loop" (calls
                     back to back; CUDA, or no model)
       cpu_path      [{tokens_per_expert, experts, ..}]: one `ExpertsRuntime._cpu_part` call (gather,
-                    CpuExperts.run, result back to x's device), wall time
+                    CpuExperts.run, result back to x's device), wall time; with step=fast and a model,
+                    the one-token rows (`timed: "fast_loop"`) are the fast loop's own CPU-path calls
+                    (all-CPU and half-resident runs, `_cpu_path_fast`); the call cost the simulator
+                    uses is the smallest M's intercept (a decode step's call)
       visit         [{tokens, copies_per_visit, ..}]: one `CacheManager.visit` + `commit` (policy lru, a
                     quarter of E slots: most visits admit, and enqueue those copies)
       visit_hits    [{tokens, ..}]: the same with every expert resident (static_cold at E slots: no
@@ -75,6 +78,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -385,11 +389,12 @@ def _all_resident(model, device: str, rs: dict):
     return model
 
 
-def _non_expert_fast(loaded, section: dict, rs: dict, device: str, vocab: int) -> dict:
+def _non_expert_fast(loaded, section: dict, rs: dict, device: str, vocab: int) -> tuple[dict, object]:
     """cost.runtime.step=fast: the all-resident model in moecache's fast decode loop, as validate's fast
     runs pay it (`calibration.time_fast_steps`), less what the simulator adds back to every layer step of
     such a run (`_expert_path_us`, from the section's own rows): the all-resident fast run is predicted
-    exactly, by construction. `measured` keeps the loop's own times. The model is offloaded: last."""
+    exactly, by construction. `measured` keeps the loop's own times. The model is offloaded (returned,
+    for `_cpu_path_fast`): last."""
     costs = RuntimeCosts.from_section(section, "calibrate")
     layers = len(loaded.adapter.moe_layers())
     loaded.adapter = None  # offload drops the model's experts: no other reference may keep them
@@ -425,7 +430,53 @@ def _non_expert_fast(loaded, section: dict, rs: dict, device: str, vocab: int) -
         "decode": back[1],
         "prefill_points": [{"prompt_tokens": t, "us": back[t]} for t in lengths],
     }
-    return ne
+    return ne, model
+
+
+CPU_LOG_MIN_CALLS = 5  # in-loop CPU-path calls of one entry count needed for its row (_cpu_path_fast)
+
+
+def _cpu_path_fast(model, rs: dict, vocab: int) -> list[dict]:
+    """cost.runtime.step=fast: the CPU path's one-token rows timed inside the fast loop itself, where the
+    runs make those calls (between the segments' replays, copies and GPU work around them): the
+    offloaded model with every expert on the CPU (validate's all_cpu), then with the first half of every
+    layer's experts resident (a fixed placement: calls of 1..K entries), decoding under random forced
+    routing (`calibration.time_fast_steps`); each call's host time is the loop's own CPU-path timer
+    (ExpertsTaps.cpu_log), a row per entry count is its median. They replace the isolated loop's M=1
+    rows, which time the calls back to back (on the H200 host, 1,349 us for 6 experts against 1,698 in
+    the all_cpu run: docs/benchmarks.md)."""
+    from moecache.validation.baselines import install_hindsight
+
+    shape = model.moecache.manager.shape
+    L, E = shape.num_layers, shape.num_experts
+    keep = E // 2
+    half_G = (np.arange(L)[:, None] * E + np.arange(keep)[None, :]).reshape(-1).astype(np.int64)
+    lengths = sorted({int(t) for t in rs["prompt_tokens"]})
+    log: list[tuple[int, int, int]] = []
+    for slots in (0, len(half_G)):
+        session = model.moecache.reconfigure(capacity=slots, policy="static_cold")
+        if slots:
+            install_hindsight(session.manager, half_G)
+        cal.time_fast_steps(
+            model, prompt_tokens=lengths[0], decode_steps=int(rs["cpu_path_decode_steps"]),
+            repeats=max(3, int(rs["repeats"]) // 4), warmup=1, vocab_size=vocab, cpu_log=log,
+        )  # fmt: skip
+    by_entries: dict[int, list[float]] = {}
+    for tokens, entries, ns in log:
+        if tokens == 1:
+            by_entries.setdefault(entries, []).append(ns / 1e3)
+    rows = [
+        _timing_rows({"tokens_per_expert": 1, "experts": u, "timed": "fast_loop"}, cal.summarize(us))
+        for u, us in sorted(by_entries.items())
+        if len(us) >= CPU_LOG_MIN_CALLS
+    ]
+    if len(rows) < 2:
+        raise MoecacheError(
+            f"calibrate: cost.runtime.step=fast: the fast loop's CPU-path calls gave {len(rows)} entry counts"
+            f" with {CPU_LOG_MIN_CALLS}+ calls ({ {u: len(v) for u, v in by_entries.items()} }); raise"
+            " cost.runtime.cpu_path_decode_steps"
+        )
+    return rows
 
 
 def measure_runtime(
@@ -559,7 +610,12 @@ def measure_runtime(
     gc.collect()
     if loaded is not None and rs["step"] == "fast":
         bar.step("runtime non-expert time (fast loop)")
-        section["non_expert"] = _non_expert_fast(loaded, section, rs, device, vocab)
+        section["non_expert"], model = _non_expert_fast(loaded, section, rs, device, vocab)
+        bar.step("runtime cpu path (fast loop)")
+        in_loop = _cpu_path_fast(model, rs, vocab)
+        section["cpu_path"] = [r for r in section["cpu_path"] if r["tokens_per_expert"] != 1] + in_loop
+        del model
+        gc.collect()
     if section["non_expert"] is None:
         section["non_expert_reason"] = reason
     return section
@@ -567,7 +623,8 @@ def measure_runtime(
 
 def _runtime_points(rs: dict, top_k: int, slots: int, on_gpu: bool) -> int:
     kernel = sum(len(cal.entries_grid(int(t), top_k, slots)) for t in rs["kernel_tokens"])
-    return 1 + kernel + 2 * len(rs["cpu_tokens_per_expert"]) + len(rs["visit_tokens"]) + int(on_gpu)
+    in_loop = int(rs["step"] == "fast")  # _cpu_path_fast
+    return 1 + kernel + 2 * len(rs["cpu_tokens_per_expert"]) + len(rs["visit_tokens"]) + int(on_gpu) + in_loop
 
 
 def measure(
