@@ -14,7 +14,8 @@
 # forced: bench_decode's validate baselines at 25% under real DeepSeek-V2-Lite traces (TRACES="law intent",
 #   POLICY=, WARM= untimed requests first, REQUESTS=, NEW= tokens, COMPILE=1, FORCED_S= limit per trace).
 # fidelity: calibrate (fast loop) + validate on the DeepSeek-V2-Lite shape, forced (DECISION=, FORCING= ids
-#   in .device-data/outputs; REQUESTS=, NEW=, STRATEGIES=, CAL_S=, VAL_S=).
+#   in .device-data/outputs; REQUESTS=, NEW=, STRATEGIES=, ON_MISS=, CAL_S=, VAL_S=; PROFILE= a cost_profile.json
+#   path instead of calibrating; TAG= a suffix for the output files).
 # gputests: `pytest -m gpu $TESTS -k $TESTS_K` (TESTS_S limit). prefill: tune the Qwen3.6 prefill (T = 512,
 #   4096; TUNE_S budget), bench_slot_moe at T = 512, 4096.
 # Results go to $OUT; docs/benchmarks.md records them.
@@ -90,20 +91,25 @@ for section in "$@"; do
     # ON_MISS: the selected policy's validate.on_miss (cpu, split).
     ROOT=output_root=$PWD/.device-data/outputs
     M="model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda $ROOT"
-    echo "== calibrate DeepSeek-V2-Lite (cost.runtime.step=fast)"
-    timeout "${CAL_S:-300}" python3 -m moecache.cli calibrate $M cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
-      cost.repeats=20 2>&1 | grep -v '^\[transformers\]' | tail -40 | tee "$OUT/calibrate_dsv2.txt"
-    CAL=$(tail -1 "$OUT/calibrate_dsv2.txt")
-    cp "$CAL/cost_profile.json" "$OUT/cost_profile_dsv2.json" || exit 1
+    if [ -n "${PROFILE:-}" ]; then  # a profile calibrated before (a cost_profile.json path): no calibrate
+      PROF=$PWD/$PROFILE
+    else
+      echo "== calibrate DeepSeek-V2-Lite (cost.runtime.step=fast)"
+      timeout "${CAL_S:-300}" python3 -m moecache.cli calibrate $M cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
+        cost.repeats=20 2>&1 | grep -v '^\[transformers\]' | tail -40 | tee "$OUT/calibrate_dsv2.txt"
+      CAL=$(tail -1 "$OUT/calibrate_dsv2.txt")
+      PROF=$CAL/cost_profile.json
+      cp "$PROF" "$OUT/cost_profile_dsv2.json" || exit 1
+    fi
     echo "== validate, fast loop, with that profile"
     timeout "${VAL_S:-300}" python3 -m moecache.cli validate validate.decision="$DECISION" $M validate.forced_trace="$FORCING" \
       validate.forced_requests="${REQUESTS:-2}" validate.forced_max_tokens="${NEW:-33}" "validate.capacities=[25%]" \
       "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
-      validate.cost_profile="$(basename "$CAL")" validate.on_miss="${ON_MISS:-cpu}" 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2.txt"
-    VAL=$(tail -1 "$OUT/validate_dsv2.txt")
-    cp "$VAL/validation.json" "$OUT/validation_dsv2.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2.parquet"
+      validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2${TAG:-}.txt"
+    VAL=$(tail -1 "$OUT/validate_dsv2${TAG:-}.txt")
+    cp "$VAL/validation.json" "$OUT/validation_dsv2${TAG:-}.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2${TAG:-}.parquet"
     echo "== the runs' CPU path per call against the profile's (entries at one token each)"
-    python3 - "$OUT/validation_dsv2.json" "$OUT/cost_profile_dsv2.json" <<'PY'
+    python3 - "$OUT/validation_dsv2${TAG:-}.json" "$PROF" <<'PY'
 import json, sys
 from moecache.cost_profile import CostProfile
 runs = json.load(open(sys.argv[1]))["runs"]

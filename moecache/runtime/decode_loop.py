@@ -284,6 +284,8 @@ class FastDecoder:
                 warmup_s += time.perf_counter() - t0
             elif self.use_graphs and not segments.graphs:  # the capture, and its first replay: warm-up
                 segments.capture(self._run_step)
+                if self._taps is not None:
+                    self._taps.capture_waits()  # on_miss="split": each layer's wait call, a graph too
                 segments.replay()
                 self._sync()
                 warmup_s += time.perf_counter() - t0
