@@ -230,7 +230,20 @@ def bench_shape(name, num_tokens_list, quick, ceilings, rows) -> None:
                 continue
             if label == "per-expert loop" and num_tokens > 512:
                 continue
-            ms = time_ms(cycled(fn, [(x, i, w) for i in ids]), quick)
+            try:
+                ms = time_ms(cycled(fn, [(x, i, w) for i in ids]), quick)
+            except torch.OutOfMemoryError:  # e.g. batched_mm gathers T x K experts' weights at once
+                torch.cuda.empty_cache()
+                rows.append(
+                    {
+                        "shape": name,
+                        "T": num_tokens,
+                        "resident": "all",
+                        "impl": label,
+                        "note": "out of memory",
+                    }
+                )
+                continue
             nbytes = sum(
                 touched_bytes(i, torch.ones_like(maps["all"], dtype=torch.bool), expert_bytes) for i in ids
             ) / len(ids)
