@@ -169,6 +169,11 @@ def test_a_warm_up_first_leaves_every_run_as_it_was(done, tmp_path, monkeypatch)
         ("validate.workloads=[nope]", "no workload 'nope'"),
         ("validate.strategies=[selected,oracle]", "unknown strategy 'oracle'"),
         ("validate.warmup=sometimes", "validate.warmup='sometimes'"),
+        ("validate.on_miss=wait", "validate.on_miss='wait': expected one of cpu, split"),
+        (
+            "validate.on_miss=split",
+            "validate.on_miss=split: weighs copies against the CPU with validate.cost_profile",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_no_artifact(tmp_path, override, message):
@@ -184,3 +189,29 @@ def test_an_offline_selection_is_refused_before_any_run(tmp_path):
     decision(tmp_path, "belady")
     res = validate(tmp_path)
     assert res.exit_code == 2 and "offline" in res.stderr and not (tmp_path / "validate").exists()
+
+
+def test_the_selected_policy_runs_split_with_a_profile_and_is_predicted_so(tmp_path):
+    """validate.on_miss=split: the selected run's manager splits its misses (its row says so, with
+    copies waited for: the hand-made profile's copies are free), its hit rate is on_miss=cpu's, and the
+    prediction replays it split."""
+    from tests.validation.test_fidelity import _profile
+
+    decision(tmp_path)
+    profile = _profile(tmp_path)
+    runs = {}
+    for mode in ("cpu", "split"):
+        res = validate(
+            tmp_path, "validate.strategies=[selected]", f"validate.on_miss={mode}",
+            f"validate.cost_profile={profile}",
+        )  # fmt: skip
+        assert res.exit_code == 0, res.output
+        folder = Path(res.stdout.strip().splitlines()[-1])
+        runs[mode] = next(
+            r for r in pq.read_table(folder / "runs.parquet").to_pylist() if r["strategy"] == "selected"
+        )
+    split, cpu = runs["split"], runs["cpu"]
+    assert split["on_miss"] == "split" and split["waited_copies"] > 0 == cpu["waited_copies"]
+    assert split["hit_rate"] == cpu["hit_rate"] and split["copies"] == cpu["copies"]
+    assert split["predicted_hit_rate"] == pytest.approx(split["hit_rate"])
+    assert split["predicted_time_per_token_ms"] < cpu["predicted_time_per_token_ms"]
