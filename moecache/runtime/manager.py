@@ -150,7 +150,9 @@ class ManagerStats:
     deferred_copies: int = 0  # copies that had to wait for the visit's own kernels (see commit)
     wasted_copies: int = 0  # keys evicted before their copy was published
     publish_waits: int = 0  # times a mapping row's previous upload had not run yet (see _push_row)
-    late_copies: int = 0  # copies still in flight at their expert's next use (which ran on the CPU)
+    late_copies: int = (
+        0  # copies still in flight at their expert's next use (run on the CPU; split: or waited for)
+    )
     waited_copies: int = 0  # "wait" / "split": copies a visit waited for before running them on the device
 
 
