@@ -86,6 +86,21 @@ class PolicySpec:
             raise MoecacheError(f"{path}: no `selected: {{policy, params}}` object (not a decision.json?)")
         return cls.from_dict(decision["selected"], f"{path}: selected")
 
+    @staticmethod
+    def on_miss_in(path) -> str:
+        """The `on_miss` a decision.json's selection was judged under (the sweep's sim.on_miss); "cpu"
+        for a decision that does not say (made before the key existed)."""
+        from pathlib import Path
+
+        try:
+            decision = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MoecacheError(f"{path}: cannot read the decision ({' '.join(str(exc).split())})") from exc
+        on_miss = decision.get("on_miss", "cpu") if isinstance(decision, dict) else "cpu"
+        if on_miss not in ("cpu", "wait", "split"):
+            raise MoecacheError(f"{path}: on_miss={on_miss!r}: expected cpu, wait or split")
+        return on_miss
+
     @classmethod
     def from_row(cls, row: Mapping, where: str = "sweep.parquet") -> PolicySpec:
         """From a table row with `policy` and `params` (a JSON object as text) columns."""

@@ -85,6 +85,8 @@ def run(cfg: DictConfig) -> StageResult:
     verdicts, decision = decide(sweep_table, blocks, rule, copy_us)
     comparison = extensions.apply(decision, sweep_table, blocks, rule, verdicts)
     decision["inputs"] = {"sweep": sweep.id, "analysis": analysis.id if analysis else None}
+    # what the sweep's timed replays made of a miss (sim.on_miss): the runtime setting the selection holds for
+    decision["on_miss"] = (sweep.manifest.get("config", {}).get("sim") or {}).get("on_miss", "cpu")
     with store.create(
         STAGE, schema_version=SCHEMA_VERSION, config=config, inputs=inputs, seed=rule.seed
     ) as tmp:

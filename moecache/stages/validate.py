@@ -81,15 +81,31 @@ def _checked(c: dict) -> dict:
         raise MoecacheError("validate.reference=all_resident: validate.strategies must list all_resident")
     from moecache.validation.baselines import SELECTED_ON_MISS
 
-    if v["on_miss"] not in SELECTED_ON_MISS:
+    if v["on_miss"] is not None and v["on_miss"] not in SELECTED_ON_MISS:
         raise MoecacheError(
-            f"validate.on_miss={v['on_miss']!r}: expected one of {', '.join(SELECTED_ON_MISS)}"
+            f"validate.on_miss={v['on_miss']!r}: expected one of {', '.join(SELECTED_ON_MISS)} (or null: the"
+            " decision's)"
         )
-    if v["on_miss"] == "split" and v["cost_profile"] is None:
+    return v
+
+
+def _on_miss(v: dict, decision_json) -> str:
+    """The selected policy's on_miss: validate.on_miss, else (null) the decision's (its sweep's
+    sim.on_miss); split needs the cost profile it weighs with. One line on failure."""
+    from moecache.sim.policy_spec import PolicySpec
+    from moecache.validation.baselines import SELECTED_ON_MISS
+
+    on_miss = v["on_miss"] if v["on_miss"] is not None else PolicySpec.on_miss_in(decision_json)
+    if on_miss not in SELECTED_ON_MISS:
+        raise MoecacheError(
+            f"validate: the decision {decision_json} was judged with on_miss={on_miss}, which validate does"
+            f" not run for the selected policy; set validate.on_miss to one of {', '.join(SELECTED_ON_MISS)}"
+        )
+    if on_miss == "split" and v["cost_profile"] is None:
         raise MoecacheError(
             "validate.on_miss=split: weighs copies against the CPU with validate.cost_profile, which is null"
         )
-    return v
+    return on_miss
 
 
 def _decision(store: ArtifactStore, ref: str | None) -> Artifact:
@@ -157,7 +173,7 @@ def run(cfg: DictConfig) -> StageResult:
         workloads = []
     else:
         workloads = [Workload(n, wcfg=load_workload(n, CONF_DIR)) for n in v["workloads"]]
-    strategies = build(v["strategies"], selected, v["on_miss"])
+    strategies = build(v["strategies"], selected, _on_miss(v, decision.path / "decision.json"))
     profile = _profile_path(store, v["cost_profile"])
     fidelity.check_loop(profile, v["loop"])  # before the model is loaded
 

@@ -94,6 +94,7 @@ def test_decision_lineage_and_runtime_readable(pipeline):
     _, _, a, s, d, _ = pipeline
     decision = json.loads((d.artifact / "decision.json").read_text())
     assert decision["inputs"] == {"sweep": s.artifact.name, "analysis": a.artifact.name}
+    assert decision["on_miss"] == "cpu"  # the sweep's sim.on_miss (its default here)
     assert decision["selected"]["policy"] in {"lfu", "static_hindsight", "lru"}
     # the second part judged every swept policy but the baseline's and belady, by (name, params)
     assert decision["extensions"]["judged"] == ["lfu", "lru"]

@@ -25,11 +25,15 @@ SMALL = [
 L, E = 4, 32  # the tiny model: 4 MoE layers x 32 experts; 25% = 32 slots = one whole layer
 
 
-def decision(root: Path, policy: str = "lru") -> str:
-    """A decide artifact whose decision.json selects `policy` (what validate reads of it)."""
+def decision(root: Path, policy: str = "lru", on_miss: str | None = None) -> str:
+    """A decide artifact whose decision.json selects `policy` (what validate reads of it), judged with
+    `on_miss` (None: the key absent, as in decisions made before it existed)."""
     store = ArtifactStore(root)
-    with store.create("decide", schema_version=2, config={"test": policy}, inputs=[], seed=0) as tmp:
-        (tmp / "decision.json").write_text(json.dumps({"selected": {"policy": policy, "params": {}}}))
+    body = {"selected": {"policy": policy, "params": {}}} | ({"on_miss": on_miss} if on_miss else {})
+    with store.create(
+        "decide", schema_version=2, config={"test": policy, "on_miss": on_miss}, inputs=[], seed=0
+    ) as tmp:
+        (tmp / "decision.json").write_text(json.dumps(body))
     return store.latest("decide").id
 
 
@@ -169,7 +173,7 @@ def test_a_warm_up_first_leaves_every_run_as_it_was(done, tmp_path, monkeypatch)
         ("validate.workloads=[nope]", "no workload 'nope'"),
         ("validate.strategies=[selected,oracle]", "unknown strategy 'oracle'"),
         ("validate.warmup=sometimes", "validate.warmup='sometimes'"),
-        ("validate.on_miss=wait", "validate.on_miss='wait': expected one of cpu, split"),
+        ("validate.on_miss=wait", "validate.on_miss='wait': expected one of cpu, split (or null"),
         (
             "validate.on_miss=split",
             "validate.on_miss=split: weighs copies against the CPU with validate.cost_profile",
@@ -215,3 +219,20 @@ def test_the_selected_policy_runs_split_with_a_profile_and_is_predicted_so(tmp_p
     assert split["hit_rate"] == cpu["hit_rate"] and split["copies"] == cpu["copies"]
     assert split["predicted_hit_rate"] == pytest.approx(split["hit_rate"])
     assert split["predicted_time_per_token_ms"] < cpu["predicted_time_per_token_ms"]
+
+
+def test_the_decisions_on_miss_is_the_default_and_split_needs_a_profile(tmp_path):
+    """validate.on_miss=null (the default): the decision's own on_miss; a split decision without
+    validate.cost_profile is refused in one line, before any run."""
+    from tests.validation.test_fidelity import _profile
+
+    decision(tmp_path, on_miss="split")
+    res = validate(tmp_path, "validate.strategies=[selected]")
+    assert res.exit_code == 2 and "validate.on_miss=split" in res.stderr
+    res = validate(tmp_path, "validate.strategies=[selected]", f"validate.cost_profile={_profile(tmp_path)}")
+    assert res.exit_code == 0, res.output
+    folder = Path(res.stdout.strip().splitlines()[-1])
+    selected = next(
+        r for r in pq.read_table(folder / "runs.parquet").to_pylist() if r["strategy"] == "selected"
+    )
+    assert selected["on_miss"] == "split"
