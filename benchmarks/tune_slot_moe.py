@@ -119,6 +119,27 @@ def _both_stages(choices: list[dict]):
         yield "down", choice
 
 
+def prefill_smem_floor(entry: dict) -> int:
+    """Bytes of shared memory a prefill entry's larger stage needs at least: its bf16 tiles (gate/up: x,
+    gate and up; down: act and w2) times num_stages - 1 (Triton keeps up to num_stages buffers; on the
+    H200 it asked num_stages - 1 or num_stages times the tiles). 0 for a decode entry."""
+    if "BLOCK_M" not in entry:
+        return 0
+    block_m, need = entry["BLOCK_M"], 0
+    for stage, operands in (("gate_up", 2), ("down", 1)):
+        c = entry[stage]
+        tiles = block_m * c["BLOCK_K"] + operands * c["BLOCK_K"] * c["BLOCK_N"]
+        need = max(need, 2 * tiles * (c["num_stages"] - 1))
+    return need
+
+
+def device_smem_limit() -> int | None:
+    """The device's opt-in shared memory per block (232,448 bytes on an H200), None where torch does not say."""
+    return getattr(
+        torch.cuda.get_device_properties(torch.cuda.current_device()), "shared_memory_per_block_optin", None
+    )
+
+
 def with_choice(best: dict, stage: str, choice) -> dict:
     """`best` with `choice` for `stage`: a stage's dict is updated key by key, a number replaced."""
     entry = json.loads(json.dumps(best))
@@ -196,6 +217,7 @@ def tune_one(
             best[variant], best_ms[variant] = start, ms
     tried = {json.dumps(entry, sort_keys=True) for entry in best.values()}
     rows_per_expert = num_tokens * args.top_k / args.experts
+    smem_limit = device_smem_limit()
     streams = {v: candidates(num_tokens, best[v], v, rows_per_expert) for v in best}
     for variant, (stage, choice) in in_turns(streams):
         if time.monotonic() > deadline:
@@ -206,6 +228,12 @@ def tune_one(
         if key in tried:
             continue
         tried.add(key)
+        if (
+            smem_limit is not None and prefill_smem_floor(entry) > smem_limit
+        ):  # fails to launch: no time spent
+            print(f"  T={num_tokens} {variant} {stage}={choice}: skipped (>= {prefill_smem_floor(entry)} B of"
+                  f" shared memory, the device has {smem_limit})")  # fmt: skip
+            continue
         ms = checked_ms(entry, f"{variant} {stage}={choice}")
         if ms is not None and ms < best_ms[variant]:
             best[variant], best_ms[variant] = entry, ms

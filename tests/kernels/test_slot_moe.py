@@ -451,6 +451,28 @@ def test_tuner_tries_prefill_layouts_first_and_spans_the_wide_space() -> None:
         assert len(reached) == 3 * 3 * 2 * 4 * 3, stage
 
 
+def test_tuner_skips_prefill_tiles_over_the_shared_memory_limit() -> None:
+    """prefill_smem_floor: bf16 tiles x (num_stages - 1) of the larger stage; on the H200 (232,448 bytes) an
+    entry the device refused (gate/up BLOCK_M 32, BLOCK_N 128, BLOCK_K 128, 5 stages: it asked 294,976) is
+    skipped, the shipped T=4096 entry is not."""
+    import importlib.util
+
+    path = HERE.parents[1] / "benchmarks" / "tune_slot_moe.py"
+    spec = importlib.util.spec_from_file_location("tune_slot_moe", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    stage = {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 5}
+    refused = {"BLOCK_M": 32, "gate_up": stage, "down": dict(stage, BLOCK_N=64)}
+    assert tune.prefill_smem_floor(refused) == 2 * (32 * 128 + 2 * 128 * 128) * 4 == 294_912 > 232_448
+    shipped = {
+        "BLOCK_M": 128,
+        "gate_up": {"BLOCK_K": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_stages": 4, "num_warps": 8},
+        "down": {"BLOCK_K": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_stages": 3, "num_warps": 8},
+    }
+    assert tune.prefill_smem_floor(shipped) == 2 * (128 * 64 + 2 * 64 * 128) * 3 <= 232_448
+    assert tune.prefill_smem_floor(default_config(1)) == 0  # a decode entry
+
+
 def test_shipped_configs_are_valid() -> None:
     from moecache_kernels.slot_moe_config import CONFIG_DIR
 
