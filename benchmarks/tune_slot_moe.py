@@ -228,11 +228,10 @@ def tune_one(
         if key in tried:
             continue
         tried.add(key)
-        if (
-            smem_limit is not None and prefill_smem_floor(entry) > smem_limit
-        ):  # fails to launch: no time spent
-            print(f"  T={num_tokens} {variant} {stage}={choice}: skipped (>= {prefill_smem_floor(entry)} B of"
-                  f" shared memory, the device has {smem_limit})")  # fmt: skip
+        need = prefill_smem_floor(entry)
+        if smem_limit is not None and need > smem_limit:  # it would fail to launch: no time spent on it
+            print(f"  T={num_tokens} {variant} {stage}={choice}: skipped (>= {need} B of shared memory,"
+                  f" the device has {smem_limit})")  # fmt: skip
             continue
         ms = checked_ms(entry, f"{variant} {stage}={choice}")
         if ms is not None and ms < best_ms[variant]:

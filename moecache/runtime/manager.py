@@ -60,6 +60,7 @@ from moecache.runtime.manager_visit import ADMIT_DEFERRED, BAD_ROUTING, FREE, HE
 from moecache.runtime.miss_split import SplitCosts
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import Copy, TransferEngine
+from moecache.sim.miss_split import ON_MISS_CODES
 from moecache.sim.policy import Policy, make_policy
 from moecache.sim.replay import replay_from
 from moecache.sim.shape import ModelShape
@@ -70,7 +71,7 @@ _NONE_I64 = np.empty(0, np.int64)
 _NONE_I32 = np.empty(0, np.int32)
 _NONE_I64.flags.writeable = False
 _NONE_I32.flags.writeable = False
-ON_MISS = ("cpu", "wait", "split")  # what a miss does (module docstring)
+ON_MISS = tuple(ON_MISS_CODES)  # what a miss does (module docstring): cpu, wait, split
 ROW_UPLOADS = ("manager", "executor")  # who copies a published mapping row to the device (row_uploads)
 
 
@@ -150,9 +151,7 @@ class ManagerStats:
     deferred_copies: int = 0  # copies that had to wait for the visit's own kernels (see commit)
     wasted_copies: int = 0  # keys evicted before their copy was published
     publish_waits: int = 0  # times a mapping row's previous upload had not run yet (see _push_row)
-    late_copies: int = (
-        0  # copies still in flight at their expert's next use (run on the CPU; split: or waited for)
-    )
+    late_copies: int = 0  # copies in flight at their expert's next use (it ran on the CPU, or split waited)
     waited_copies: int = 0  # "wait" / "split": copies a visit waited for before running them on the device
 
 
@@ -602,7 +601,7 @@ class CacheManager:
                 busy = set(self._slot_U[: U - n_miss].tolist())
                 self._wait_for_copies(layer, ids_TK, result, busy)
             elif n_miss and self._on_miss == "split" and self.loading_L[layer]:
-                self._split_misses(layer, ids_TK, result, U - n_miss)
+                self._split_misses(layer, ids_TK, result)
             self._pending = (self._serial, deferred, result)
             self.last_visit = result
             s.visits += 1
@@ -669,7 +668,7 @@ class CacheManager:
         self._push_row(layer, visit_row)
         self._dirty_L[layer] = True  # the next visit uploads the published row
 
-    def _split_misses(self, layer: int, ids_TK: np.ndarray, result: VisitResult, n_hit: int) -> None:
+    def _split_misses(self, layer: int, ids_TK: np.ndarray, result: VisitResult) -> None:
         """on_miss="split" (module docstring): the misses whose copy is in flight, in landing order,
         weighed by the simulator's rule; the first `w` are waited for on the compute stream and mapped
         in the visit's wait row, the visit's hit mask and misses updated (the cache's view kept in
@@ -696,12 +695,7 @@ class CacheManager:
             return
         waited = candidates[:w]
         row = self._wait_staging_np[layer]
-        uploaded = self._wait_upload_serial_L[layer]
-        if uploaded > self._fence:  # the row's previous upload may not have run yet
-            event = self._covering_event(uploaded)
-            if not event.query():
-                self.stats.publish_waits += 1
-                event.synchronize()
+        self._await_upload(self._wait_upload_serial_L[layer])
         row.fill(-1)
         for copy in waited:
             row[copy.key - base] = copy.slot
@@ -779,17 +773,21 @@ class CacheManager:
             if executor:  # this visit's B(l) copies the staging row again: its last reader now
                 self._upload_serial_L[layer] = self._serial
             return
-        uploaded = self._upload_serial_L[layer]
-        if uploaded > self._fence:
-            event = self._covering_event(uploaded)
-            if not event.query():
-                self.stats.publish_waits += 1
-                event.synchronize()
+        self._await_upload(self._upload_serial_L[layer])
         self._staging_np[layer] = self.published_LE[layer] if row_E is None else row_E
         if not executor:
             self.device.copy(self._device_rows[layer], self._staging_rows[layer], self.compute)
         self._upload_serial_L[layer] = self._serial
         self._dirty_L[layer] = False
+
+    def _await_upload(self, serial: int) -> None:
+        """Before a pinned staging row is rewritten: the upload that visit `serial` enqueued from it has
+        run (known past the fence, else checked on the covering event and waited for: `publish_waits`)."""
+        if serial > self._fence:
+            event = self._covering_event(serial)
+            if not event.query():
+                self.stats.publish_waits += 1
+                event.synchronize()
 
     def _drop_wasted(self, evicted: np.ndarray, n_evict: int) -> None:
         """Evicted keys whose copy was still in flight (the compiled visit flagged them): no longer loading."""

@@ -48,9 +48,7 @@ class SplitCosts:
         """The operator's time [N] for a call of `tokens` tokens against N resident entries (scaled)."""
         row = self._kernel_T.get(tokens)
         if row is None:
-            c = self.cost
-            row = c.runtime.kernel_row_us(tokens) * (c.compute_ratio * c.gpu_scale)
-            self._kernel_T[tokens] = row
+            row = self._kernel_T[tokens] = self.cost.kernel_row_us(tokens)
         return row
 
     def waits(self, candidates, uses_J, rest_uses, tokens: int, hit_entries: int) -> int:

@@ -23,8 +23,9 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
   last step): the host then never stands between the GPU's segments of a layer without misses. With
   on_miss="wait" (synchronous copies) the visit runs at `_route` instead, before B(l), which reads the
   row it sets. With on_miss="split" a visit that waits for some copies (VisitResult.waited) gets one
-  more operator call at `_combine`, eager, over its wait row, behind the compute stream's wait on those
-  copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
+  more operator call at `_combine` over its wait row (a graph of its own once the step is captured,
+  `capture_waits`), behind the compute stream's wait on those copies, added into y_TH before the CPU
+  misses are. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
   (the stand-in device) there is no read-back (the tap buffer is host memory) and the manager uploads
   rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
@@ -232,9 +233,9 @@ class ExpertsTaps:
             manager = self.manager
             if manager.row_uploads == "executor":  # the row as `_route`'s prepare (or visit) left it
                 manager.slot_of_LE[layer].copy_(manager.staging_row(layer), non_blocking=True)
-            self._kernel(*self._operands(layer), out=self.y_TH)
+            self._kernel(*self._operands(manager.slot_of_LE[layer]), out=self.y_TH)
         else:
-            self.y_TH.copy_(self._kernel(*self._operands(layer)))
+            self.y_TH.copy_(self._kernel(*self._operands(self.manager.slot_of_LE[layer])))
         self.segments.cut(lambda: self._combine(layer))
         return self.y_TH  # the CPU misses are added into it at `_combine`, when there are any
 
@@ -248,16 +249,10 @@ class ExpertsTaps:
             m.slot_of_LE.cpu().numpy(), m.published_LE
         )
 
-    def _operands(self, layer: int):
+    def _operands(self, slot_of_E: torch.Tensor):
+        """The operator's arguments over the static buffers, the pool and the mapping row `slot_of_E`."""
         pool = self.pool
-        return (
-            self.x_TH,
-            self.ids_TK,
-            self.weights_TK,
-            self.manager.slot_of_LE[layer],
-            pool.w13_SIH,
-            pool.w2_SHI,
-        )
+        return self.x_TH, self.ids_TK, self.weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI
 
     def _resident(self, x_TH, ids_TK, weights_TK, layer: int) -> torch.Tensor:
         pool, slot_of_E = self.pool, self.manager.slot_of_LE[layer]
@@ -409,18 +404,16 @@ class ExpertsTaps:
         wait and their row), one more operator call over that row, added into y_TH; the host goes on to
         the CPU misses at once."""
         started = time.perf_counter_ns()
-        pool = self.pool
         row_E = self.manager.enqueue_waits(visit)
-        operands = (self.x_TH, self.ids_TK, self.weights_TK, row_E, pool.w13_SIH, pool.w2_SHI)
         graph = self._wait_graphs.get(visit.layer)
         if graph is not None:
             graph.replay()
         elif self.is_cuda:
-            self._kernel(*operands, out=self.wait_TH)
+            self._kernel(*self._operands(row_E), out=self.wait_TH)
             self.y_TH.add_(self.wait_TH)
         else:  # the stand-in: the copies, the stream's wait and the row's upload run first
             self.device.run()
-            self.y_TH.add_(self._kernel(*operands))
+            self.y_TH.add_(self._kernel(*self._operands(row_E)))
         self.runtime.stats.kernel_calls += 1
         self.host_ns["manager"] += time.perf_counter_ns() - started
 
@@ -431,15 +424,14 @@ class ExpertsTaps:
         eager call costs the H200 host ~180 us per waiting visit (two Triton launches and an add)."""
         if not self.is_cuda or self.manager.on_miss != "split" or not self.num_slots:
             return
-        pool, rows = self.pool, self.manager.wait_slot_of_LE
+        rows = self.manager.wait_slot_of_LE
         handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         for layer in sorted(self._weights_dtype_L):  # the MoE layers the step ran
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=handle, stream=stream):
-                operands = (self.x_TH, self.ids_TK, self.weights_TK, rows[layer], pool.w13_SIH, pool.w2_SHI)
-                self._kernel(*operands, out=self.wait_TH)
+                self._kernel(*self._operands(rows[layer]), out=self.wait_TH)
                 self.y_TH.add_(self.wait_TH)
             self._wait_graphs[layer] = graph
         torch.cuda.current_stream().wait_stream(stream)

@@ -326,12 +326,17 @@ class CostModel:
         if self.runtime is None:
             return np.zeros(0, np.int64), np.zeros(0, np.float64)
         distinct, inverse = np.unique(trace.tokens_V, return_inverse=True)
-        rows = [self.runtime.kernel_row_us(int(t)) * (self.compute_ratio * self.gpu_scale) for t in distinct]
+        rows = [self.kernel_row_us(int(t)) for t in distinct]
         offsets = np.zeros(len(rows), np.int64)
         if rows:
             offsets[1:] = np.cumsum([len(r) for r in rows])[:-1]
         us_X = np.concatenate(rows) if rows else np.zeros(0, np.float64)
         return offsets[inverse].astype(np.int64), us_X
+
+    def kernel_row_us(self, tokens: int) -> np.ndarray:
+        """The operator's time (scaled) for a call of `tokens` tokens against N = 0..tokens x top_k
+        resident entries (a runtime section's `kernel_row_us`, in this model's expert bytes)."""
+        return self.runtime.kernel_row_us(int(tokens)) * (self.compute_ratio * self.gpu_scale)
 
     def check_trace(self, trace) -> None:
         if trace.num_accesses and int(trace.uses_A.max()) > self.max_tokens:

@@ -96,9 +96,11 @@ class PolicySpec:
             decision = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise MoecacheError(f"{path}: cannot read the decision ({' '.join(str(exc).split())})") from exc
+        from moecache.sim.miss_split import ON_MISS_CODES
+
         on_miss = decision.get("on_miss", "cpu") if isinstance(decision, dict) else "cpu"
-        if on_miss not in ("cpu", "wait", "split"):
-            raise MoecacheError(f"{path}: on_miss={on_miss!r}: expected cpu, wait or split")
+        if on_miss not in ON_MISS_CODES:
+            raise MoecacheError(f"{path}: on_miss={on_miss!r}: expected one of {', '.join(ON_MISS_CODES)}")
         return on_miss
 
     @classmethod

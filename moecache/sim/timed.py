@@ -185,7 +185,8 @@ def _replay_timed(
                 if split and held_k:  # late: its copy is still in flight
                     cand_key_J[n_cand] = k
                     n_cand += 1
-        cpu_misses = cpu  # the misses' CPU cost, no call cost        # the hits' GPU work ends here: the eviction's busy-slot test (with wait, the copies' below)
+        cpu_misses = cpu  # the misses' CPU cost, no call cost
+        # the hits' GPU work ends here: the eviction's busy-slot test (with wait, the copies' below)
         gpu_end = tr + (kernel_us_X[kernel_off_V[s] + entries] if fused else gpu)
         n_admit, n_evict, held = apply_step(
             state, key_A[a0:a1], uses_A[a0:a1], slot_A[a0:a1], a0, clock_V[s], request_V[s], resident_G,
