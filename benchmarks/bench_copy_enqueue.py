@@ -4,8 +4,9 @@ What an admission costs the cache manager's host point before any byte moves: `d
 non_blocking=True)` on a side stream (the transfer engine's call), the device drained before each
 enqueue (an idle copy stream), from the expert store's registered memory (`ExpertStore.pin`, one
 `cudaHostRegister` at its exact size) at an expert's size and smaller, and from torch's own pinned
-memory; then one event record and one event query (what the engine adds per copy). Median of 25 after
-5 untimed. Prints a table and ends with one JSON line.
+memory; the same row through the driver's `cuMemcpyAsync` on the rows' addresses (the engine's call on
+CUDA, moecache/runtime/device.py); then one event record and one event query (what the engine adds per
+copy). Median of 25 after 5 untimed. Prints a table and ends with one JSON line.
 
     python benchmarks/bench_copy_enqueue.py [--hidden 2048 --inter 1408 --experts 16]
 """
@@ -20,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from moecache.runtime.device import CudaDevice
 from moecache.runtime.expert_store import ExpertStore
 
 REPS, WARM = 30, 5
@@ -33,6 +35,19 @@ def enqueue_us(rows, dst, side) -> float:
         t0 = time.perf_counter_ns()
         with side:
             dst.copy_(rows[n % len(rows)], non_blocking=True)
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    torch.cuda.synchronize()
+    return float(np.median(times[WARM:]))
+
+
+def driver_enqueue_us(driver, rows, dst, side) -> float:
+    """Median host us of the driver's copy of a row into `dst` on `side`, the device idle before each."""
+    ptrs, dst_ptr, nbytes, handle = [r.data_ptr() for r in rows], dst.data_ptr(), dst.nbytes, side.cuda_stream
+    times = []
+    for n in range(REPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        driver.copy(dst_ptr, ptrs[n % len(ptrs)], nbytes, handle)
         times.append((time.perf_counter_ns() - t0) / 1e3)
     torch.cuda.synchronize()
     return float(np.median(times[WARM:]))
@@ -72,6 +87,16 @@ def main(argv=None) -> int:
         "registered store, 64 KiB": enqueue_us([r[:65536] for r in rows], dst[:65536], side),
         "torch pin_memory, one expert": enqueue_us(list(torch_pinned.unbind(0)), dst, side),
     }
+    driver = CudaDevice().driver
+    if driver is not None:
+        out["registered store, one expert, driver cuMemcpyAsync"] = driver_enqueue_us(driver, rows, dst, side)
+        check = torch.empty_like(dst)
+        rows[1].copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # not zeros: a real check
+        driver.copy(check.data_ptr(), rows[1].data_ptr(), nbytes, side.cuda_stream)
+        torch.cuda.synchronize()
+        if not torch.equal(check.cpu(), rows[1]):
+            print("bench_copy_enqueue: the driver's copy did not land the row's bytes", file=sys.stderr)
+            return 1
     event = torch.cuda.Event()
     out["event record"] = call_us(lambda: event.record(side))
     out["event query"] = call_us(event.query)

@@ -15,7 +15,8 @@
 #   POLICY=, WARM= untimed requests first, REQUESTS=, NEW= tokens, COMPILE=1, FORCED_S= limit per trace).
 # fidelity: calibrate (fast loop) + validate on the DeepSeek-V2-Lite shape, forced (DECISION=, FORCING= ids
 #   in .device-data/outputs; REQUESTS=, NEW=, STRATEGIES=, ON_MISS=, CAL_S=, VAL_S=; PROFILE= a cost_profile.json
-#   path instead of calibrating; TAG= a suffix for the output files).
+#   path instead of calibrating; TAG= a suffix for the output files; VAL_ENV="K=V ..." validate's environment,
+#   FORCE=1 validate with force=true (a new run though the config is unchanged)).
 # gputests: `pytest -m gpu $TESTS -k $TESTS_K` (TESTS_S limit). prefill: tune the Qwen3.6 prefill (T = 512,
 #   4096; TUNE_S budget), bench_slot_moe at T = 512, 4096.
 # Results go to $OUT; docs/benchmarks.md records them.
@@ -102,12 +103,13 @@ for section in "$@"; do
       cp "$PROF" "$OUT/cost_profile_dsv2.json" || exit 1
     fi
     echo "== validate, fast loop, with that profile"
-    timeout "${VAL_S:-300}" python3 -m moecache.cli validate validate.decision="$DECISION" $M validate.forced_trace="$FORCING" \
+    timeout "${VAL_S:-300}" env ${VAL_ENV:-} python3 -m moecache.cli validate validate.decision="$DECISION" $M validate.forced_trace="$FORCING" \
       validate.forced_requests="${REQUESTS:-2}" validate.forced_max_tokens="${NEW:-33}" "validate.capacities=[25%]" \
       "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
-      validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2${TAG:-}.txt"
+      validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" ${FORCE:+force=true} 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2${TAG:-}.txt"
     VAL=$(tail -1 "$OUT/validate_dsv2${TAG:-}.txt")
     cp "$VAL/validation.json" "$OUT/validation_dsv2${TAG:-}.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2${TAG:-}.parquet"
+    cp -r "$VAL/traces" "$OUT/traces_dsv2${TAG:-}"
     echo "== the runs' CPU path per call against the profile's (entries at one token each)"
     python3 - "$OUT/validation_dsv2${TAG:-}.json" "$PROF" <<'PY'
 import json, sys
@@ -120,6 +122,12 @@ for r in runs:
         model = costs.cpu_call_us + n * float(costs.cpu_expert_us(1))
         print(f"{r['strategy']:16s} run {us:8.1f} us/call, {n:.2f} entries; profile {model:8.1f} us; manager "
               f"{r['decode_manager_us_per_visit']:.1f} us/visit")
+for r in runs:
+    errors = json.loads(r["fidelity_errors"]) if r.get("fidelity_errors") else None
+    if errors:
+        phases = "; ".join(f"{k} {v['measured_ms']:.2f} -> {v['predicted_ms']:.2f} ms/token ({v['error_pct']:+.1f}%)"
+                           for k, v in errors.get("phases", {}).items())
+        print(f"{r['strategy']:16s} time/token {errors['time_per_token_error_pct']:+.1f}%: {phases}")
 PY
     ;;
   *) echo "unknown section $section"; exit 2 ;;

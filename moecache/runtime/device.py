@@ -11,10 +11,17 @@ Semantics shared by both (those of CUDA):
   has executed everything before that point (an event never recorded counts as complete);
 - `stream.wait_event(event)` holds back everything enqueued on `stream` afterwards until `event` completes;
 - `copy(dst, src, stream)` enqueues `dst.copy_(src)` on `stream` (asynchronous from pinned host memory).
+
+On CUDA the transfer engine's expert copies go straight to the driver's `cuMemcpyAsync` (`DriverCopies`,
+`CudaDevice.driver`): torch's `copy_` inside the copy stream's context costs ~6 us of host time per
+expert on the H200 host, most of it dispatch, not the driver's enqueue. Copies on the current stream
+(mapping-row uploads, which may be captured into a CUDA graph) stay torch's.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -92,19 +99,70 @@ class CudaStream:
     def __init__(self, stream: torch.cuda.Stream, current: bool = False):
         self.stream = stream
         self.current = current
+        self.handle = stream.cuda_stream  # the raw cudaStream_t, for the driver's copies
 
     def wait_event(self, event: CudaEvent) -> None:
         self.stream.wait_event(event.event)
+
+
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class DriverCopies:
+    """`cuMemcpyAsync` from libcuda (unified addressing: any direction between pinned host and device
+    memory), the context torch made current on the thread that built it set on any other thread first.
+    Every return code is checked: a failure raises, naming the code."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._memcpy = lib.cuMemcpyAsync
+        self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._memcpy.restype = ctypes.c_int
+        self._set_current = lib.cuCtxSetCurrent
+        self._set_current.argtypes = [ctypes.c_void_p]
+        self._set_current.restype = ctypes.c_int
+        get_current = lib.cuCtxGetCurrent
+        get_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        get_current.restype = ctypes.c_int
+        ctx = ctypes.c_void_p()
+        rc = get_current(ctypes.byref(ctx))
+        if rc != 0 or not ctx.value:
+            raise MoecacheError(f"runtime device cuda: cuCtxGetCurrent returned {rc} with no current context")
+        self._ctx = ctx.value
+        self._thread = threading.get_ident()
+
+    @classmethod
+    def load(cls) -> DriverCopies | None:
+        """The driver's copies, or None where libcuda cannot be loaded (the caller keeps torch's)."""
+        try:
+            return cls(ctypes.CDLL("libcuda.so.1"))
+        except (OSError, AttributeError):
+            return None
+
+    def copy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream_handle: int) -> None:
+        rc = self._memcpy(dst_ptr, src_ptr, nbytes, stream_handle)
+        if rc == CUDA_ERROR_INVALID_CONTEXT and threading.get_ident() != self._thread:
+            self._set_current(self._ctx)  # a thread the runtime has not used yet
+            rc = self._memcpy(dst_ptr, src_ptr, nbytes, stream_handle)
+        if rc != 0:
+            raise MoecacheError(
+                f"runtime device cuda: cuMemcpyAsync of {nbytes} bytes returned CUDA error {rc}"
+            )
 
 
 class CudaDevice(Device):
     name = "cuda"
     is_cuda = True
 
-    def __init__(self, index: int | None = None):
+    def __init__(self, index: int | None = None, driver_copies: bool = True):
         if not torch.cuda.is_available():
             raise MoecacheError("runtime device cuda: torch.cuda.is_available() is false on this machine")
         self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        # The driver's copies run in the context current on this thread: the device's only where it is
+        # torch's current device (torch.empty makes its primary context exist and be current).
+        on_current = self.torch_device.index == torch.cuda.current_device()
+        if driver_copies and on_current:
+            torch.empty(1, device=self.torch_device)
+        self.driver = DriverCopies.load() if driver_copies and on_current else None
 
     def new_stream(self) -> CudaStream:
         return CudaStream(torch.cuda.Stream(device=self.torch_device))
@@ -125,6 +183,18 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+
+def plain_pair(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """A copy the driver can do as bytes: same dtype and size, both contiguous, host to device."""
+    return (
+        dst.dtype == src.dtype
+        and dst.numel() == src.numel()
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.is_cuda
+        and not src.is_cuda
+    )
 
 
 # -------------------------------------------------------------------------------------- stand-in

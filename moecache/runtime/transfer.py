@@ -4,7 +4,8 @@
 prefetch of a later layer's expert): if `after` (an event after the slot's last reader: CUDA work that reads
 the slot's previous expert may still be queued) is given, the copy stream first waits on it; then the
 expert's row (w13 then w2, one contiguous copy) is enqueued from the pinned store and a ready event is recorded. Nothing
-here blocks the caller: the manager later queries (never waits on) the ready event.
+here blocks the caller: the manager later queries (never waits on) the ready event. On CUDA the copy is the
+driver's `cuMemcpyAsync` on the rows' addresses, taken once (moecache/runtime/device.py says why).
 
 `synchronous=True` waits for every copy before returning: only for tests and transfer-cost calibration.
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+from moecache.runtime.device import plain_pair
 
 
 @dataclass(slots=True)
@@ -69,6 +72,16 @@ class TransferEngine:
         # than the copy's enqueue)
         self._slot_rows = list(pool.flat_SB.unbind(0))
         self._expert_rows = list(store.flat_GB.unbind(0))
+        # on CUDA, the rows' addresses for the driver's copies (moecache/runtime/device.py)
+        self._driver = getattr(device, "driver", None)
+        if self._driver is not None and not (self._slot_rows and self._expert_rows and plain_pair(
+            self._slot_rows[0], self._expert_rows[0]
+        )):  # fmt: skip
+            self._driver = None
+        if self._driver is not None:
+            self._slot_ptrs = [row.data_ptr() for row in self._slot_rows]
+            self._expert_ptrs = [row.data_ptr() for row in self._expert_rows]
+            self._row_bytes = self._slot_rows[0].nbytes
         # events of completed copies, recorded again by later copies: timing ones, plain ones
         self._free_events: dict[bool, list] = {True: [], False: []}
 
@@ -94,7 +107,10 @@ class TransferEngine:
         enqueued = time.monotonic_ns()
         if start is not None:
             start.record(stream)
-        device.copy(self._slot_rows[slot], self._expert_rows[key], stream)  # one row: w13 then w2
+        if self._driver is not None:  # one row: w13 then w2
+            self._driver.copy(self._slot_ptrs[slot], self._expert_ptrs[key], self._row_bytes, stream.handle)
+        else:
+            device.copy(self._slot_rows[slot], self._expert_rows[key], stream)
         ready.record(stream)
         copy = Copy(key, slot, self.store.expert_bytes, enqueued, ready, start, seq=self.copies_enqueued)
         if self.copy_estimate_ns is not None:

@@ -114,18 +114,28 @@ def _policy(spec: PolicySpec, cost: CostModel | None):
 
 
 def compare(predicted: dict, measured: dict) -> dict:
-    """Errors of `predicted` (predict_run's dict) against `measured` ({hit_rate, time_per_token_ms}):
-    time_per_token_error_pct = 100 x (predicted - measured) / measured, hit_rate_error_pp = 100 x
-    (predicted - measured); each None where either side is None, and `*_within_target` (15%, 1 pp;
-    None likewise) says whether its magnitude is within the target."""
-    t_pred, t_meas = predicted.get("time_per_token_ms"), measured.get("time_per_token_ms")
+    """Errors of `predicted` (predict_run's dict) against `measured` ({hit_rate, time_per_token_ms},
+    optionally prefill_ms_per_token and decode_ms_per_token): time_per_token_error_pct = 100 x
+    (predicted - measured) / measured, hit_rate_error_pp = 100 x (predicted - measured); each None where
+    either side is None, and `*_within_target` (15%, 1 pp; None likewise) says whether its magnitude is
+    within the target. `phases`: the same percentage per phase, prefill (per prompt token) and decode
+    (per decoded token), where both sides have it: which phase an error of the whole comes from (no
+    target of its own)."""
+    time_err = _pct_error(
+        predicted.get("time_per_token_ms"), measured.get("time_per_token_ms"), "time_per_token_ms"
+    )
     h_pred, h_meas = predicted.get("hit_rate"), measured.get("hit_rate")
-    time_err = None
-    if t_pred is not None and t_meas is not None:
-        if not t_meas > 0:
-            raise MoecacheError(f"fidelity: measured time_per_token_ms={t_meas} must be > 0")
-        time_err = 100.0 * (float(t_pred) - float(t_meas)) / float(t_meas)
     hit_err = None if h_pred is None or h_meas is None else 100.0 * (float(h_pred) - float(h_meas))
+    phases = {}
+    for phase in ("prefill", "decode"):
+        key = f"{phase}_ms_per_token"
+        p, m = predicted.get(key), measured.get(key)
+        if p is not None and m is not None and m > 0:
+            phases[phase] = {
+                "predicted_ms": float(p),
+                "measured_ms": float(m),
+                "error_pct": _pct_error(p, m, key),
+            }
     return {
         "time_per_token_error_pct": time_err,
         "hit_rate_error_pp": hit_err,
@@ -133,4 +143,13 @@ def compare(predicted: dict, measured: dict) -> dict:
         "hit_rate_within_target": None if hit_err is None else abs(hit_err) <= HIT_RATE_TARGET_PP,
         "time_target_pct": TIME_TARGET_PCT,
         "hit_rate_target_pp": HIT_RATE_TARGET_PP,
+        "phases": phases,
     }
+
+
+def _pct_error(predicted, measured, name: str) -> float | None:
+    if predicted is None or measured is None:
+        return None
+    if not measured > 0:
+        raise MoecacheError(f"fidelity: measured {name}={measured} must be > 0")
+    return 100.0 * (float(predicted) - float(measured)) / float(measured)

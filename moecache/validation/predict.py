@@ -26,14 +26,24 @@ def predict(
     on_miss: str = "cpu",
 ) -> dict:
     """The predicted columns of one run; `row` holds the measured `hit_rate` and `time_per_token_ms`;
-    `on_miss` the run's manager setting (the lru_sync baseline waits for its copies)."""
+    `on_miss` the run's manager setting (the lru_sync baseline waits for its copies); its
+    `prefill_tokens_per_s` / `decode_tokens_per_s`, where given, are compared per phase."""
     predicted = fidelity.predict_run(
         str(trace_path), policy=policy, capacity=slots, profile_path=profile_path, on_miss=on_miss
     )
-    measured = {"hit_rate": row["hit_rate"], "time_per_token_ms": row["time_per_token_ms"]}
+    measured = {
+        "hit_rate": row["hit_rate"],
+        "time_per_token_ms": row["time_per_token_ms"],
+        "prefill_ms_per_token": _per_token_ms(row.get("prefill_tokens_per_s")),
+        "decode_ms_per_token": _per_token_ms(row.get("decode_tokens_per_s")),
+    }
     errors = fidelity.compare(predicted, measured)
     return {
         "predicted_hit_rate": predicted.get("hit_rate"),
         "predicted_time_per_token_ms": predicted.get("time_per_token_ms"),
         "fidelity_errors": json.dumps(errors, sort_keys=True),
     }
+
+
+def _per_token_ms(tokens_per_s) -> float | None:
+    return None if tokens_per_s is None or not tokens_per_s > 0 else 1e3 / float(tokens_per_s)

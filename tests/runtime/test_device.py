@@ -78,3 +78,41 @@ def test_cuda_event_orders_a_side_stream_after_compute():
     ready.record(side)
     d.synchronize()
     assert ready.query() and torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_drivers_copies_land_the_bytes_in_stream_order_from_any_thread():
+    import threading
+
+    from moecache.runtime.device import plain_pair
+
+    d = CudaDevice()
+    assert d.driver is not None  # libcuda loads wherever torch runs CUDA
+    side = d.new_stream()
+    src = torch.randn(3, 1 << 20, dtype=torch.bfloat16).pin_memory()
+    dst = torch.full((3, 1 << 20), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert plain_pair(dst[0], src[0]) and not plain_pair(dst[0], src[0].float())
+    busy = torch.randn(1 << 22, device="cuda")
+    for _ in range(20):
+        busy.mul_(1.0)  # the compute stream is busy: the side stream's wait must hold the copy back
+    event = d.new_event()
+    event.record(d.compute_stream())
+    side.wait_event(event)
+    d.driver.copy(dst[0].data_ptr(), src[0].data_ptr(), dst[0].nbytes, side.handle)
+    errors = []
+
+    def other_thread():  # the runtime has not used this thread: the copy sets the context first
+        try:
+            d.driver.copy(dst[1].data_ptr(), src[1].data_ptr(), dst[1].nbytes, side.handle)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    d.synchronize()
+    assert not errors
+    assert torch.equal(dst[:2].cpu(), src[:2]) and dst[2].isnan().all()
+    with pytest.raises(MoecacheError, match="cuMemcpyAsync of 8 bytes returned CUDA error"):
+        d.driver.copy(0, src[0].data_ptr(), 8, side.handle)  # no such device address

@@ -130,6 +130,22 @@ def test_compare_errors_and_targets():
     assert errors["time_per_token_error_pct"] == pytest.approx(-10.0) and errors["time_within_target"] is True
     with pytest.raises(MoecacheError, match="time_per_token_ms"):
         compare({"hit_rate": None, "time_per_token_ms": 1.0}, {"hit_rate": None, "time_per_token_ms": 0.0})
+    assert errors["phases"] == {}  # neither side has a phase's figure
+
+
+def test_compare_says_which_phase_an_error_comes_from():
+    errors = compare(
+        {"hit_rate": 0.5, "time_per_token_ms": 0.8, "prefill_ms_per_token": 3.0, "decode_ms_per_token": 20.0},
+        {"hit_rate": 0.5, "time_per_token_ms": 1.0, "prefill_ms_per_token": 6.0, "decode_ms_per_token": 20.0},
+    )
+    assert errors["phases"]["prefill"] == {"predicted_ms": 3.0, "measured_ms": 6.0, "error_pct": -50.0}
+    assert errors["phases"]["decode"]["error_pct"] == 0.0
+    # a phase the run did not measure (no decode gaps) is left out, not reported as an error
+    errors = compare(
+        {"hit_rate": 0.5, "time_per_token_ms": 1.0, "prefill_ms_per_token": 3.0, "decode_ms_per_token": 20.0},
+        {"hit_rate": 0.5, "time_per_token_ms": 1.0, "prefill_ms_per_token": 3.0, "decode_ms_per_token": None},
+    )
+    assert list(errors["phases"]) == ["prefill"]
 
 
 def test_predict_run_refuses_a_missing_trace(tmp_path):

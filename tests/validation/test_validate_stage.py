@@ -219,6 +219,11 @@ def test_the_selected_policy_runs_split_with_a_profile_and_is_predicted_so(tmp_p
     assert split["hit_rate"] == cpu["hit_rate"] and split["copies"] == cpu["copies"]
     assert split["predicted_hit_rate"] == pytest.approx(split["hit_rate"])
     assert split["predicted_time_per_token_ms"] < cpu["predicted_time_per_token_ms"]
+    # the error split by phase, from the run's own prefill and decode rates
+    phases = json.loads(cpu["fidelity_errors"])["phases"]
+    assert set(phases) == {"prefill", "decode"}
+    assert phases["decode"]["measured_ms"] == pytest.approx(1e3 / cpu["decode_tokens_per_s"])
+    assert phases["prefill"]["measured_ms"] == pytest.approx(1e3 / cpu["prefill_tokens_per_s"])
 
 
 def test_the_decisions_on_miss_is_the_default_and_split_needs_a_profile(tmp_path):
