@@ -785,7 +785,7 @@ def random_forcing(shape, prompt_tokens: int, tokens: int, seed: int = 0):
 
 def time_fast_steps(
     model, *, prompt_tokens: int, decode_steps: int, repeats: int, warmup: int, vocab_size: int, seed: int = 0,
-    cpu_log: list | None = None,
+    cpu_log: list | None = None, timed_start=None,
 ) -> tuple[Timing, Timing]:  # fmt: skip
     """(prefill, decode) of an offloaded model (`moecache.offload`) in moecache's fast decode loop, run
     as `moecache validate validate.loop=fast` runs a request (its `FastLoop`: `FastDecoder(model,
@@ -795,7 +795,8 @@ def time_fast_steps(
     gaps left out (`time_model_steps`' measurements, in the fast loop). The fast loop decodes forced
     (validate's fast runs do): the routing is random (`random_forcing`), every token of every layer K
     distinct experts, as the operator's rows are timed. `cpu_log`: a list that receives the timed
-    generations' CPU-path calls, (tokens, entries, ns) each (`FastDecoder.log_cpu_calls`)."""
+    generations' CPU-path calls, (tokens, entries, ns) each (`FastDecoder.log_cpu_calls`); `timed_start`:
+    called once, before the first timed generation (its caller's counters start there)."""
     from moecache.validation.generation import FastLoop
 
     per_run = max(1, -(-decode_steps // max(repeats, 1)))  # decode steps timed per generation
@@ -811,6 +812,8 @@ def time_fast_steps(
             forced.start_request("calibrate")
             if cpu_log is not None and n == warmup:
                 loop.decoder.log_cpu_calls(cpu_log)
+            if timed_start is not None and n == warmup:
+                timed_start()
             got = loop.generate(prompt, per_run + 1)
             if n >= warmup:
                 prefill.append(got.ttft_s * 1e6)

@@ -220,6 +220,11 @@ class CostProfile:
         return None if self.runtime is None else RuntimeCosts.from_section(self.runtime, self.source)
 
 
+def _split_host(rt: dict, key: str) -> float:
+    row = rt.get("split_host")
+    return 0.0 if row is None or row.get(key) is None else float(row[key])
+
+
 def _check_runtime(rt, source: str) -> None:
     _require(rt, _RUNTIME_KEYS, "runtime", source)
     _require(rt["model"], _RUNTIME_MODEL_KEYS, "runtime.model", source)
@@ -235,6 +240,16 @@ def _check_runtime(rt, source: str) -> None:
         _require_rows(rt["layer_call"], ("tokens", *_TIMING_KEYS), "runtime.layer_call", source)
     if rt.get("visit_hits") is not None:
         _require_rows(rt["visit_hits"], ("tokens", *_TIMING_KEYS), "runtime.visit_hits", source)
+    if rt.get("split_host") is not None:
+        _require(
+            rt["split_host"], ("decide_us", "wait_us", "decisions", "waits"), "runtime.split_host", source
+        )
+        for key in ("decide_us", "wait_us"):
+            v = rt["split_host"][key]
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
+                raise MoecacheError(
+                    f"{source}: runtime.split_host.{key}={v!r}: expected a number >= 0 or null"
+                )
     if rt["copy_engine"] is not None:
         _require(
             rt["copy_engine"],
@@ -333,6 +348,11 @@ class RuntimeCosts:
     # None in profiles measured at one length (then per token x tokens)
     non_expert_prefill_layer: Curve | None = None
     copy_host_us: float = 0.0  # host time one admission's copy adds to its visit (_copy_host_us)
+    # on_miss="split", measured in the fast loop (runtime.split_host): host time of the decision in a
+    # visit with candidates, and of a waiting visit's wait (stream wait, wait row, wait call); 0.0 where
+    # the profile has no such row (older profiles, a transformers-loop calibrate, no visit waited)
+    split_decide_us: float = 0.0
+    split_wait_us: float = 0.0
     source: str = ""
 
     @classmethod
@@ -374,6 +394,8 @@ class RuntimeCosts:
             else float(ne["prefill_us_per_token_per_layer"]),
             non_expert_prefill_layer=_prefill_curve(ne),
             copy_host_us=_copy_host_us(rt),
+            split_decide_us=_split_host(rt, "decide_us"),
+            split_wait_us=_split_host(rt, "wait_us"),
             source=source,
         )
 

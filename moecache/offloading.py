@@ -408,4 +408,5 @@ def split_cost(cost_profile, on_miss: str, expert_bytes: int, who: str):
     from moecache.cost_profile import CostProfile
     from moecache.sim.cost_model import CostModel
 
-    return CostModel.from_profile(CostProfile.load(cost_profile), int(expert_bytes), SPLIT_MAX_TOKENS)
+    profile = cost_profile if isinstance(cost_profile, CostProfile) else CostProfile.load(cost_profile)
+    return CostModel.from_profile(profile, int(expert_bytes), SPLIT_MAX_TOKENS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -520,6 +521,12 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     lo, hi = one[0], one[-1]
     slope = max((hi["median_us"] - lo["median_us"]) / (hi["experts"] - lo["experts"]), 0.0)
     assert costs.cpu_call_us == pytest.approx(max(lo["median_us"] - lo["experts"] * slope, 0.0))
+    # on_miss="split"'s host time, in the fast loop under lru at 25%: the decisions (misses admitted now
+    # are candidates) and, where visits waited, their wait; the simulator reads both
+    split = rt["split_host"]
+    assert split["timed"] == "fast_loop" and split["policy"] == "lru" and split["decisions"] > 0
+    assert split["decide_us"] > 0 and (split["wait_us"] > 0 if split["waits"] else split["wait_us"] is None)
+    assert (costs.split_decide_us, costs.split_wait_us) == (split["decide_us"], split["wait_us"] or 0.0)
 
 
 def test_fast_non_expert_refuses_a_non_positive_remainder() -> None:
@@ -624,3 +631,37 @@ def test_the_fast_loop_prices_each_copy_enqueued_on_the_host(make_trace) -> None
     rt["visit_hits"] = [{**row, "median_us": 3.0} for row in rt["visit"]]
     other = CostProfile.from_dict(d).runtime_costs()
     assert other.copy_host_us == 0.0 and other.visit_us(1) == pytest.approx(43.0)
+
+
+def test_the_split_pays_its_host_time_where_the_profile_has_it(make_trace) -> None:
+    """runtime.split_host: a step that weighed candidates pays the decision; a waiting one its wait too,
+    which the rule weighs (a wait dearer than any saving: the split is on_miss="cpu", plus decisions)."""
+    from moecache.sim.cost_model import CostModel
+    from moecache.sim.policy import make_policy
+    from moecache.sim.timed import replay_timed
+
+    trace = _decode_trace(make_trace)
+    engine = {"expert_bytes": 1_000_000, "per_copy_us": 1.0, "single": {}, "batch": {}}
+    d = _runtime_profile("parallel", copy_engine=engine)
+
+    def replay(split_host, on_miss="split"):
+        d["runtime"]["split_host"] = split_host
+        cost = CostModel.for_trace(CostProfile.from_dict(d), trace, non_expert_us_per_layer=0.0)
+        assert cost.split_host_us() == (
+            (0.0, 0.0) if split_host is None else (split_host["decide_us"], split_host["wait_us"])
+        )
+        return replay_timed(trace, make_policy("lru"), 4, cost, on_miss=on_miss).step_us_V
+
+    row = {"decisions": 10, "waits": 5, "policy": "lru", "capacity": "25%", "timed": "fast_loop"}
+    free = replay(None)
+    decided = replay({**row, "decide_us": 7.0, "wait_us": 0.0}) - free
+    paid = set(np.round(decided, 9).tolist())
+    assert 7.0 in paid and paid <= {0.0, 7.0}  # the decision, in each step that had candidates
+    cpu = replay(None, on_miss="cpu")
+    assert (free < cpu).any()  # some step waited (its copies land within 1 us)
+    never = replay({**row, "decide_us": 7.0, "wait_us": 1e6}) - cpu
+    assert list(never) == pytest.approx(list(decided))  # no step waits: cpu's steps, plus the decisions
+    for bad in (-1.0, "7", True):
+        d["runtime"]["split_host"] = {**row, "decide_us": bad, "wait_us": 0.0}
+        with pytest.raises(MoecacheError, match="runtime.split_host.decide_us"):
+            CostProfile.from_dict(d, "p.json")

@@ -91,7 +91,10 @@ class ExpertsRuntime:
             if n_hit < hit_TK.size:  # read x for the CPU before the wait call: not behind the copies
                 x_host_TH = x_TH.detach().to("cpu")
             row_E = self.manager.enqueue_waits(visit)  # after the hits: they do not wait for the copies
+            launched = time.perf_counter_ns()
             y_wait_TH = self._gpu_part(x_TH, ids_TK, weights_TK, row_E, waits=True)
+            if self.device.is_cuda:  # the launches are the visit's host time (the stand-in's: compute)
+                self.manager.stats.split_wait_ns += time.perf_counter_ns() - launched
             y_TH = y_wait_TH if y_TH is None else y_TH + y_wait_TH
         self.manager.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
         if n_hit < hit_TK.size:

@@ -49,6 +49,7 @@ distinct experts (in access order), S slots.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,6 +154,12 @@ class ManagerStats:
     publish_waits: int = 0  # times a mapping row's previous upload had not run yet (see _push_row)
     late_copies: int = 0  # copies in flight at their expert's next use (it ran on the CPU, or split waited)
     waited_copies: int = 0  # "wait" / "split": copies a visit waited for before running them on the device
+    # "split": visits that weighed candidates (misses with a copy in flight), the host ns of those
+    # decisions, visits that waited, and the host ns of a waiting visit's row (enqueue_waits' included)
+    split_decisions: int = 0
+    split_decide_ns: int = 0
+    split_waits: int = 0
+    split_wait_ns: int = 0
 
 
 class CacheManager:
@@ -673,6 +680,7 @@ class CacheManager:
         weighed by the simulator's rule; the first `w` are waited for on the compute stream and mapped
         in the visit's wait row, the visit's hit mask and misses updated (the cache's view kept in
         cache_snapshot_E / cache_hit_TK)."""
+        started = time.perf_counter_ns()
         E = self.shape.num_experts
         base = layer * E
         loading = self.loading_L[layer]
@@ -691,6 +699,9 @@ class CacheManager:
         candidates, uses_J = [candidates[j] for j in order], [uses_J[j] for j in order]
         hit_entries = int(result.hit_TK.sum())
         w = self._split.waits(candidates, uses_J, rest_uses, ids_TK.shape[0], hit_entries)
+        decided = time.perf_counter_ns()
+        self.stats.split_decisions += 1
+        self.stats.split_decide_ns += decided - started
         if w == 0:
             return
         waited = candidates[:w]
@@ -708,16 +719,20 @@ class CacheManager:
         result.waited = waited
         result.wait_slot_of_E = self._wait_rows[layer]
         self.stats.waited_copies += w
+        self.stats.split_waits += 1
+        self.stats.split_wait_ns += time.perf_counter_ns() - decided
 
     def enqueue_waits(self, result: VisitResult) -> torch.Tensor:
         """on_miss="split", for the executor once the visit's hits are enqueued (before `commit`): the
         compute stream waits for the visit's waited copies (the last one's ready event: the copy stream
         is FIFO), then the visit's wait row is uploaded; returns that device row for the wait call."""
         with self._lock:
+            started = time.perf_counter_ns()
             layer = result.layer
             self.compute.wait_event(result.waited[-1].ready_event)
             self.device.copy(self._wait_rows[layer], self._wait_staging_rows[layer], self.compute)
             self._wait_upload_serial_L[layer] = self._serial
+            self.stats.split_wait_ns += time.perf_counter_ns() - started
             return result.wait_slot_of_E
 
     # ---- helpers ---------------------------------------------------------------------------------

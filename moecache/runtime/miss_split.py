@@ -34,12 +34,13 @@ class SplitCosts:
         self.call_us = cost.cpu_call_us()
         self.copy_ns = cost.copy_us() * 1e3
         self.serial = cost.serial
+        self.wait_host_us = cost.split_host_us()[1]  # a waiting visit's own host time (calibrate's)
         self._kernel_T: dict[int, np.ndarray] = {}
         self._ready_J = np.zeros(0)
         self._cpu_J = np.zeros(0)
         self._gpu_W = np.zeros(1)
         # compiled now, not at a run's first waiting visit (the H200 host: ~210 ms in a timed step)
-        split_waits(np.zeros(1), np.zeros(1), np.zeros(2), 1, 0, 0.0, 0.0, 0.0, False)
+        split_waits(np.zeros(1), np.zeros(1), np.zeros(2), 1, 0, 0.0, 0.0, 0.0, False, 0.0)
 
     def cpu_us(self, uses: int) -> float:
         return float(self.cpu_M[min(uses, len(self.cpu_M) - 1)])
@@ -70,6 +71,6 @@ class SplitCosts:
         return int(
             split_waits(
                 self._ready_J, self._cpu_J, self._gpu_W, n, len(rest_uses), rest, self.call_us, hits,
-                self.serial,
+                self.serial, self.wait_host_us,
             )
         )  # fmt: skip

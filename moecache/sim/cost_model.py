@@ -310,6 +310,14 @@ class CostModel:
         a runtime section or where the visit rows already hold their copies (RuntimeCosts.copy_host_us)."""
         return 0.0 if self.runtime is None else self.runtime.copy_host_us
 
+    def split_host_us(self) -> tuple[float, float]:
+        """on_miss="split"'s host time (timed.py, 6.): (a decision, in a step with candidates; one waiting
+        step's wait), the fast loop's own as calibrate measured it (RuntimeCosts.split_decide_us /
+        split_wait_us); (0.0, 0.0) without a runtime section or in a profile from before that row."""
+        if self.runtime is None:
+            return 0.0, 0.0
+        return self.runtime.split_decide_us, self.runtime.split_wait_us
+
     def cpu_call_us(self) -> float:
         """Fixed CPU-path cost of a step with misses (scaled); 0.0 without a runtime section."""
         return 0.0 if self.runtime is None else self.runtime.cpu_call_us * self.cpu_scale
@@ -377,6 +385,8 @@ class CostModel:
                 "kernel_us_T1": [float(v) for v in self.runtime.kernel_row_us(1)],
                 "visit_us_T1": float(self.runtime.visit_us(1)),
                 "copy_host_us": self.runtime.copy_host_us,
+                "split_decide_us": self.runtime.split_decide_us,
+                "split_wait_us": self.runtime.split_wait_us,
             },
             "notes": list(self.all_notes()),
         }

@@ -7,9 +7,11 @@ engine is FIFO), the step waits for the first w, w minimising its expert time:
 
     cpu(w)  = cpu_call + the CPU costs of the misses left on the CPU     (0 when none is left)
     gpu(w)  = max(hits' kernel, ready time of the w-th candidate + the waiting kernel over the first w)
-    step(w) = max(cpu(w), gpu(w))                                          (serial: their sum)
+    step(w) = max(cpu(w), gpu(w)) + wait_host   (w > 0)                    (serial: the sum of the two)
 
-the smallest such w (w = 0 is the on_miss="cpu" step). Both sides call this one function with their
+the smallest such w (w = 0 is the on_miss="cpu" step). wait_host is the host time a waiting step costs
+before its CPU part starts (the compute stream's wait, the wait row's upload, the wait call's launch:
+`moecache calibrate` measures it in the fast loop, the profile's runtime.split_host). Both sides call this one function with their
 own estimate of when each copy lands: the timed replay its copy timeline (moecache/sim/timed.py), the
 runtime's manager the same timeline kept on the host clock (moecache/runtime/transfer.py). Hits,
 misses and placements are those of on_miss="cpu": only where a miss runs changes.
@@ -26,11 +28,13 @@ ON_MISS_CODES = {"cpu": 0, "wait": 1, "split": 2}  # the timed replay's argument
 
 @nb.njit(cache=True, nogil=True)
 def split_waits(
-    ready_us_J, cpu_us_J, gpu_wait_us_W, n, n_rest, cpu_rest_us, cpu_call_us, gpu_hits_us, serial
+    ready_us_J, cpu_us_J, gpu_wait_us_W, n, n_rest, cpu_rest_us, cpu_call_us, gpu_hits_us, serial,
+    wait_host_us,
 ):  # fmt: skip
     """w (module docstring). ready_us_J: when candidate j's copy lands, from the step's routing time,
     ascending; cpu_us_J: its CPU cost; gpu_wait_us_W[w]: the waiting kernel's time over the first w
-    candidates' entries (index 0 unused); n candidates; n_rest other misses costing cpu_rest_us."""
+    candidates' entries (index 0 unused); n candidates; n_rest other misses costing cpu_rest_us;
+    wait_host_us: the host time of a waiting step (w > 0)."""
     best_w = 0
     best = 0.0
     for w in range(n + 1):
@@ -43,6 +47,8 @@ def split_waits(
         if w > 0:
             gpu = max(gpu, ready_us_J[w - 1] + gpu_wait_us_W[w])
         total = cpu + gpu if serial else max(cpu, gpu)
+        if w > 0:
+            total += wait_host_us
         if w == 0 or total < best:
             best, best_w = total, w
     return best_w

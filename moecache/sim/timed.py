@@ -35,7 +35,10 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
    their copies land) are candidates; `split_waits` picks how many of the first ones wait for their
    copy and run on the device (one more operator call over their entries, after the last of them
    lands) while the CPU runs the other misses: the step takes non_expert + max (serial: the sum) of
-   the CPU part and max(hits' kernel, last waited copy's landing + that call).
+   the CPU part and max(hits' kernel, last waited copy's landing + that call). The host's share (the
+   profile's runtime.split_host, where calibrate measured it): a step with candidates pays the
+   decision (split_decide_us), a waiting one also its wait (split_wait_us: the stream's wait, the wait
+   row, the wait call), which `split_waits` weighs.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class TimedResult(ReplayResult):
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
     cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, serial, miss_mode,
-    copy_host_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
+    copy_host_us, split_decide_us, split_wait_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
     copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G, uses_G,
     cand_key_J, cand_ready_J, cand_cpu_J, gpu_wait_W,
@@ -267,6 +270,7 @@ def _replay_timed(
             copy_of_G[k] = n_copies
             n_copies += 1
         safe_slots += busy_slots  # safe by the next step: it starts after this step's GPU work
+        split_host_us = 0.0
         if split and n_cand > 0:
             for j in range(1, n_cand):  # in landing order (insertion sort: a handful of candidates)
                 r, k = cand_ready_J[j], cand_key_J[j]
@@ -288,9 +292,11 @@ def _replay_timed(
                 )
             w = split_waits(
                 cand_ready_J, cand_cpu_J, gpu_wait_W, n_cand, misses - n_cand, cpu_misses - cand_cpu,
-                cpu_call_us if fused else 0.0, gpu, serial,
+                cpu_call_us if fused else 0.0, gpu, serial, split_wait_us,
             )  # fmt: skip
+            split_host_us = split_decide_us
             if w > 0:
+                split_host_us += split_wait_us
                 cpu = cpu_misses
                 for j in range(w):
                     cpu -= cand_cpu_J[j]
@@ -299,8 +305,9 @@ def _replay_timed(
                     cpu += cpu_call_us
                 gpu = max(gpu, cand_ready_J[w - 1] + gpu_wait_W[w])
         step_us = (
-            non_expert_V[s] + wait_us + (gpu + cpu if serial else max(gpu, cpu)) + copy_host_us * n_admit
-        )
+            non_expert_V[s] + wait_us + split_host_us + (gpu + cpu if serial else max(gpu, cpu))
+            + copy_host_us * n_admit
+        )  # fmt: skip
         n_prefetch += n_pf
         n_pending += n_pf
         admits_V[s] = n_admit
@@ -376,6 +383,7 @@ def replay_timed(
                 trace.request_V, resident_G, int(capacity), cpu_us_M, cost.gpu_table(),
                 cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
                 cost.cpu_call_us(), cost.serial, ON_MISS_CODES[on_miss], float(cost.copy_host_us()),
+                *cost.split_host_us(),
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
             )  # fmt: skip

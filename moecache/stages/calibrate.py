@@ -53,6 +53,12 @@ so a profile measured elsewhere never stands in for this machine's.
       copy_engine   {expert_bytes, single, batch: {copies, ..}, per_copy_us = batch median / copies}:
                     `TransferEngine.enqueue` from the pinned store to the ready event seen complete, or
                     null without CUDA
+      split_host    {decide_us, wait_us, decisions, waits, policy, capacity, timed: "fast_loop"} (step=fast
+                    with a model; else absent): on_miss="split"'s host time in the fast loop itself, the
+                    offloaded model under lru at 25% with on_miss="split" weighing this profile's other
+                    rows, decoding under random forced routing (`_split_host_fast`): per visit that
+                    weighed candidates, the decision; per visit that waited, its wait row, the compute
+                    stream's wait and the wait call's launch (null where no visit waited)
       non_expert    {moe_layers, prompt_tokens (the shortest of cost.runtime.prompt_tokens), decode_steps,
                     prefill, decode, decode_us_per_layer = decode median / moe_layers,
                     prefill_us_per_token_per_layer = prefill median / (prompt_tokens x moe_layers),
@@ -479,12 +485,63 @@ def _cpu_path_fast(model, rs: dict, vocab: int) -> list[dict]:
     return rows
 
 
+SPLIT_HOST_POLICY, SPLIT_HOST_CAPACITY = "lru", "25%"  # _split_host_fast's cache: most misses admitted
+
+
+def _split_host_fast(model, section: dict, base: dict, rs: dict, vocab: int) -> dict:
+    """cost.runtime.step=fast: on_miss="split"'s own host time, in the fast loop (the profile's
+    runtime.split_host, module docstring): the offloaded model reconfigured to SPLIT_HOST_POLICY at
+    SPLIT_HOST_CAPACITY with on_miss="split" weighing the profile measured so far (`base` with this
+    `section`: the decisions are the ones a run with this profile makes), decoding under random forced
+    routing (`calibration.time_fast_steps`) over cost.runtime.cpu_path_decode_steps decode steps; the
+    manager's split counters over the timed generations (ManagerStats.split_*)."""
+    profile = CostProfile.from_dict({**base, "runtime": section}, "calibrate's profile so far")
+    session = model.moecache.reconfigure(
+        capacity=SPLIT_HOST_CAPACITY, policy=SPLIT_HOST_POLICY, on_miss="split", cost_profile=profile
+    )
+    stats = session.manager.stats
+    start: dict[str, int] = {}
+
+    def timed_start() -> None:
+        start.update(
+            (k, getattr(stats, k))
+            for k in ("split_decisions", "split_decide_ns", "split_waits", "split_wait_ns")
+        )
+
+    lengths = sorted({int(t) for t in rs["prompt_tokens"]})
+    cal.time_fast_steps(
+        model, prompt_tokens=lengths[0], decode_steps=int(rs["cpu_path_decode_steps"]),
+        repeats=max(3, int(rs["repeats"]) // 4), warmup=1, vocab_size=vocab, timed_start=timed_start,
+    )  # fmt: skip
+    decisions = stats.split_decisions - start["split_decisions"]
+    waits = stats.split_waits - start["split_waits"]
+    return {
+        "decide_us": (stats.split_decide_ns - start["split_decide_ns"]) / decisions / 1e3
+        if decisions
+        else None,
+        "wait_us": (stats.split_wait_ns - start["split_wait_ns"]) / waits / 1e3 if waits else None,
+        "decisions": decisions,
+        "waits": waits,
+        "policy": SPLIT_HOST_POLICY,
+        "capacity": SPLIT_HOST_CAPACITY,
+        "timed": "fast_loop",
+    }
+
+
 def measure_runtime(
-    cfg: DictConfig, rs: dict, device: str, cache_bytes: int, max_pool_bytes: int, bar, step=None
+    cfg: DictConfig,
+    rs: dict,
+    device: str,
+    cache_bytes: int,
+    max_pool_bytes: int,
+    bar,
+    step=None,
+    base: dict | None = None,
 ) -> dict:
     """The profile's `runtime` section (module docstring). `step`: the decode loop of the non-expert
     time (step=transformers) and of the stand-in's in-model timings (default: cost.runtime.step from
-    calibration.STEP_FUNCTIONS)."""
+    calibration.STEP_FUNCTIONS). `base`: the profile's other sections (measure's), for step=fast's
+    split_host row (weighed with the whole profile); without it the row is not measured."""
     from moecache.models import load_model
 
     step = step or cal.STEP_FUNCTIONS[rs["step"]]
@@ -614,6 +671,9 @@ def measure_runtime(
         bar.step("runtime cpu path (fast loop)")
         in_loop = _cpu_path_fast(model, rs, vocab)
         section["cpu_path"] = [r for r in section["cpu_path"] if r["tokens_per_expert"] != 1] + in_loop
+        if base is not None:
+            bar.step("runtime split host time (fast loop)")
+            section["split_host"] = _split_host_fast(model, section, base, rs, vocab)
         del model
         gc.collect()
     if section["non_expert"] is None:
@@ -658,15 +718,7 @@ def measure(
                 settings, shape, device, machine["gpu_l2_bytes"], threads, cal.time_cuda_expert, bar
             )
             h2d = _h2d(settings, expert_bytes, gpu, bar)
-    runtime = None
-    rs = settings.get("runtime") or {}
-    if cfg is not None and rs.get("enabled"):
-        with _Progress(None) as bar:
-            runtime = measure_runtime(
-                cfg, rs, device, machine["gpu_l2_bytes"] if on_gpu else llc or int(settings["fallback_llc_bytes"]),
-                int(settings["max_pool_bytes"]), bar,
-            )  # fmt: skip
-    return {
+    base = {
         "schema_version": SCHEMA_VERSION,
         "shape": {
             "hidden_size": shape.hidden_size,
@@ -679,15 +731,22 @@ def measure(
         "cpu": cpu_rows,
         "cuda": cuda_rows,
         "h2d": h2d,
-        "runtime": runtime,
+        "runtime": None,
         "settings": {
             k: settings[k]
             for k in ("repeats", "warmup", "tokens_per_call", "dtypes", "copy_sizes_bytes", "runtime")
             if k in settings
         },
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "measure_s": time.perf_counter() - started,
     }
+    rs = settings.get("runtime") or {}
+    if cfg is not None and rs.get("enabled"):
+        with _Progress(None) as bar:
+            base["runtime"] = measure_runtime(
+                cfg, rs, device, machine["gpu_l2_bytes"] if on_gpu else llc or int(settings["fallback_llc_bytes"]),
+                int(settings["max_pool_bytes"]), bar, base=base,
+            )  # fmt: skip
+    return base | {"measure_s": time.perf_counter() - started}
 
 
 def _median_at(rows: list[dict], dtype: str, tokens: int) -> float | str:
@@ -742,6 +801,10 @@ def runtime_summary(profile: CostProfile) -> dict:
     if rt["copy_engine"] is not None:
         rows["copy engine us per expert (batch)"] = rt["copy_engine"]["per_copy_us"]
         rows["copy engine us single"] = rt["copy_engine"]["single"]["median_us"]
+    split = rt.get("split_host")
+    if split is not None:
+        rows["split host us per decision (fast loop)"] = split["decide_us"]
+        rows["split host us per waiting visit (fast loop)"] = split["wait_us"]
     ne = rt["non_expert"]
     if ne is None:
         rows["non-expert"] = rt.get("non_expert_reason", "not measured")

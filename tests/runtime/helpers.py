@@ -64,10 +64,10 @@ def spy_visits(manager) -> dict[int, list[np.ndarray]]:
     return seen
 
 
-def split_profile(store, copy_us: float, cpu_us: float, overlap: str = "parallel") -> dict:
+def split_profile(store, copy_us: float, cpu_us: float, overlap: str = "parallel", wait_host_us=None) -> dict:
     """A schema-2 cost profile of `store`'s expert for on_miss="split" (hand-made, not measurements): a
     copy takes `copy_us`, a missed expert `cpu_us` on the CPU (+ 1 us per call), the operator 1 us per
-    entry."""
+    entry; `wait_host_us`: a waiting visit's host time (runtime.split_host; None: no such row)."""
     timing = {"p10_us": 0.0, "p90_us": 0.0, "repeats": 1}
     profile = {
         "schema_version": 2,
@@ -90,13 +90,22 @@ def split_profile(store, copy_us: float, cpu_us: float, overlap: str = "parallel
             "non_expert": None,
         },
     }  # fmt: skip
+    if wait_host_us is not None:
+        profile["runtime"]["split_host"] = {
+            "decide_us": 0.0,
+            "wait_us": wait_host_us,
+            "decisions": 1,
+            "waits": 1,
+        }
     return profile
 
 
-def split_cost(store, copy_us: float, cpu_us: float, overlap: str = "parallel"):
+def split_cost(store, copy_us: float, cpu_us: float, overlap: str = "parallel", wait_host_us=None):
     """split_profile's CostModel, tabulated for `store`'s expert."""
     from moecache.cost_profile import CostProfile
     from moecache.sim.cost_model import CostModel
 
-    profile = CostProfile.from_dict(split_profile(store, copy_us, cpu_us, overlap), source="split_profile")
+    profile = CostProfile.from_dict(
+        split_profile(store, copy_us, cpu_us, overlap, wait_host_us), source="split_profile"
+    )
     return CostModel.from_profile(profile, store.expert_bytes, 64)

@@ -196,11 +196,10 @@ def test_prepare_is_refused_for_waits_and_for_another_layers_visit():
 # ---- on_miss="split" ----------------------------------------------------------------------------
 
 
-def split_manager(copy_us: float, cpu_us: float, capacity=4, mode="manual"):
+def split_manager(copy_us: float, cpu_us: float, capacity=4, mode="manual", wait_host_us=None):
     store = random_store()
-    return manager(
-        "lru", capacity, store=store, mode=mode, on_miss="split", cost=split_cost(store, copy_us, cpu_us)
-    )
+    cost = split_cost(store, copy_us, cpu_us, wait_host_us=wait_host_us)
+    return manager("lru", capacity, store=store, mode=mode, on_miss="split", cost=cost)
 
 
 def test_split_waits_on_the_device_for_copies_that_land_before_the_cpu_would_finish():
@@ -209,6 +208,8 @@ def test_split_waits_on_the_device_for_copies_that_land_before_the_cpu_would_fin
     assert [c.key for c in r.waited] == [1, 2] and r.hit_TK.all() and r.miss_experts.tolist() == []
     assert not r.cache_hit_TK.any() and (r.cache_snapshot_E == -1).all()  # the cache's view: two misses
     assert m.stats.misses == 2 and m.stats.hits == 0 and m.stats.waited_copies == 2
+    assert (m.stats.split_decisions, m.stats.split_waits) == (1, 1)  # its host time counted, per visit
+    assert m.stats.split_decide_ns > 0 and m.stats.split_wait_ns > 0
     # the compute stream waits for the copies before the wait row's upload: nothing moves until they land
     assert m.enqueue_waits(r) is r.wait_slot_of_E
     m.device.run(m.compute)
@@ -228,6 +229,15 @@ def test_split_leaves_misses_to_the_cpu_when_copies_are_slow():
     r = m.visit(0, ids(1, 2))
     assert r.waited == [] and not r.hit_TK.any() and r.miss_experts.tolist() == [1, 2]
     assert len(r.copies) == 2 and m.stats.waited_copies == 0  # admitted and copied all the same
+    assert (m.stats.split_decisions, m.stats.split_waits, m.stats.split_wait_ns) == (1, 0, 0)
+
+
+def test_split_weighs_a_waiting_visits_host_time():
+    # a copy far cheaper than the CPU, but the visit's own wait costs more than the CPU part it saves
+    m = split_manager(copy_us=1.0, cpu_us=100.0, wait_host_us=1e4)
+    assert m.visit(0, ids(1, 2)).waited == [] and m.stats.waited_copies == 0
+    m = split_manager(copy_us=1.0, cpu_us=100.0, wait_host_us=10.0)  # cheaper than the CPU: wait
+    assert len(m.visit(0, ids(1, 2)).waited) == 2
 
 
 def test_split_places_and_counts_exactly_as_cpu():

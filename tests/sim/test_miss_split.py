@@ -5,11 +5,11 @@ import numpy as np
 from moecache.sim.miss_split import split_waits
 
 
-def waits(ready, cpu, gpu_wait, n_rest=0, cpu_rest=0.0, call=0.0, hits=0.0, serial=False):
+def waits(ready, cpu, gpu_wait, n_rest=0, cpu_rest=0.0, call=0.0, hits=0.0, serial=False, wait_host=0.0):
     n = len(ready)
     return split_waits(
         np.array(ready, float), np.array(cpu, float), np.array([0.0, *gpu_wait]), n, n_rest,
-        cpu_rest, call, hits, serial,
+        cpu_rest, call, hits, serial, wait_host,
     )  # fmt: skip
 
 
@@ -38,3 +38,11 @@ def test_serial_adds_the_halves():
     # w=0: 300 + 100; w=1: 0 + max(100, 150 + 20) = 170
     assert waits([150], [300], [20], hits=100.0, serial=True) == 1
     assert waits([400], [300], [20], hits=100.0, serial=True) == 0  # 420 > 400
+
+
+def test_a_waiting_steps_host_time_is_weighed():
+    # w=0: 900; w=1: max(600, 350) + host
+    assert waits([330, 660, 990], [300, 300, 300], [20, 40, 60], wait_host=299.0) == 1  # 899 < 900
+    assert waits([330, 660, 990], [300, 300, 300], [20, 40, 60], wait_host=300.0) == 0  # a tie: the smallest
+    # the host time is paid once, whatever w: w=2 (680 + 100) against w=1 (600 + 100)
+    assert waits([330, 660, 990], [300, 300, 300], [20, 40, 60], wait_host=100.0) == 1
