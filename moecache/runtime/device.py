@@ -13,9 +13,10 @@ Semantics shared by both (those of CUDA):
 - `copy(dst, src, stream)` enqueues `dst.copy_(src)` on `stream` (asynchronous from pinned host memory).
 
 On CUDA the transfer engine's expert copies go straight to the driver's `cuMemcpyAsync` (`DriverCopies`,
-`CudaDevice.driver`): torch's `copy_` inside the copy stream's context costs ~6 us of host time per
-expert on the H200 host, most of it dispatch, not the driver's enqueue. Copies on the current stream
-(mapping-row uploads, which may be captured into a CUDA graph) stay torch's.
+`CudaDevice.driver`): torch's `copy_` inside the copy stream's context took 6.3 us of host time per
+expert copy on the H200 host (docs/benchmarks.md, round 5), its dispatch and stream context around the
+same driver call. Copies on the current stream (mapping-row uploads, which may be captured into a CUDA
+graph) stay torch's.
 """
 
 from __future__ import annotations

@@ -684,20 +684,21 @@ class CacheManager:
         E = self.shape.num_experts
         base = layer * E
         loading = self.loading_L[layer]
-        candidates, uses_J, rest_uses = [], [], []
-        for e in result.miss_experts.tolist():
-            uses = int(self._uses_U[self._pos_E[e]])
+        candidates, rest_uses = [], []
+        miss_E = result.miss_experts.tolist()
+        uses_M = self._uses_U[self._pos_E[miss_E]].tolist()
+        for e, uses in zip(miss_E, uses_M, strict=True):
             copy = loading.get(base + e)
             if copy is None:
                 rest_uses.append(uses)
             else:
-                candidates.append(copy)
-                uses_J.append(uses)
+                candidates.append((copy.seq, copy, uses))
         if not candidates:
             return
-        order = sorted(range(len(candidates)), key=lambda j: candidates[j].seq)
-        candidates, uses_J = [candidates[j] for j in order], [uses_J[j] for j in order]
-        hit_entries = int(result.hit_TK.sum())
+        candidates.sort()  # landing order (seqs are distinct)
+        uses_J = [uses for _, _, uses in candidates]
+        candidates = [copy for _, copy, _ in candidates]
+        hit_entries = ids_TK.size - sum(uses_M)  # every miss entry is a use of a missed expert
         w = self._split.waits(candidates, uses_J, rest_uses, ids_TK.shape[0], hit_entries)
         decided = time.perf_counter_ns()
         self.stats.split_decisions += 1

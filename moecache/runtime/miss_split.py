@@ -66,7 +66,9 @@ class SplitCosts:
             self._cpu_J[j] = self.cpu_us(uses)
             entries += uses
             self._gpu_W[j + 1] = kernel[min(entries, len(kernel) - 1)]
-        rest = sum(self.cpu_us(u) for u in rest_uses)
+        rest = 0.0
+        for u in rest_uses:
+            rest += self.cpu_us(u)
         hits = float(kernel[min(hit_entries, len(kernel) - 1)]) if hit_entries else 0.0
         return int(
             split_waits(
