@@ -15,6 +15,8 @@ Sections (each skipped, with the reason printed, where the device cannot run it)
   `visit` itself (a copy and a stream synchronize), and as the fast decode loop does it (the read-back
   copy and an event after it, `prepare`, a wait on the event, `visit` on the host copy, `commit`).
   The store's experts are small here (--manager-h/--manager-i): only the manager's time is measured.
+  `--on-miss split --cost-profile P`: the manager splits its misses weighing profile P; the table adds
+  the host time per decision (visits with a copy in flight for a miss) and per waiting visit.
 - store: allocate and fill a store of --store-experts Qwen3.6-sized experts (40*256 = 10240 is the full
   60 GiB model; the H200 host has 128 GiB), then one cudaHostRegister; its time and the peak RSS.
 
@@ -28,11 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
 
 import numpy as np
 import torch
 
+from moecache.errors import MoecacheError
+from moecache.offloading import split_cost
 from moecache.runtime.device import Device, make_device
 from moecache.runtime.expert_store import ExpertStore
 from moecache.runtime.manager import CacheManager
@@ -244,7 +249,10 @@ def bench_manager(device, args) -> dict:
     store = filled_store(L, E, args.manager_h, args.manager_i)
     if device.is_cuda:
         store.pin("auto")
-    manager = CacheManager.from_policy(store, device, args.capacity, args.policy, top_k=K)
+    cost = split_cost(args.cost_profile, args.on_miss, store.expert_bytes, "bench_runtime")
+    manager = CacheManager.from_policy(
+        store, device, args.capacity, args.policy, top_k=K, on_miss=args.on_miss, cost=cost
+    )
     rng = np.random.default_rng(0)
     routing = skewed_routing(rng, L, E, K, args.warm_tokens + args.tokens)
     device_routing = torch.as_tensor(routing).to(device.torch_device) if device.is_cuda else None
@@ -279,7 +287,9 @@ def bench_manager(device, args) -> dict:
             for layer in range(L):
                 t0 = clock()
                 manager.prepare(layer)
-                manager.visit(layer, routing[t, layer], compute_done=True)
+                visit = manager.visit(layer, routing[t, layer], compute_done=True)
+                if visit.waited:  # on_miss="split": the compute stream's wait and the wait row
+                    manager.enqueue_waits(visit)
                 manager.commit()
                 t1 = clock()
                 if t >= args.warm_tokens:
@@ -309,6 +319,13 @@ def bench_manager(device, args) -> dict:
     if fast_ns:
         out["fast_loop_median_us"] = float(np.median(fast_ns)) / 1e3
         out["fast_loop_p90_us"] = float(np.percentile(fast_ns, 90)) / 1e3
+    if args.on_miss == "split":  # over all three passes: the decision's and a waiting visit's host time
+        out["split"] = {
+            "decisions": s.split_decisions,
+            "waits": s.split_waits,
+            "decide_us": s.split_decide_ns / s.split_decisions / 1e3 if s.split_decisions else None,
+            "wait_us": s.split_wait_ns / s.split_waits / 1e3 if s.split_waits else None,
+        }
     if device_routing is not None:
         out["fast_loop_event_median_us"] = float(np.median(event_ns)) / 1e3
         out["fast_loop_phase_median_us"] = {k: float(np.median(v)) / 1e3 for k, v in phases.items()}
@@ -374,7 +391,9 @@ def _fast_loop_sequence(manager, device_routing, args, *, captured: bool, phases
                 read_back.record(manager.compute)
                 manager.prepare(layer)
                 read_back.synchronize()
-            manager.visit(layer, host_np, compute_done=True)
+            visit = manager.visit(layer, host_np, compute_done=True)
+            if visit.waited:  # on_miss="split": the compute stream's wait and the wait row
+                manager.enqueue_waits(visit)
             t_visited = clock()
             manager.commit()
             t1 = clock()
@@ -434,6 +453,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--capacity", default="2048")
     ap.add_argument("--policy", default="lfu")
+    ap.add_argument("--on-miss", default="cpu", choices=["cpu", "split"])
+    ap.add_argument("--cost-profile", default=None, help="a cost_profile.json (needed by --on-miss split)")
     ap.add_argument("--warm-tokens", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--manager-h", type=int, default=64)
@@ -444,6 +465,10 @@ def main() -> None:
     ap.add_argument("--store-fill", default="constant", choices=["constant", "random"])
     ap.add_argument("--sections", default="copy,overlap,manager,store")
     args = ap.parse_args()
+    if args.on_miss == "split" and args.cost_profile is None:
+        ap.error(
+            "--on-miss split weighs copies against the CPU: give --cost-profile (a moecache calibrate profile)"
+        )
     device = NullDevice() if args.device == "null" else make_device(args.device)
     sections = set(args.sections.split(","))
     result: dict = {"bench": "runtime", "device": device.name, "args": vars(args)}
@@ -528,6 +553,14 @@ def print_table(r: dict) -> None:
                 )
             )
         rows.append(("manager hit rate", f"{m['hit_rate']:.3f}"))
+        if "split" in m:
+            sp = m["split"]
+            for what, key, n in (
+                ("decision", "decide_us", "decisions"),
+                ("waiting visit", "wait_us", "waits"),
+            ):
+                us = "-" if sp[key] is None else f"{sp[key]:.2f}"
+                rows.append((f"split: host us per {what} ({sp[n]} of them)", us))
         if "device_calls_per_visit" in m:
             for name, n in m["device_calls_per_visit"].items():
                 rows.append((f"device calls per visit (fast loop, host ids): {name}", f"{n:.3f}"))
@@ -546,4 +579,8 @@ def print_table(r: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MoecacheError as exc:  # bad input: one line, exit 2
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None

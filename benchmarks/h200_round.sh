@@ -8,7 +8,8 @@
 #   decode-loop GPU tests, bench_runtime copy and manager).
 # kernels: tests/kernels' GPU tests, tuning the Qwen3.6 decode (two-stage and pdl variants, prefill entries
 #   kept), bench_slot_moe at T = 1, 4, 16.
-# manager: bench_runtime's manager section, and bench_copy_enqueue (one copy's host cost).
+# manager: bench_runtime's manager section (SPLIT_PROFILE=<cost_profile.json>: again with on_miss=split),
+#   and bench_copy_enqueue (one copy's host cost, torch's and the driver's).
 # decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; COMPILE=1 adds
 #   --compile; SKIP= its --skip list, default hf; DECODE_S its time limit, default 420 s).
 # forced: bench_decode's validate baselines at 25% under real DeepSeek-V2-Lite traces (TRACES="law intent",
@@ -48,6 +49,11 @@ for section in "$@"; do
   manager)
     echo "== bench_runtime manager"
     timeout 100 python3 benchmarks/bench_runtime.py --device cuda --sections manager 2>&1 | tail -12 | tee "$OUT/bench_runtime_manager.txt"
+    if [ -n "${SPLIT_PROFILE:-}" ]; then
+      echo "== bench_runtime manager, on_miss=split weighing $SPLIT_PROFILE"
+      timeout 100 python3 benchmarks/bench_runtime.py --device cuda --sections manager --on-miss split \
+        --cost-profile "$SPLIT_PROFILE" 2>&1 | tail -14 | tee "$OUT/bench_runtime_manager_split.txt"
+    fi
     echo "== bench_copy_enqueue (DeepSeek-V2-Lite expert)"
     timeout 60 python3 benchmarks/bench_copy_enqueue.py 2>&1 | tail -8 | tee "$OUT/bench_copy_enqueue.txt" ;;
   kernels)
