@@ -4,6 +4,7 @@ the simulator's predictions. Numbers are printed from runs.parquet, never comput
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -17,6 +18,10 @@ HEADERS = [
     "hit rate", "copies", "late copies", "CPU fallbacks", "token match", "max logit err",
     "predicted hit rate", "predicted ms/token", "measured ms/token",
 ]  # fmt: skip
+PHASE_HEADERS = [
+    "workload", "strategy", "capacity", "time/token error %", "prefill ms/token measured -> predicted",
+    "prefill error %", "decode ms/token measured -> predicted", "decode error %",
+]  # fmt: skip
 
 
 def _row(r: dict) -> list:
@@ -29,6 +34,32 @@ def _row(r: dict) -> list:
         md.num(r["token_match_rate"], 4), md.num(r["max_logit_error"], 3), md.num(r["predicted_hit_rate"], 4),
         md.num(r["predicted_time_per_token_ms"], 4), md.num(r["time_per_token_ms"], 4),
     ]  # fmt: skip
+
+
+def _phase_rows(runs: list[dict]) -> list[list]:
+    rows = []
+    for r in runs:
+        errors = json.loads(r["fidelity_errors"]) if r.get("fidelity_errors") else {}
+        phases = errors.get("phases") or {}
+        if not phases:
+            continue
+        row = [
+            r["workload"],
+            r["strategy"],
+            r["capacity"] or "-",
+            md.num(errors.get("time_per_token_error_pct"), 3),
+        ]
+        for phase in ("prefill", "decode"):
+            p = phases.get(phase)
+            if p is None:
+                row += ["-", "-"]
+            else:
+                row += [
+                    f"{md.num(p['measured_ms'], 4)} -> {md.num(p['predicted_ms'], 4)}",
+                    md.num(p["error_pct"], 3),
+                ]
+        rows.append(row)
+    return rows
 
 
 def predicted_vs_measured(runs: list[dict], path: Path) -> Path | None:
@@ -84,6 +115,16 @@ def section(validation_dir: Path | None, decision_id: str | None, figure_dir: Pa
     for workload in result["workloads"]:
         rows = [_row(r) for r in runs if r["workload"] == workload]
         lines += [f"### {workload}", "", md.table(HEADERS, rows), ""]
+    phase_rows = _phase_rows(runs)
+    if phase_rows:
+        lines += [
+            "### Where the time-per-token error comes from",
+            "",
+            "The simulator's error per phase (per prompt token, per decoded token; runs.parquet's fidelity_errors):",
+            "",
+            md.table(PHASE_HEADERS, phase_rows),
+            "",
+        ]
     written = []
     figure = predicted_vs_measured(runs, figure_dir / "validation_predicted_vs_measured.png")
     if figure is None:

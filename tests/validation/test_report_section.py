@@ -20,10 +20,13 @@ def run_row(workload: str, strategy: str, capacity: str | None, predicted: float
     return row
 
 
-def artifact(folder, predicted):
+def artifact(folder, predicted, errors=None):
     folder.mkdir()
     runs = [run_row(w, s, c, predicted) for w in ("multi_request", "long_single") for s, c in
             (("unmodified", None), ("selected", "25%"))]  # fmt: skip
+    for r in runs:
+        if errors is not None and r["strategy"] == "selected":
+            r["fidelity_errors"] = json.dumps(errors)
     write(folder, runs, [])
     result = {
         "decision": "decide-abc", "selected": {"label": "lfu"}, "model": "tiny", "device": "cpu",
@@ -39,6 +42,17 @@ def test_a_table_per_workload_and_no_figure_without_predictions(tmp_path):
     assert text.count("### ") == 2 and "### multi_request" in text and "### long_single" in text
     assert text.count("| selected | 25% | 32 | - | 123.4 |") == 2 and "| unmodified | - |" in text
     assert figures == [] and "No predicted values in any run" in text and "another decision" not in text
+    assert "Where the time-per-token error comes from" not in text  # no run has a phase's figures
+
+
+def test_the_error_per_phase_is_a_table_of_its_own(tmp_path):
+    errors = {
+        "time_per_token_error_pct": -20.0,
+        "phases": {"prefill": {"predicted_ms": 3.0, "measured_ms": 6.0, "error_pct": -50.0}},
+    }
+    text, _ = section(artifact(tmp_path / "validate-3", 0.3, errors), "decide-abc", tmp_path / "figures")
+    assert "### Where the time-per-token error comes from" in text
+    assert text.count("| selected | 25% | -20 | 6 -> 3 | -50 | - | - |") == 2  # one row per workload
 
 
 def test_predictions_give_the_figure_and_another_decision_is_named(tmp_path):
