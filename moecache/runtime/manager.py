@@ -356,6 +356,8 @@ class CacheManager:
         # copies in flight: per layer {key: Copy} in enqueue order, and as a mask over keys
         self.loading_L: list[dict[int, Copy]] = [{} for _ in range(self.shape.num_layers)]
         self._loading_G = np.zeros(G, np.bool_)
+        self._seq_G = np.zeros(G, np.int64)  # a loading key's copy: its FIFO position, estimated landing
+        self._est_ready_G = np.zeros(G, np.int64)
         self._late_G = np.zeros(G, np.bool_)  # loading keys whose copy was already counted late
         self.published_LE.fill(-1)
         self._dirty_L[:] = True
@@ -681,31 +683,22 @@ class CacheManager:
         in the visit's wait row, the visit's hit mask and misses updated (the cache's view kept in
         cache_snapshot_E / cache_hit_TK)."""
         started = time.perf_counter_ns()
-        E = self.shape.num_experts
-        base = layer * E
-        loading = self.loading_L[layer]
-        candidates, rest_uses = [], []
-        miss_E = result.miss_experts.tolist()
-        uses_M = self._uses_U[self._pos_E[miss_E]].tolist()
-        for e, uses in zip(miss_E, uses_M, strict=True):
-            copy = loading.get(base + e)
-            if copy is None:
-                rest_uses.append(uses)
-            else:
-                candidates.append((copy.seq, copy, uses))
-        if not candidates:
+        base = layer * self.shape.num_experts
+        miss_E = result.miss_experts
+        w, n_cand, keys_J = self._split.decide(
+            miss_E, self._uses_U[self._pos_E[miss_E]], base, self._loading_G, self._seq_G,
+            self._est_ready_G, ids_TK.size, ids_TK.shape[0],
+        )  # fmt: skip
+        if n_cand == 0:
             return
-        candidates.sort()  # landing order (seqs are distinct)
-        uses_J = [uses for _, _, uses in candidates]
-        candidates = [copy for _, copy, _ in candidates]
-        hit_entries = ids_TK.size - sum(uses_M)  # every miss entry is a use of a missed expert
-        w = self._split.waits(candidates, uses_J, rest_uses, ids_TK.shape[0], hit_entries)
         decided = time.perf_counter_ns()
         self.stats.split_decisions += 1
         self.stats.split_decide_ns += decided - started
         if w == 0:
             return
-        waited = candidates[:w]
+        loading = self.loading_L[layer]
+        candidates = [loading[key] for key in keys_J[:w].tolist()]
+        waited = candidates
         row = self._wait_staging_np[layer]
         self._await_upload(self._wait_upload_serial_L[layer])
         row.fill(-1)
@@ -716,7 +709,7 @@ class CacheManager:
         result.cache_hit_TK = result.hit_TK
         waited_E = row >= 0
         result.hit_TK = result.hit_TK | waited_E[ids_TK]
-        result.miss_experts = np.array([e for e in result.miss_experts.tolist() if not waited_E[e]], np.int64)
+        result.miss_experts = miss_E[~waited_E[miss_E]]
         result.waited = waited
         result.wait_slot_of_E = self._wait_rows[layer]
         self.stats.waited_copies += w
@@ -831,5 +824,7 @@ class CacheManager:
         copy = self.engine.enqueue(key, slot, after=self._slot_free_after(slot))
         self.loading_L[key // self.shape.num_experts][key] = copy
         self._loading_G[key] = True
+        self._seq_G[key] = copy.seq  # the split's decision reads these (moecache/runtime/miss_split.py)
+        self._est_ready_G[key] = copy.est_ready_ns
         result.copies.append(copy)
         self.stats.copies += 1

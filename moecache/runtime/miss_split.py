@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import time
 
+import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
-from moecache.sim.miss_split import split_waits
+from moecache.sim.miss_split import split_waits  # the rule, the simulator's own
 
 
 class SplitCosts:
@@ -36,11 +37,12 @@ class SplitCosts:
         self.serial = cost.serial
         self.wait_host_us = cost.split_host_us()[1]  # a waiting visit's own host time (calibrate's)
         self._kernel_T: dict[int, np.ndarray] = {}
-        self._ready_J = np.zeros(0)
-        self._cpu_J = np.zeros(0)
-        self._gpu_W = np.zeros(1)
+        self._key_J, self._use_J = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        self._ready_J, self._cpu_J, self._gpu_W = np.zeros(0), np.zeros(0), np.zeros(1)
         # compiled now, not at a run's first waiting visit (the H200 host: ~210 ms in a timed step)
-        split_waits(np.zeros(1), np.zeros(1), np.zeros(2), 1, 0, 0.0, 0.0, 0.0, False, 0.0)
+        # with the manager's dtypes (misses int64, their uses int32): one signature, compiled once
+        one = np.zeros(1, np.int64)
+        self.decide(one, np.ones(1, np.int32), 0, np.zeros(1, np.bool_), one, one, 1, 1)
 
     def cpu_us(self, uses: int) -> float:
         return float(self.cpu_M[min(uses, len(self.cpu_M) - 1)])
@@ -52,27 +54,65 @@ class SplitCosts:
             row = self._kernel_T[tokens] = self.cost.kernel_row_us(tokens)
         return row
 
-    def waits(self, candidates, uses_J, rest_uses, tokens: int, hit_entries: int) -> int:
-        """How many of `candidates` (Copies in landing order; uses_J their experts' uses at this visit)
-        to wait for; rest_uses: the uses of the visit's other misses."""
-        n = len(candidates)
+    def decide(self, miss_E, uses_M, base: int, loading_G, seq_G, est_ready_G, entries: int, tokens: int):
+        """The visit's decision (`_decide`): (w, candidates, their keys in landing order [n]). miss_E: the
+        visit's missed experts, uses_M their uses; a miss is a candidate where loading_G[base + e] (its
+        copy in flight: seq_G / est_ready_G, its FIFO position and estimated landing, host ns)."""
+        n = len(miss_E)
         if len(self._ready_J) < n:
+            self._key_J, self._use_J = np.zeros(n, np.int64), np.zeros(n, np.int64)
             self._ready_J, self._cpu_J, self._gpu_W = np.zeros(n), np.zeros(n), np.zeros(n + 1)
-        kernel = self.kernel_us(tokens)
-        now = time.monotonic_ns()
-        entries = 0
-        for j, (copy, uses) in enumerate(zip(candidates, uses_J, strict=True)):
-            self._ready_J[j] = max(0.0, (copy.est_ready_ns - now) / 1e3)
-            self._cpu_J[j] = self.cpu_us(uses)
-            entries += uses
-            self._gpu_W[j + 1] = kernel[min(entries, len(kernel) - 1)]
-        rest = 0.0
-        for u in rest_uses:
-            rest += self.cpu_us(u)
-        hits = float(kernel[min(hit_entries, len(kernel) - 1)]) if hit_entries else 0.0
-        return int(
-            split_waits(
-                self._ready_J, self._cpu_J, self._gpu_W, n, len(rest_uses), rest, self.call_us, hits,
-                self.serial, self.wait_host_us,
-            )
+        w, n_cand = _decide(
+            miss_E, uses_M, base, loading_G, seq_G, est_ready_G, time.monotonic_ns(), self.cpu_M,
+            self.kernel_us(tokens), self.call_us, self.serial, self.wait_host_us, entries, self._key_J,
+            self._use_J, self._ready_J, self._cpu_J, self._gpu_W,
         )  # fmt: skip
+        return w, n_cand, self._key_J[:n_cand]
+
+
+@nb.njit(cache=True, nogil=True)
+def _decide(
+    miss_E, uses_M, base, loading_G, seq_G, est_ready_G, now_ns, cpu_M, kernel_N, call_us, serial,
+    wait_host_us, entries, key_J, use_J, ready_J, cpu_J, gpu_W,
+):  # fmt: skip
+    """(w, candidates): the misses whose copy is in flight, in landing order (FIFO: copy seq) into
+    key_J / use_J, weighed by `split_waits` with their landing from now (us, 0 if due), CPU costs
+    cpu_M[uses], the waiting call kernel_N[entries of the first w] and the hits' call over the visit's
+    other entries; the other misses' CPU costs summed."""
+    last_m = cpu_M.shape[0] - 1
+    last_n = kernel_N.shape[0] - 1
+    n = 0
+    n_rest = 0
+    rest_us = 0.0
+    miss_entries = 0
+    for i in range(miss_E.shape[0]):
+        key = base + miss_E[i]
+        uses = uses_M[i]
+        miss_entries += uses
+        cost = cpu_M[min(uses, last_m)]
+        if not loading_G[key]:
+            n_rest += 1
+            rest_us += cost
+            continue
+        j = n  # insertion by seq: a handful of candidates
+        while j > 0 and seq_G[key_J[j - 1]] > seq_G[key]:
+            key_J[j], use_J[j], cpu_J[j], ready_J[j] = (
+                key_J[j - 1],
+                use_J[j - 1],
+                cpu_J[j - 1],
+                ready_J[j - 1],
+            )
+            j -= 1
+        key_J[j], use_J[j], cpu_J[j] = key, uses, cost
+        ready_J[j] = max(0.0, (est_ready_G[key] - now_ns) / 1e3)
+        n += 1
+    if n == 0:
+        return 0, 0
+    waited_entries = 0
+    for j in range(n):
+        waited_entries += use_J[j]
+        gpu_W[j + 1] = kernel_N[min(waited_entries, last_n)]
+    hit_entries = entries - miss_entries
+    hits_us = kernel_N[min(hit_entries, last_n)] if hit_entries > 0 else 0.0
+    w = split_waits(ready_J, cpu_J, gpu_W, n, n_rest, rest_us, call_us, hits_us, serial, wait_host_us)
+    return w, n
