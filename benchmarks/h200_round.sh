@@ -17,7 +17,8 @@
 # fidelity: calibrate (fast loop) + validate on the DeepSeek-V2-Lite shape, forced (DECISION=, FORCING= ids
 #   in .device-data/outputs; REQUESTS=, NEW=, STRATEGIES=, ON_MISS=, CAL_S=, VAL_S=; PROFILE= a cost_profile.json
 #   path instead of calibrating; TAG= a suffix for the output files; VAL_ENV="K=V ..." validate's environment,
-#   FORCE=1 validate with force=true (a new run though the config is unchanged)).
+#   e.g. MOECACHE_CPU_HOST_THREAD=idle; FORCE=1 validate with force=true (a new run though the config is
+#   unchanged, as it is under another environment)).
 # gputests: `pytest -m gpu $TESTS -k $TESTS_K` (TESTS_S limit). prefill: tune the Qwen3.6 prefill (T = 512,
 #   4096; TUNE_S budget), bench_slot_moe at T = 512, 4096.
 # Results go to $OUT; docs/benchmarks.md records them.

@@ -45,6 +45,8 @@ from moecache_kernels import expert_forward
 from moecache.errors import MoecacheError
 
 BACKENDS = ("auto", "cpp", "torch")
+HOST_THREADS = ("work", "idle")  # the calling thread's part in the cpp backend's team (CpuExperts)
+HOST_THREAD_ENV = "MOECACHE_CPU_HOST_THREAD"  # the default's override, for measuring "idle" in whole runs
 DTYPES = (torch.bfloat16, torch.float32)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_experts.cpp"
 CXX_FLAGS = (
@@ -132,7 +134,7 @@ class RunArgs(ctypes.Structure):
 
     _fields_ = [
         (name, ctypes.c_int64)
-        for name in ("dtype", "T", "H", "I", "G", "M", "w13_stride", "w2_stride", "threads")
+        for name in ("dtype", "T", "H", "I", "G", "M", "w13_stride", "w2_stride", "threads", "host_idle")
     ] + [
         (name, ctypes.c_void_p)
         for name in ("x_TH", "w13", "w2", "key_M", "token_M", "weight_M", "order_M", "key_U", "start_U")
@@ -198,6 +200,10 @@ class CpuExperts:
     OpenMP threads (default: this process's CPUs less one, left to the thread that drives the GPU
     meanwhile: idle OpenMP threads spin a while before they sleep); the torch backend sets torch's
     intra-op threads to it when given (a process-wide setting). The chosen backend is `self.backend`.
+    `host_thread` (cpp): "work", the calling thread is one of those threads; "idle", it joins them
+    without a share (the team is threads + 1; the default threads then leave no CPU idle), so the
+    weights streamed do not flush its core's caches of what it runs between calls (default "work", or
+    $MOECACHE_CPU_HOST_THREAD; "idle" is unmeasured on the H200 yet; the results are equal either way).
     """
 
     def __init__(
@@ -207,12 +213,19 @@ class CpuExperts:
         *,
         threads: int | None = None,
         backend: str = "auto",
+        host_thread: str | None = None,
     ) -> None:
         self.num_keys, self.hidden, self.inter = _check_weights(w13_GIH, w2_GHI)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MoecacheError(f"cpu experts: threads must be a positive integer, got {threads!r}")
         self.w13_GIH, self.w2_GHI, self.dtype = w13_GIH, w2_GHI, w13_GIH.dtype
         self.backend = _resolve_backend(backend, self.dtype)
+        where = "host_thread"
+        if host_thread is None:
+            where, host_thread = f"${HOST_THREAD_ENV}", os.environ.get(HOST_THREAD_ENV, "work")
+        if host_thread not in HOST_THREADS:
+            raise MoecacheError(f"cpu experts: {where}={host_thread!r}, expected one of {list(HOST_THREADS)}")
+        self.host_thread = host_thread
         self.threads = threads or max(1, len(os.sched_getaffinity(0)) - 1)
         self._torch_threads = threads
         self._lock = threading.Lock()
@@ -281,6 +294,7 @@ class CpuExperts:
             args = self._args = RunArgs(
                 dtype=_DTYPE_CODE[self.dtype], H=self.hidden, I=self.inter, G=self.num_keys,
                 w13_stride=w13.stride(0), w2_stride=w2.stride(0), threads=self.threads,
+                host_idle=int(self.host_thread == "idle"),
                 w13=w13.data_ptr(), w2=w2.data_ptr(),
             )  # fmt: skip
             self._cap_t = self._cap_m = -1

@@ -149,9 +149,11 @@ def test_cpp_deterministic_across_thread_counts(dtype):
     keys_M, token_M = torch.randint(0, g, (25,), generator=gen), torch.randint(0, 10, (25,), generator=gen)
     weight_M = torch.rand(25, generator=gen)
     outs = [
-        CpuExperts(w13, w2, backend="cpp", threads=n).run(x_TH, keys_M, token_M, weight_M) for n in (1, 2, 3)
+        CpuExperts(w13, w2, backend="cpp", threads=n, host_thread=host).run(x_TH, keys_M, token_M, weight_M)
+        for n in (1, 2, 3)
+        for host in ("work", "idle")  # idle: the calling thread joins the team without a share
     ]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 def test_submit_runs_on_a_worker_thread(backend):
@@ -199,6 +201,18 @@ def test_bad_construction_is_refused():
         CpuExperts(w13.transpose(1, 2).contiguous().transpose(1, 2), w2)
     with pytest.raises(MoecacheError, match="threads"):
         CpuExperts(w13, w2, threads=0)
+    with pytest.raises(MoecacheError, match=r"host_thread='main', expected one of \['work', 'idle'\]"):
+        CpuExperts(w13, w2, host_thread="main")
+
+
+def test_the_host_threads_default_comes_from_the_environment(monkeypatch):
+    w13, w2 = make_weights(4, 32, 16, torch.float32)
+    assert CpuExperts(w13, w2).host_thread == "work"
+    monkeypatch.setenv("MOECACHE_CPU_HOST_THREAD", "idle")
+    assert CpuExperts(w13, w2).host_thread == "idle"
+    monkeypatch.setenv("MOECACHE_CPU_HOST_THREAD", "none")
+    with pytest.raises(MoecacheError, match=r"\$MOECACHE_CPU_HOST_THREAD='none'"):
+        CpuExperts(w13, w2)
 
 
 def test_auto_falls_back_with_one_warning_and_cpp_is_refused(monkeypatch):

@@ -16,6 +16,9 @@
 // (deterministic whatever the thread count), then out[t, h] = acc[t, h] in x's dtype.
 // A plain C ABI (called through ctypes, which releases the GIL): no torch headers, so it builds in
 // about a second with any g++ that knows -mavx512bf16 and no ninja.
+// host_idle: the calling thread (the one that drives the GPU and runs the cache manager's Python between
+// calls) joins the team without a share of the work, so its core's caches are not flushed by the
+// weights it would stream; the team is then `threads` workers + it.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -127,12 +130,18 @@ struct Problem {
   int64_t w13_stride, w2_stride;  // elements between consecutive experts
 };
 
+// `idle` threads (the first: the calling thread, with host_idle) take no share of the work and only
+// meet the others at the barrier, so the caller's caches keep what it runs between calls.
 template <class E>
 void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E::Elem* w13,
                 const typename E::Elem* w2, typename E::Elem* act_MI, float* acc_TH,
-                typename E::Elem* out_TH) {
+                typename E::Elem* out_TH, int idle) {
   using Elem = typename E::Elem;
-  const int tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
+  const int tid = omp_get_thread_num() - idle, nthreads = omp_get_num_threads() - idle;
+  if (tid < 0) {
+#pragma omp barrier
+    return;
+  }
   const Elem* xs[kTokenTile];
   float s0[kTokenTile], s1[kTokenTile];
 
@@ -193,7 +202,7 @@ void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E
 // dtype: 0 = bf16, 1 = fp32 (x, weights and out share it). Workspaces: order_M int32[M], key_U int64[M],
 // start_U int32[M + 1], act_MI Elem[M * I], acc_TH float[T * H]. Strides count elements.
 struct RunArgs {
-  int64_t dtype, T, H, I, G, M, w13_stride, w2_stride, threads;
+  int64_t dtype, T, H, I, G, M, w13_stride, w2_stride, threads, host_idle;
   const void *x_TH, *w13, *w2;
   const int64_t *key_M, *token_M;
   const float* weight_M;
@@ -230,17 +239,21 @@ int moecache_cpu_experts_run(const RunArgs* a) {
   a->start_U[U] = M;
   const Problem p{static_cast<int>(a->T), static_cast<int>(a->H), static_cast<int>(a->I), M, U, a->key_U,
                   a->start_U, order_M, a->token_M, a->weight_M, a->w13_stride, a->w2_stride};
+  // `threads` workers; with host_idle the calling thread joins the team without a share (one more).
   const int threads = a->threads > 0 ? static_cast<int>(a->threads) : 1;
-#pragma omp parallel num_threads(threads)
+  const int idle = a->host_idle ? 1 : 0;
+#pragma omp parallel num_threads(threads + idle)
   {
+    // a team smaller than asked (the runtime's limit): the caller works after all
+    const int skip = omp_get_num_threads() > idle ? idle : 0;
     if (a->dtype == 0)
       run_phases<Bf16>(p, static_cast<const uint16_t*>(a->x_TH), static_cast<const uint16_t*>(a->w13),
                        static_cast<const uint16_t*>(a->w2), static_cast<uint16_t*>(a->act_MI), a->acc_TH,
-                       static_cast<uint16_t*>(a->out_TH));
+                       static_cast<uint16_t*>(a->out_TH), skip);
     else
       run_phases<F32>(p, static_cast<const float*>(a->x_TH), static_cast<const float*>(a->w13),
                       static_cast<const float*>(a->w2), static_cast<float*>(a->act_MI), a->acc_TH,
-                      static_cast<float*>(a->out_TH));
+                      static_cast<float*>(a->out_TH), skip);
   }
   return 0;
 }
