@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numba as nb
 import numpy as np
 import torch
 from torch import nn
@@ -34,13 +35,29 @@ from moecache.runtime.manager import CacheManager
 
 def miss_entries(layer: int, num_experts: int, ids_host_TK: np.ndarray, weights_TK: torch.Tensor, hit_TK):
     """The (token, k) entries a visit runs on the CPU, as the CPU executor's triples: (global keys int64
-    [M], tokens int64 [M], weights float32 [M]). Both decode loops (here and moecache/runtime/segments.py)
-    gather them this way."""
-    token_M, k_M = np.nonzero(~hit_TK)
-    token_t, k_t = torch.from_numpy(token_M.astype(np.int64)), torch.from_numpy(k_M.astype(np.int64))
-    keys_M = layer * num_experts + torch.from_numpy(np.asarray(ids_host_TK, np.int64))[token_t, k_t]
-    weights_M = weights_TK.detach().to("cpu", torch.float32)[token_t, k_t]
-    return keys_M, token_t, weights_M
+    [M], tokens int64 [M], weights float32 [M]), in token then k order. Both decode loops (here and
+    moecache/runtime/segments.py) gather them this way: one compiled pass (`_gather_misses`)."""
+    ids_TK = np.ascontiguousarray(ids_host_TK, np.int64)
+    w_TK = weights_TK.detach().to("cpu", torch.float32).contiguous().numpy()
+    n = ids_TK.size
+    keys_M, token_M, weight_M = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.float32)
+    m = _gather_misses(
+        layer * num_experts, ids_TK, w_TK, np.ascontiguousarray(hit_TK, np.bool_), keys_M, token_M, weight_M
+    )
+    return torch.from_numpy(keys_M[:m]), torch.from_numpy(token_M[:m]), torch.from_numpy(weight_M[:m])
+
+
+@nb.njit(cache=True, nogil=True)
+def _gather_misses(base, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
+    m = 0
+    for t in range(ids_TK.shape[0]):
+        for k in range(ids_TK.shape[1]):
+            if not hit_TK[t, k]:
+                keys_M[m] = base + ids_TK[t, k]
+                token_M[m] = t
+                weight_M[m] = w_TK[t, k]
+                m += 1
+    return m
 
 
 @dataclass
