@@ -57,6 +57,9 @@ class Timing:
         }
 
 
+_NO_KEYS = torch.zeros(0, dtype=torch.int64)  # a stubbed CPU half's keys (time_layer_call*)
+
+
 def summarize(samples_us: list[float]) -> Timing:
     """Median and 10th/90th percentiles (linear interpolation between order statistics)."""
     if not samples_us:
@@ -535,7 +538,7 @@ def time_layer_call_in_model(
     runtime._gpu_part = lambda x_TH, *args: torch.zeros_like(
         x_TH
     )  # instance attributes, as in time_layer_call
-    runtime._cpu_part = lambda layer, x_TH, *args: torch.zeros_like(x_TH)
+    runtime._cpu_part = lambda layer, x_TH, *args: (torch.zeros_like(x_TH), _NO_KEYS)
     try:
         return time_in_model(
             model, adapter, tokens, lambda n, x_TH: runtime.run(0, x_TH, *calls[n % len(calls)]),
@@ -621,7 +624,7 @@ def time_layer_call(
     calls = _layer_call_routings(shape, tokens, warmup + repeats, seed, dev)
     zeros = torch.zeros_like(x_TH)
     runtime._gpu_part = lambda *args: zeros  # instance attributes: only this synthetic runtime's calls
-    runtime._cpu_part = lambda *args: zeros
+    runtime._cpu_part = lambda *args: (zeros, _NO_KEYS)  # (the CPU half, its keys: none)
     try:
         timed = _host_timer(runtime.device)
         samples = [timed(lambda c=c: runtime.run(0, x_TH, *c)) for c in calls]
@@ -795,7 +798,7 @@ def time_fast_steps(
     gaps left out (`time_model_steps`' measurements, in the fast loop). The fast loop decodes forced
     (validate's fast runs do): the routing is random (`random_forcing`), every token of every layer K
     distinct experts, as the operator's rows are timed. `cpu_log`: a list that receives the timed
-    generations' CPU-path calls, (tokens, entries, ns) each (`FastDecoder.log_cpu_calls`); `timed_start`:
+    generations' CPU-path calls, (tokens, entries, ns, uses: each expert's token count) each (`FastDecoder.log_cpu_calls`); `timed_start`:
     called once, before the first timed generation (its caller's counters start there)."""
     from moecache.validation.generation import FastLoop
 

@@ -220,6 +220,26 @@ class CostProfile:
         return None if self.runtime is None else RuntimeCosts.from_section(self.runtime, self.source)
 
 
+def cpu_path_fit(rows: list[dict], source: str) -> tuple[Curve, float]:
+    """The CPU path's rows as (cost of one more expert of m tokens: a Curve over m, the call's fixed
+    cost): at each token count timed at two or more expert counts, the slope between the fewest and the
+    most experts and its intercept; the call cost is the smallest m's intercept (a decode step's call)."""
+    cpu: dict[int, dict[int, float]] = {}
+    for r in rows:
+        cpu.setdefault(int(r["tokens_per_expert"]), {})[int(r["experts"])] = float(r["median_us"])
+    per_expert, per_call = [], []
+    for m, by_u in sorted(cpu.items()):
+        if len(by_u) < 2:
+            continue
+        lo, hi = min(by_u), max(by_u)
+        slope = max((by_u[hi] - by_u[lo]) / (hi - lo), 0.0)
+        per_expert.append((float(m), slope))
+        per_call.append(by_u[lo] - lo * slope)
+    if not per_expert:
+        raise MoecacheError(f"{source}: runtime.cpu_path has no token count timed at two expert counts")
+    return Curve(per_expert), max(float(per_call[0]), 0.0)
+
+
 def _split_host(rt: dict, key: str) -> float:
     row = rt.get("split_host")
     return 0.0 if row is None or row.get(key) is None else float(row[key])
@@ -361,19 +381,7 @@ class RuntimeCosts:
         for r in rt["slot_moe"]:
             by_tokens.setdefault(int(r["tokens"]), []).append((float(r["entries"]), float(r["median_us"])))
         tokens = sorted(by_tokens)
-        cpu = {}
-        for r in rt["cpu_path"]:
-            cpu.setdefault(int(r["tokens_per_expert"]), {})[int(r["experts"])] = float(r["median_us"])
-        per_expert, per_call = [], []
-        for m, by_u in sorted(cpu.items()):
-            if len(by_u) < 2:
-                continue
-            lo, hi = min(by_u), max(by_u)
-            slope = max((by_u[hi] - by_u[lo]) / (hi - lo), 0.0)
-            per_expert.append((float(m), slope))
-            per_call.append(by_u[lo] - lo * slope)
-        if not per_expert:
-            raise MoecacheError(f"{source}: runtime.cpu_path has no token count timed at two expert counts")
+        cpu_expert, cpu_call_us = cpu_path_fit(rt["cpu_path"], source)
         ne = rt["non_expert"]
         engine = rt["copy_engine"]
         return cls(
@@ -384,8 +392,8 @@ class RuntimeCosts:
             path=str(rt["execution"]["path"]),
             kernel_tokens=np.array(tokens, np.int64),
             kernel_curves=tuple(Curve(by_tokens[t]) for t in tokens),
-            cpu_expert=Curve(per_expert),
-            cpu_call_us=max(float(per_call[0]), 0.0),  # the smallest M's: a decode step's call
+            cpu_expert=cpu_expert,
+            cpu_call_us=cpu_call_us,
             visit=Curve([(float(r["tokens"]), float(r["median_us"])) for r in _host_rows(rt)]),
             copy_us=None if engine is None else float(engine["per_copy_us"]),
             non_expert_decode_us_per_layer=None if ne is None else float(ne["decode_us_per_layer"]),

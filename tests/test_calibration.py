@@ -665,3 +665,22 @@ def test_the_split_pays_its_host_time_where_the_profile_has_it(make_trace) -> No
         d["runtime"]["split_host"] = {**row, "decide_us": bad, "wait_us": 0.0}
         with pytest.raises(MoecacheError, match="runtime.split_host.decide_us"):
             CostProfile.from_dict(d, "p.json")
+
+
+def test_the_prefill_calls_scale_the_multi_token_cpu_rows() -> None:
+    """_prefill_scale: the factor on the rows of several tokens per expert under which the CPU-path model
+    prices the loop's prefill calls right (by hand: call 5 us, one expert of 1 token 5 us, of 4 tokens 20
+    us before scaling; calls measured at 45 and 85 us: f = 2); None without calls or multi-token rows."""
+    from moecache.stages.calibrate import _prefill_scale, _scaled_row
+
+    t = {"p10_us": 0.0, "p90_us": 0.0, "repeats": 1}
+    one = [{"tokens_per_expert": 1, "experts": u, "median_us": 5.0 + 5.0 * u, **t} for u in (1, 2)]
+    multi = [{"tokens_per_expert": 4, "experts": u, "median_us": 10.0 + 20.0 * u, **t} for u in (1, 2)]
+    f = _prefill_scale(multi, one, [(45.0, (4,)), (85.0, (4, 4))])
+    assert f == pytest.approx(2.0, rel=1e-9)
+    assert (
+        _scaled_row(multi[0], f)["median_us"] == pytest.approx(60.0)
+        and _scaled_row(multi[0], f)["scaled_to_fast_loop"] == f
+    )
+    assert _prefill_scale(multi, one, []) is None and _prefill_scale([], one, [(45.0, (4,))]) is None
+    assert _prefill_scale(multi, one, [(1e6, (4,))]) is None  # past 16x: refused as a scale

@@ -173,11 +173,13 @@ class FastDecoder:
         self._run_step = self._compiled_step() if compile else self._step
 
     def log_cpu_calls(self, log: list | None) -> None:
-        """Log every CPU-path call of the offloaded model's host points into `log` as (tokens, entries,
-        ns) (ExpertsTaps.cpu_log: calibrate's in-loop CPU-path rows); None: stop."""
+        """Log every CPU-path call of the offloaded model, the decode steps' host points' and the prefill's,
+        into `log` as (tokens, entries, ns, uses) (ExpertsTaps.cpu_log, ExpertsRuntime.cpu_log:
+        calibrate's in-loop CPU-path rows); None: stop."""
         if self._taps is None:
             raise MoecacheError("fast decode: an unmodified model has no CPU path to log")
         self._taps.cpu_log = log
+        self._taps.runtime.cpu_log = log  # the prefill's calls: transformers' forward, the experts module
 
     def _compiled_step(self):
         """`torch.compile` of the step, compiled (at the warm-up step) with a recompile limit above the

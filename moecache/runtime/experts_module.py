@@ -80,6 +80,9 @@ class ExpertsRuntime:
         self.pool = manager.pool
         self.num_experts = manager.shape.num_experts
         self.stats = ExecStats()
+        # When a list: one (tokens, entries, ns, uses) per CPU-path call (as ExpertsTaps.cpu_log: the
+        # fast loop's prefill runs through here; calibrate's in-loop CPU-path rows)
+        self.cpu_log: list[tuple[int, int, int, tuple]] | None = None
         if self.device.is_cuda:
             from moecache_kernels import slot_moe
 
@@ -116,8 +119,11 @@ class ExpertsRuntime:
         self.manager.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
         if n_hit < hit_TK.size:
             started_ns = time.perf_counter_ns()
-            cpu_TH = self._cpu_part(layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH)
+            cpu_TH, keys_M = self._cpu_part(layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH)
             visit.cpu_duration_ns = time.perf_counter_ns() - started_ns
+            if self.cpu_log is not None:
+                uses = tuple(np.unique(keys_M.numpy(), return_counts=True)[1].tolist())
+                self.cpu_log.append((int(hit_TK.shape[0]), int(keys_M.numel()), visit.cpu_duration_ns, uses))
             y_TH = cpu_TH if y_TH is None else y_TH + cpu_TH
         self.stats.gpu_entries += n_hit
         self.stats.cpu_entries += hit_TK.size - n_hit
@@ -152,13 +158,14 @@ class ExpertsRuntime:
         self.device.run(None if waits else compute)
         return out[0]
 
-    def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH=None) -> torch.Tensor:
-        """The entries the visit leaves to the CPU (`hit_TK` False), from the host store."""
+    def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH=None):
+        """The entries the visit leaves to the CPU (`hit_TK` False), from the host store: (their sum on
+        x's device, their keys)."""
         keys_M, token_t, weights_M = miss_entries(layer, self.num_experts, ids_host_TK, weights_TK, hit_TK)
         if x_host_TH is None:
             x_host_TH = x_TH.detach().to("cpu")
         y_host_TH = self.cpu.run(x_host_TH, keys_M, token_t, weights_M)
-        return y_host_TH.to(x_TH.device, non_blocking=False)
+        return y_host_TH.to(x_TH.device, non_blocking=False), keys_M
 
 
 class OffloadedExperts(nn.Module):

@@ -192,7 +192,8 @@ class ExpertsTaps:
         # Host time of the host points, for the benchmarks (FastDecoder's DecodeResult): in the manager's
         # calls (prepare, visit, commit), waiting for read-backs to land, and the visits made.
         self.host_ns = dict.fromkeys(HOST_TIMES, 0)
-        # When a list (calibrate's in-loop CPU-path rows): one (tokens, entries, ns) per CPU-path call.
+        # When a list (calibrate's in-loop CPU-path rows): one (tokens, entries, ns, uses) per CPU-path
+        # call, uses the token count of each of its experts.
         self.cpu_log: list[tuple[int, int, int]] | None = None
         self.mode = "split"
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
@@ -395,8 +396,9 @@ class ExpertsTaps:
             self.host_ns["cpu"] += spent_ns
             self.host_ns["cpu_calls"] += 1
             self.host_ns["cpu_entries"] += int(keys_M.numel())
-            if self.cpu_log is not None:
-                self.cpu_log.append((int(hit_TK.shape[0]), int(keys_M.numel()), spent_ns))
+            if self.cpu_log is not None:  # uses: the call's experts' token counts (calibrate's prefill rows)
+                uses = tuple(np.unique(keys_M.numpy(), return_counts=True)[1].tolist())
+                self.cpu_log.append((int(hit_TK.shape[0]), int(keys_M.numel()), spent_ns, uses))
         self._visit_result = None
 
     def _run_waited(self, visit) -> None:

@@ -40,8 +40,12 @@ so a profile measured elsewhere never stands in for this machine's.
       cpu_path      [{tokens_per_expert, experts, ..}]: one `ExpertsRuntime._cpu_part` call (gather,
                     CpuExperts.run, result back to x's device), wall time; with step=fast and a model,
                     the one-token rows (`timed: "fast_loop"`) are the fast loop's own CPU-path calls
-                    (all-CPU and half-resident runs, `_cpu_path_fast`); the call cost the simulator
-                    uses is the smallest M's intercept (a decode step's call)
+                    (all-CPU and half-resident runs, `_cpu_path_fast`), and the rows of more tokens
+                    are scaled (`scaled_to_fast_loop`) by the factor that prices those runs' prefill
+                    calls right in the median; the call cost the simulator uses is the smallest M's
+                    intercept (a decode step's call)
+      cpu_path_prefill  {calls, scale (null: no prefill call or no multi-token row), prompt_tokens,
+                    timed: "fast_loop"} (step=fast with a model): that factor and what it rests on
       visit         [{tokens, copies_per_visit, ..}]: one `CacheManager.visit` + `commit` (policy lru, a
                     quarter of E slots: most visits admit, and enqueue those copies)
       visit_hits    [{tokens, ..}]: the same with every expert resident (static_cold at E slots: no
@@ -91,7 +95,7 @@ from omegaconf import DictConfig, OmegaConf
 from moecache import calibration as cal
 from moecache.artifacts import artifact_id, write_json_atomic
 from moecache.config import to_container
-from moecache.cost_profile import PROFILE_FILE, CostProfile, RuntimeCosts
+from moecache.cost_profile import PROFILE_FILE, CostProfile, RuntimeCosts, cpu_path_fit
 from moecache.cost_profile import SCHEMA_VERSION as PROFILE_SCHEMA
 from moecache.env_info import cpu_model
 from moecache.errors import MoecacheError
@@ -442,15 +446,19 @@ def _non_expert_fast(loaded, section: dict, rs: dict, device: str, vocab: int) -
 CPU_LOG_MIN_CALLS = 5  # in-loop CPU-path calls of one entry count needed for its row (_cpu_path_fast)
 
 
-def _cpu_path_fast(model, rs: dict, vocab: int) -> list[dict]:
-    """cost.runtime.step=fast: the CPU path's one-token rows timed inside the fast loop itself, where the
-    runs make those calls (between the segments' replays, copies and GPU work around them): the
-    offloaded model with every expert on the CPU (validate's all_cpu), then with the first half of every
-    layer's experts resident (a fixed placement: calls of 1..K entries), decoding under random forced
-    routing (`calibration.time_fast_steps`); each call's host time is the loop's own CPU-path timer
-    (ExpertsTaps.cpu_log), a row per entry count is its median. They replace the isolated loop's M=1
-    rows, which time the calls back to back (on the H200 host, 1,349 us for 6 experts against 1,698 in
-    the all_cpu run: docs/benchmarks.md)."""
+def _cpu_path_fast(model, rs: dict, vocab: int, multi_rows: list[dict]) -> tuple[list[dict], dict]:
+    """cost.runtime.step=fast: the CPU path priced by the fast loop's own calls, where the runs make
+    them (between the segments' replays, copies and GPU work around them): the offloaded model with
+    every expert on the CPU (validate's all_cpu), then with the first half of every layer's experts
+    resident (a fixed placement: calls of 1..K entries), under random forced routing
+    (`calibration.time_fast_steps`), each call's host time the loop's own CPU-path timer
+    (ExpertsTaps.cpu_log). Returns (the cpu_path rows, the `cpu_path_prefill` summary):
+    - the one-token rows are those calls' medians per entry count; they replace the isolated loop's
+      M=1 rows, which time the calls back to back (on the H200 host, 1,349 us for 6 experts against
+      1,698 in the all_cpu run: docs/benchmarks.md);
+    - the isolated loop's rows of more tokens (`multi_rows`) are scaled by one factor, the one that
+      prices the loops' prefill calls (several tokens per expert) right in the median
+      (`_prefill_scale`)."""
     from moecache.validation.baselines import install_hindsight
 
     shape = model.moecache.manager.shape
@@ -458,7 +466,7 @@ def _cpu_path_fast(model, rs: dict, vocab: int) -> list[dict]:
     keep = E // 2
     half_G = (np.arange(L)[:, None] * E + np.arange(keep)[None, :]).reshape(-1).astype(np.int64)
     lengths = sorted({int(t) for t in rs["prompt_tokens"]})
-    log: list[tuple[int, int, int]] = []
+    log: list[tuple[int, int, int, tuple]] = []
     for slots in (0, len(half_G)):
         session = model.moecache.reconfigure(capacity=slots, policy="static_cold")
         if slots:
@@ -468,21 +476,55 @@ def _cpu_path_fast(model, rs: dict, vocab: int) -> list[dict]:
             repeats=max(3, int(rs["repeats"]) // 4), warmup=1, vocab_size=vocab, cpu_log=log,
         )  # fmt: skip
     by_entries: dict[int, list[float]] = {}
-    for tokens, entries, ns in log:
+    for tokens, entries, ns, _ in log:
         if tokens == 1:
             by_entries.setdefault(entries, []).append(ns / 1e3)
-    rows = [
+    one_rows = [
         _timing_rows({"tokens_per_expert": 1, "experts": u, "timed": "fast_loop"}, cal.summarize(us))
         for u, us in sorted(by_entries.items())
         if len(us) >= CPU_LOG_MIN_CALLS
     ]
-    if len(rows) < 2:
+    if len(one_rows) < 2:
         raise MoecacheError(
-            f"calibrate: cost.runtime.step=fast: the fast loop's CPU-path calls gave {len(rows)} entry counts"
+            f"calibrate: cost.runtime.step=fast: the fast loop's CPU-path calls gave {len(one_rows)} entry counts"
             f" with {CPU_LOG_MIN_CALLS}+ calls ({ {u: len(v) for u, v in by_entries.items()} }); raise"
             " cost.runtime.cpu_path_decode_steps"
         )
-    return rows
+    prefill = [(ns / 1e3, uses) for tokens, _, ns, uses in log if tokens > 1 and max(uses) > 1]
+    scale = _prefill_scale(multi_rows, one_rows, prefill)
+    summary = {"calls": len(prefill), "scale": scale, "prompt_tokens": lengths[0], "timed": "fast_loop"}
+    if scale is None:
+        return one_rows + multi_rows, summary
+    return one_rows + [_scaled_row(r, scale) for r in multi_rows], summary
+
+
+def _scaled_row(row: dict, scale: float) -> dict:
+    times = {k: row[k] * scale for k in ("median_us", "p10_us", "p90_us")}
+    return row | times | {"scaled_to_fast_loop": scale}
+
+
+def _prefill_scale(multi_rows: list[dict], one_rows: list[dict], calls: list[tuple[float, tuple]]):
+    """The factor f on the rows of more than one token per expert under which the CPU-path model
+    (`cost_profile.cpu_path_fit`: the call's cost + each expert's at its token count) prices the fast
+    loop's prefill calls `calls` ([(us, each expert's tokens)]) right in the median: the median of
+    (model - measured) / measured is 0 (bisection; it falls as f grows). None without such calls or rows."""
+    if not calls or not multi_rows:
+        return None
+
+    def median_error(f: float) -> float:
+        curve, call_us = cpu_path_fit(one_rows + [_scaled_row(r, f) for r in multi_rows], "calibrate")
+        errors = [
+            (call_us + float(np.sum(curve(np.array(uses, np.float64)))) - us) / us for us, uses in calls
+        ]
+        return float(np.median(errors))
+
+    lo, hi = 1.0 / 16, 16.0
+    if median_error(lo) > 0 or median_error(hi) < 0:  # outside [1/16, 16]: not a scale, a wrong model
+        return None
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if median_error(mid) < 0 else (lo, mid)
+    return (lo * hi) ** 0.5
 
 
 SPLIT_HOST_POLICY, SPLIT_HOST_CAPACITY = "lru", "25%"  # _split_host_fast's cache: most misses admitted
@@ -669,8 +711,8 @@ def measure_runtime(
         bar.step("runtime non-expert time (fast loop)")
         section["non_expert"], model = _non_expert_fast(loaded, section, rs, device, vocab)
         bar.step("runtime cpu path (fast loop)")
-        in_loop = _cpu_path_fast(model, rs, vocab)
-        section["cpu_path"] = [r for r in section["cpu_path"] if r["tokens_per_expert"] != 1] + in_loop
+        multi = [r for r in section["cpu_path"] if r["tokens_per_expert"] != 1]
+        section["cpu_path"], section["cpu_path_prefill"] = _cpu_path_fast(model, rs, vocab, multi)
         if base is not None:
             bar.step("runtime split host time (fast loop)")
             section["split_host"] = _split_host_fast(model, section, base, rs, vocab)
