@@ -40,7 +40,8 @@ KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
     "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss",
 )  # fmt: skip
-WARMUPS = ("auto", "on", "off")  # validate.warmup: an untimed generation per strategy first (auto: on CUDA)
+WARMUPS = ("auto", "on", "off")  # validate.warmup: an untimed generation per strategy first (auto: on
+# CUDA, or where the runs' times are predicted: a cost profile given)
 
 
 def _checked(c: dict) -> dict:
@@ -238,7 +239,7 @@ def run(cfg: DictConfig) -> StageResult:
             device=device, seed=int(c["seed"]), loop=v["loop"], limit=v["requests"],
             max_new_tokens=v["max_new_tokens"], folder=tmp, run_id=run_id, profile=profile,
             reference=v["reference"],
-            warmup=v["warmup"] == "on" or (v["warmup"] == "auto" and device == "cuda"),
+            warmup=v["warmup"] == "on" or (v["warmup"] == "auto" and (device == "cuda" or profile is not None)),
         )  # fmt: skip
         rows, latencies = validate_all(loaded, arch, workloads, strategies, grid, settings)
         write(tmp, rows, latencies)

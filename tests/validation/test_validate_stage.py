@@ -164,6 +164,27 @@ def test_a_warm_up_first_leaves_every_run_as_it_was(done, tmp_path, monkeypatch)
             assert r[key] == before[key], (r["strategy"], key)
 
 
+def test_auto_warms_up_where_times_are_predicted(tmp_path, monkeypatch):
+    """validate.warmup=auto on the CPU: no warm-up without a cost profile, one per strategy with one (the
+    predicted times are held against the measured: first-call costs must fall on no run)."""
+    from moecache.validation import pipeline
+    from moecache.validation import runs as runs_module
+    from tests.validation.test_fidelity import _profile
+
+    labels = []
+    real_measure = runs_module.measure
+    monkeypatch.setattr(
+        pipeline, "measure", lambda *a, **kw: labels.append(a[1].label) or real_measure(*a, **kw)
+    )
+    decision(tmp_path)
+    for extra, warmups in (((), 0), ((f"validate.cost_profile={_profile(tmp_path)}",), 1)):
+        labels.clear()
+        res = validate(tmp_path, "validate.strategies=[selected]", *extra)
+        assert res.exit_code == 0, res.output
+        runs = pq.read_table(Path(res.stdout.strip().splitlines()[-1]) / "runs.parquet").num_rows
+        assert len(labels) == runs + warmups * len(set(labels) - {"unmodified"})
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
