@@ -697,8 +697,7 @@ class CacheManager:
         if w == 0:
             return
         loading = self.loading_L[layer]
-        candidates = [loading[key] for key in keys_J[:w].tolist()]
-        waited = candidates
+        waited = [loading[key] for key in keys_J[:w].tolist()]  # the first w, in landing order
         row = self._wait_staging_np[layer]
         self._await_upload(self._wait_upload_serial_L[layer])
         row.fill(-1)

@@ -44,9 +44,6 @@ class SplitCosts:
         one = np.zeros(1, np.int64)
         self.decide(one, np.ones(1, np.int32), 0, np.zeros(1, np.bool_), one, one, 1, 1)
 
-    def cpu_us(self, uses: int) -> float:
-        return float(self.cpu_M[min(uses, len(self.cpu_M) - 1)])
-
     def kernel_us(self, tokens: int) -> np.ndarray:
         """The operator's time [N] for a call of `tokens` tokens against N resident entries (scaled)."""
         row = self._kernel_T.get(tokens)
