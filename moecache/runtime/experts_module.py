@@ -9,7 +9,9 @@ compute device; every expert lives in the host store, some in the slot pool).
 
 One call is one layer visit of the cache manager (docs/runtime.md):
 1. the routing is read to the host once (ids and weights: the manager and the CPU path need them);
-2. `manager.visit(layer, ids)` publishes the layer's finished copies and says which entries hit;
+2. `manager.visit(layer, ids)` publishes the layer's finished copies and says which entries hit; with
+   misses, x and the router weights are read to the host now (on CUDA: read after step 3's enqueue, they
+   would wait for its kernels, and the halves would run one after the other);
 3. the hits run from the slot pool on the compute device (`slot_moe` on CUDA, its torch reference on the
    CPU stand-in), reading the mapping `slot_of_E` of this very visit; with on_miss="split", the
    experts whose copies the visit waits for by one more call over its wait row; then `manager.commit()`;
@@ -98,6 +100,12 @@ class ExpertsRuntime:
         visit = self.manager.visit(layer, ids_host_TK, compute_done=ids_TK.is_cuda)
         hit_TK = visit.hit_TK  # with waited copies (on_miss="split"): their entries too
         n_hit = int(hit_TK.sum())
+        x_host_TH, w_host_TK = None, weights_TK
+        if n_hit < hit_TK.size and x_TH.is_cuda:
+            # the CPU half's inputs read now, before the GPU half is enqueued: read after it, they would
+            # wait for it (the hits' kernel, the waited copies), and the two halves would not overlap
+            x_host_TH = x_TH.detach().to("cpu")
+            w_host_TK = weights_TK.detach().to("cpu", torch.float32)
         y_TH = None
         if (visit.cache_hit_TK if visit.waited else hit_TK).any():
             timed = self.manager.time_gpu
@@ -106,10 +114,7 @@ class ExpertsRuntime:
             y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E)
             if timed:
                 visit.gpu_events = self._record_event(visit.gpu_events[0])
-        x_host_TH = None
         if visit.waited:
-            if n_hit < hit_TK.size:  # read x for the CPU before the wait call: not behind the copies
-                x_host_TH = x_TH.detach().to("cpu")
             row_E = self.manager.enqueue_waits(visit)  # after the hits: they do not wait for the copies
             launched = time.perf_counter_ns()
             y_wait_TH = self._gpu_part(x_TH, ids_TK, weights_TK, row_E, waits=True)
@@ -119,7 +124,7 @@ class ExpertsRuntime:
         self.manager.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
         if n_hit < hit_TK.size:
             started_ns = time.perf_counter_ns()
-            cpu_TH, keys_M = self._cpu_part(layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH)
+            cpu_TH, keys_M = self._cpu_part(layer, x_TH, ids_host_TK, w_host_TK, hit_TK, x_host_TH)
             visit.cpu_duration_ns = time.perf_counter_ns() - started_ns
             if self.cpu_log is not None:
                 uses = tuple(np.unique(keys_M.numpy(), return_counts=True)[1].tolist())

@@ -34,10 +34,11 @@ The replay uses the scaled values: `cpu_table()`, `gpu_table()`, `copy_us()`.
 **The runtime's step** (a schema-2 profile with a `runtime` section, `CostProfile.runtime_costs()`;
 `runtime` below, None for schema 1, whose results are unchanged). The runtime's experts module
 (moecache/runtime/experts_module.py) runs one layer step as: the routing read back to the host (it
-waits for the router), the manager's visit, the resident entries' slot-pool operator enqueued, then the
-misses' CPU path, whose first act reads x back to the host (on CUDA behind the operator on the same
-stream), then the sum. So the two halves run one after the other (`overlap` "serial", what calibrate
-records for this execution path; a path that overlaps them records "parallel"):
+waits for the router), the manager's visit, x and the router weights read to the host when there are
+misses, the resident entries' slot-pool operator enqueued, then the misses' CPU path while the device
+computes, then the sum. On CUDA the two halves overlap (`overlap` "parallel", what calibrate records
+there, for both decode loops); on the CPU stand-in, where the operator is host work too, they run one
+after the other ("serial"):
 
     step = non-expert(T) + visit(T) + kernel(T, N) + [misses] (cpu_call + sum over missed experts cpu(M))
 

@@ -28,7 +28,7 @@ so a profile measured elsewhere never stands in for this machine's.
                      expert_bytes}: the shape every runtime row was measured at
       execution     {path: the loop the non-expert time was measured in (cost.runtime.step: "transformers"
                      or "fast"), overlap: "serial" (the runtime's step runs the CPU half after the GPU
-                     half; cost_model.py) or "parallel" (step=fast on CUDA), device: "cuda" or "standin"}
+                     half: the stand-in; cost_model.py) or "parallel" (CUDA), device: "cuda" or "standin"}
       cpu_backend, cpu_threads   the CPU path's executor (CpuExperts) as offload builds it
       store_experts, slots       the synthetic store's experts and the slot pool's slots
       slot_moe      [{tokens, entries, ..}]: one `ExpertsRuntime._gpu_part` call (slot_moe on CUDA, CUDA
@@ -105,16 +105,14 @@ STAGE = "calibrate"
 SCHEMA_VERSION = PROFILE_SCHEMA  # the artifact's schema is the profile's
 
 
-# How the runtime's layer step combines its halves (moecache/runtime/experts_module.py): the GPU half is
-# enqueued, then the CPU half starts by reading x and the routing weights back to the host, which on CUDA
-# waits behind that GPU work on the same stream, then the CPU result is copied back and added: the halves
-# run one after the other. The simulator models exactly that ("serial", moecache/sim/cost_model.py); an
-# execution path that overlaps them records "parallel": the fast loop's split decode step on CUDA
-# computes a layer's CPU misses while its resident experts run (moecache/runtime/segments.py), so
-# step=fast on CUDA records "parallel" (its prefill, a shorter part of a run, stays serial).
-def runtime_overlap(step: str, cuda: bool) -> str:
+# How the runtime's layer step combines its halves (moecache/runtime/experts_module.py,
+# moecache/runtime/segments.py): on CUDA the CPU half's inputs are on the host before the GPU half is
+# enqueued, so the CPU misses are computed while the resident experts run, in both decode loops and the
+# fast loop's prefill ("parallel", moecache/sim/cost_model.py); on the CPU stand-in the operator is host
+# work run first, then the CPU path ("serial").
+def runtime_overlap(cuda: bool) -> str:
     """How the measured execution path combines a layer step's GPU and CPU halves (above)."""
-    return "parallel" if step == "fast" and cuda else "serial"
+    return "parallel" if cuda else "serial"
 
 
 def _first_set(*candidates: tuple[str, object]) -> tuple[str, object] | None:
@@ -689,7 +687,7 @@ def measure_runtime(
         },
         "execution": {
             "path": rs["step"],
-            "overlap": runtime_overlap(rs["step"], rdev.is_cuda),
+            "overlap": runtime_overlap(rdev.is_cuda),
             "device": rdev.name,
         },
         "cpu_backend": runtime.cpu.backend,
