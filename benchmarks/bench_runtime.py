@@ -37,12 +37,13 @@ import numpy as np
 import torch
 
 from moecache.errors import MoecacheError
-from moecache.offloading import split_cost
+from moecache.offloading import runtime_cost
 from moecache.runtime.device import Device, make_device
 from moecache.runtime.expert_store import ExpertStore
 from moecache.runtime.manager import CacheManager
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import TransferEngine
+from moecache.sim.policy import make_policy
 
 H, INTER, DTYPE = 2048, 512, torch.bfloat16  # Qwen3.6-35B-A3B routed expert
 EXPERT_BYTES = 3 * H * INTER * 2
@@ -249,10 +250,9 @@ def bench_manager(device, args) -> dict:
     store = filled_store(L, E, args.manager_h, args.manager_i)
     if device.is_cuda:
         store.pin("auto")
-    cost = split_cost(args.cost_profile, args.on_miss, store.expert_bytes, "bench_runtime")
-    manager = CacheManager.from_policy(
-        store, device, args.capacity, args.policy, top_k=K, on_miss=args.on_miss, cost=cost
-    )
+    policy = make_policy(args.policy)
+    cost = runtime_cost(args.cost_profile, args.on_miss, policy, store.expert_bytes, "bench_runtime")
+    manager = CacheManager(store, device, args.capacity, policy, top_k=K, on_miss=args.on_miss, cost=cost)
     rng = np.random.default_rng(0)
     routing = skewed_routing(rng, L, E, K, args.warm_tokens + args.tokens)
     device_routing = torch.as_tensor(routing).to(device.torch_device) if device.is_cuda else None

@@ -198,6 +198,8 @@ RULES: dict[str, dict[str, Check]] = {
     "runtime": {
         "runtime.enabled": boolean,
         "runtime.decision": optional(string),
+        "runtime.on_miss": one_of("cpu", "wait", "split"),
+        "runtime.cost_profile": optional(string),
         "runtime.device": one_of("auto", "cuda", "standin"),
         "runtime.compile": boolean,
     },

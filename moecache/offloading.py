@@ -141,7 +141,7 @@ class OffloadSession:
         made = _policy_of(policy, params, decision, who)
         if on_miss not in ON_MISS:
             raise MoecacheError(f"{who}: on_miss={on_miss!r}: expected one of {list(ON_MISS)}")
-        cost = split_cost(cost_profile, on_miss, store.expert_bytes, who)
+        cost = runtime_cost(cost_profile, on_miss, made, store.expert_bytes, who)
         modules = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
         cpu, top_k, old_device = self.runtime.cpu, old.shape.top_k, old.device
         is_cuda = old_device.is_cuda
@@ -258,7 +258,7 @@ def offload_model(
         capacity, key="capacity", num_keys=adapter.num_layers * adapter.num_experts,
         expert_bytes=adapter.expert_bytes,
     )  # fmt: skip
-    cost = split_cost(cost_profile, on_miss, adapter.expert_bytes, "moecache.offload")
+    cost = runtime_cost(cost_profile, on_miss, made, adapter.expert_bytes, "moecache.offload")
     if checkpoint is not None:  # a model loaded for this call: drop its experts before the store fills
         del adapter
         _drop_experts(blocks)
@@ -387,26 +387,37 @@ def _policy_of(policy, params, decision, who: str):
     return made
 
 
-SPLIT_MAX_TOKENS = 4096  # the CPU cost table's length for on_miss="split" (longer calls: its last entry)
+COST_MAX_TOKENS = 4096  # the runtime's cost tables' length in tokens (longer calls: their last entry)
 
 
-def split_cost(cost_profile, on_miss: str, expert_bytes: int, who: str):
-    """The cost model on_miss="split" weighs (None for the other settings, which read no profile): the
-    profile tabulated for this model's expert. A profile given for another setting is refused: it
+def runtime_cost(cost_profile, on_miss: str, policy, expert_bytes: int, who: str):
+    """The cost model the runtime weighs with (None where nothing reads one): on_miss="split" weighs copies
+    against the CPU, and a policy that weighs costs (`Policy.weighs_costs`: impact) reads them, whatever
+    its on_miss; the profile (a path, or calibrate's own in memory, a CostProfile) tabulated for this
+    model's expert. Either without a profile is refused, and a profile that nothing would read too: it
     would change nothing, which is not what its caller meant."""
+    reader = "on_miss='split'" if on_miss == "split" else None
+    if policy.weighs_costs:
+        reader = f"policy {policy.name}"
     if cost_profile is None:
         if on_miss == "split":
             raise MoecacheError(
                 f'{who}: on_miss="split" weighs copies against the CPU: give cost_profile= (a cost_profile.json'
                 " of moecache calibrate on this machine)"
             )
+        if reader is not None:
+            raise MoecacheError(
+                f"{who}: {reader} weighs measured costs (CPU, GPU, copy time): give cost_profile= (a"
+                " cost_profile.json of moecache calibrate on this machine)"
+            )
         return None
-    if on_miss != "split":
+    if reader is None:
         raise MoecacheError(
-            f"{who}: cost_profile={cost_profile} is read only with on_miss='split', not {on_miss!r}"
+            f"{who}: cost_profile={cost_profile} is read only with on_miss='split' or a policy that weighs"
+            f" costs (impact), not on_miss={on_miss!r} with {policy.name}"
         )
     from moecache.cost_profile import CostProfile
     from moecache.sim.cost_model import CostModel
 
     profile = cost_profile if isinstance(cost_profile, CostProfile) else CostProfile.load(cost_profile)
-    return CostModel.from_profile(profile, int(expert_bytes), SPLIT_MAX_TOKENS)
+    return CostModel.from_profile(profile, int(expert_bytes), COST_MAX_TOKENS)

@@ -63,6 +63,13 @@ def test_capacity_zero_runs_every_expert_on_the_cpu(root):
         (["capacity=4", "runtime.enabled=no"], "runtime.enabled='no': expected true or false"),
         (["capacity=4", "workload=long_single"], "does not read `workload`"),
         (["capacity=4", "policy=lruu"], "policy=lruu: no such option (did you mean lru?)"),
+        (["capacity=4", "policy=impact"], "policy impact weighs measured costs: give runtime.cost_profile"),
+        (["capacity=4", "runtime.on_miss=split"], "runtime.on_miss=split weighs measured costs"),
+        (["capacity=4", "runtime.on_miss=later"], "runtime.on_miss='later'"),
+        (
+            ["capacity=4", "runtime.cost_profile=p.json"],
+            "runtime.cost_profile=p.json is read only with runtime.on_miss=split or a policy that weighs costs",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(root, overrides, message):
@@ -86,3 +93,14 @@ def test_help_and_cfg_job():
     printed = yaml.safe_load(job.stdout)
     assert printed["capacity"] == "25%" and printed["policy"]["name"] == "lru"
     assert printed["runtime"]["enabled"] is True and "workload" not in printed
+
+
+def test_a_policy_that_weighs_costs_runs_with_runtime_cost_profile(root, tmp_path):
+    """policy=impact reads a cost profile (runtime.cost_profile: a calibrate artifact, a path, bundled:):
+    the text is the unmodified model's."""
+    plain = generate(root, "runtime.enabled=false")
+    res = generate(
+        root, "capacity=25%", "policy=impact", "runtime.cost_profile=bundled:h200_qwen3_6_35b_a3b_2026-11-30"
+    )
+    assert res.exit_code == 0, res.output
+    assert res.stdout == plain.stdout and stats_of(res.stderr)["policy"].startswith("impact")

@@ -187,6 +187,13 @@ class CacheManager:
                 f"policy {policy.name} is offline (it reads the whole future trace) and exists only in the "
                 "simulator; the runtime takes an online policy (e.g. lfu, lru, static_cold)"
             )
+        if cost is not None and policy.cost is None:
+            policy.bind_cost(cost)  # a policy that weighs costs reads the manager's (impact)
+        if policy.weighs_costs and policy.cost is None:
+            raise MoecacheError(
+                f"cache manager: policy {policy.name} weighs measured costs (CPU, GPU, copy time): give the"
+                " manager a cost model (cost=, from a moecache calibrate profile)"
+            )
         self.policy = policy
         self._core = CompiledVisit(type(policy))  # the whole layer visit, compiled (manager_visit.py)
         self.pool = SlotPool.for_store(device, self.capacity, store)
@@ -327,8 +334,6 @@ class CacheManager:
     ):
         """From a policy name and parameters (the Hydra `policy` group: name, params)."""
         policy = make_policy(name, **dict(params or {}))
-        if cost is not None:
-            policy.bind_cost(cost)
         return cls(store, device, capacity, policy, top_k=top_k, cost=cost, **kw)
 
     @classmethod

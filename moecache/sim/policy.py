@@ -64,8 +64,10 @@ class Policy:
     # model's shape (a ModelShape, moecache/sim/shape.py).
     offline: ClassVar[bool] = False
     # The replay's CostModel (set by `bind_cost`; the simulator binds it before every replay). A policy
-    # that weighs CPU, GPU or copy time reads it in `init_state` through `require_cost`.
+    # that weighs CPU, GPU or copy time reads it in `init_state` through `require_cost`, and says so:
+    # the runtime then needs a cost profile for it whatever its on_miss (moecache/offloading.py).
     cost: Any = None
+    weighs_costs: ClassVar[bool] = False
     # Names of the state's members, in the order `init_state` returns them (a registered policy must
     # give them). The replay drivers receive the state as an instance of `State`, a named tuple class
     # of this policy alone: its type tells the compiled drivers which `step` to call (visit.py).

@@ -124,6 +124,11 @@ class PolicySpec:
         """The full parameter set (a fresh dict)."""
         return json.loads(self.params_json)
 
+    @property
+    def weighs_costs(self) -> bool:
+        """Whether the policy reads measured costs (Policy.weighs_costs: the runtime needs a profile)."""
+        return bool(_policy_class(self.name, "policy").weighs_costs)
+
     def label(self) -> str:
         """The sweep's label of this policy, e.g. `lfu_window(window_tokens=256)` (Policy.label)."""
         inner = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))

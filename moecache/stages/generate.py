@@ -19,10 +19,41 @@ import time
 from omegaconf import DictConfig
 
 from moecache.errors import MoecacheError
-from moecache.stages.base import prepare, torch_device
+from moecache.stages.base import prepare, store_for, torch_device
 
 STAGE = "generate"
 LOOPS = ("fast", "transformers")
+
+
+def _check_cost_profile(c: dict) -> None:
+    """runtime.cost_profile is needed by on_miss=split and by a policy that weighs costs, and read by
+    nothing else (a profile nothing reads is refused: it would change nothing)."""
+    from moecache.sim.policy_spec import PolicySpec
+
+    runtime = c["runtime"]
+    if runtime["decision"] is not None:
+        spec = PolicySpec.selected_in(runtime["decision"])
+    else:
+        policy = c.get("policy") or {"name": "lfu"}
+        spec = PolicySpec.of(policy["name"], policy.get("params") or {})
+    readers = [
+        r
+        for r, on in (
+            (f"policy {spec.name}", spec.weighs_costs),
+            ("runtime.on_miss=split", runtime["on_miss"] == "split"),
+        )
+        if on
+    ]
+    if runtime["cost_profile"] is None and readers:
+        raise MoecacheError(
+            f"{' and '.join(readers)} weighs measured costs: give runtime.cost_profile (a moecache calibrate"
+            " artifact id or cost_profile.json of this machine)"
+        )
+    if runtime["cost_profile"] is not None and not readers:
+        raise MoecacheError(
+            f"runtime.cost_profile={runtime['cost_profile']} is read only with runtime.on_miss=split or a"
+            f" policy that weighs costs (impact), not on_miss={runtime['on_miss']} with {spec.name}"
+        )
 
 
 def _check(c: dict, device: str) -> None:
@@ -60,6 +91,7 @@ def _check(c: dict, device: str) -> None:
                 f"policy={c['policy']['name']} is offline (it reads the whole future trace) and exists only "
                 "in the simulator; the runtime takes an online policy (e.g. lfu, lru, static_cold)"
             )
+    _check_cost_profile(c)
     want = runtime["device"]
     on_cuda = device.startswith("cuda")
     if (want == "cuda" and not on_cuda) or (want == "standin" and on_cuda):
@@ -150,11 +182,16 @@ def run(cfg: DictConfig, out=None, err=None) -> dict | None:
     model = loaded.model
     if enabled:
         from moecache.offloading import offload_model
+        from moecache.sim.inputs import load_profile
 
         policy = c.get("policy") or {}
+        profile = None
+        if runtime["cost_profile"] is not None:
+            profile = load_profile(store_for(cfg), runtime["cost_profile"], key="runtime.cost_profile")[1]
         model = offload_model(
             model, capacity=c["capacity"], policy=policy.get("name"), params=policy.get("params"),
-            decision=runtime["decision"], device=device, checkpoint=loaded.path,
+            decision=runtime["decision"], device=device, checkpoint=loaded.path, on_miss=runtime["on_miss"],
+            cost_profile=profile,
         )  # fmt: skip
     input_ids = _encode(loaded.tokenizer, c["prompt"], device)
     start = time.perf_counter()

@@ -125,8 +125,11 @@ def _decision(store: ArtifactStore, ref: str | None) -> Artifact:
     return art
 
 
-def _check_runnable(spec, shape, slots: int) -> None:
-    """The selected policy must run in the runtime: online, and buildable without a replay's costs."""
+def _check_runnable(spec, shape, slots: int, profile: str | None) -> None:
+    """The selected policy must run in the runtime: online, and buildable from the model's shape (and the
+    cost profile, for a policy that weighs costs: the runtime binds it too)."""
+    from moecache.cost_profile import CostProfile
+    from moecache.sim.cost_model import CostModel
     from moecache.sim.policy import make_policy
     from moecache.validation.baselines import HINDSIGHT
 
@@ -137,6 +140,8 @@ def _check_runnable(spec, shape, slots: int) -> None:
         raise MoecacheError(
             f"decision selects {spec.label()}: an offline policy (it reads the future) cannot run in the runtime"
         )
+    if policy.weighs_costs and profile is not None:
+        policy.bind_cost(CostModel.from_profile(CostProfile.load(profile), shape.expert_bytes, 1))
     policy.init_state(shape, slots)
 
 
@@ -175,6 +180,11 @@ def run(cfg: DictConfig) -> StageResult:
     else:
         workloads = [Workload(n, wcfg=load_workload(n, CONF_DIR)) for n in v["workloads"]]
     strategies = build(v["strategies"], selected, _on_miss(v, decision.path / "decision.json"))
+    if v["cost_profile"] is None and any(st.policy.weighs_costs for st in strategies):
+        raise MoecacheError(
+            f"validate: the selected policy {selected.label()} weighs measured costs (CPU, GPU, copy time):"
+            " give validate.cost_profile (a moecache calibrate profile of this machine), which is null"
+        )
     profile = _profile_path(store, v["cost_profile"])
     fidelity.check_loop(profile, v["loop"])  # before the model is loaded
 
@@ -208,7 +218,7 @@ def run(cfg: DictConfig) -> StageResult:
     )
     shape = ModelShape(L, E, arch["top_k"], arch["expert_bytes"])
     if any(s.name == "selected" for s in strategies):
-        _check_runnable(selected, shape, max(slots))
+        _check_runnable(selected, shape, max(slots), profile)
     config = {
         "validate": {
             **{k: v[k] for k in KEYS if k not in ("decision", "cost_profile")},

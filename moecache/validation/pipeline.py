@@ -69,10 +69,11 @@ def _meta(model_label: str, arch: dict, workload: str, spec: RunSpec, s: Setting
 
 def _configure(model, strategy: Strategy, slots: int, hindsight_G, profile: str | None = None) -> None:
     """A new cold cache for the run on the model's host store (module docstring, 2.); `profile`: the
-    cost profile an on_miss="split" strategy weighs with."""
+    cost profile an on_miss="split" strategy, or a policy that weighs costs, reads."""
+    reads = strategy.on_miss == "split" or strategy.policy.weighs_costs
     session = model.moecache.reconfigure(
         capacity=slots, policy=strategy.policy.name, params=dict(strategy.policy.params),
-        on_miss=strategy.on_miss, cost_profile=profile if strategy.on_miss == "split" else None,
+        on_miss=strategy.on_miss, cost_profile=profile if reads else None,
     )  # fmt: skip
     if strategy.hindsight:
         if hindsight_G is None:

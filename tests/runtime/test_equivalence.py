@@ -80,6 +80,38 @@ def test_manager_matches_instant_replay(esft, store, policy, params, capacity):
         assert np.array_equal(m.pool.w13_SIH[slot].numpy(), store.w13_GIH[key].numpy())
 
 
+def test_a_policy_that_weighs_costs_runs_the_replays_visits(esft, store):
+    """impact (it reads the cost model: CPU, GPU and copy time) in the manager with the replay's own cost
+    model: the same hits, admissions and evictions; without one the manager refuses it in one line."""
+    from moecache.cost_profile import CostProfile
+    from moecache.errors import MoecacheError
+    from moecache.sim.cost_model import CostModel
+
+    arrays, trace = esft
+    bundled = (
+        Path(__file__).resolve().parents[2]
+        / "moecache/data/cost_profiles/h200_qwen3_6_35b_a3b_2026-11-30.json"
+    )
+    cost = CostModel.for_trace(CostProfile.load(bundled), trace)
+    expected = replay_instant(trace, make_policy("impact").bind_cost(cost), 300)
+    with pytest.raises(MoecacheError, match="policy impact weighs measured costs"):
+        manager("impact", 300, store=store, top_k=K)
+    m = manager("impact", 300, store=store, top_k=K, cost=cost)
+    hits = admissions = evictions = 0
+    for r in range(arrays.num_sequences):
+        m.begin_request()
+        for t in range(int(arrays.seq_offsets[r]), int(arrays.seq_offsets[r + 1])):
+            for layer in range(L):
+                result = m.visit(layer, arrays.expert_ids[t, layer][None, :])
+                hits += K - len(result.miss_experts)
+                admissions += len(result.admitted)
+                evictions += len(result.evicted)
+    assert (hits, admissions, evictions) == (
+        int(expected.hit_A.sum()), int(expected.admits_V.sum()), int(expected.evicts_V.sum())
+    )  # fmt: skip
+    assert hits > 0 and admissions > 0
+
+
 def test_lfu_from_initial_counts_of_an_earlier_trace(esft, store, tmp_path):
     """The online static-like baseline: lfu whose counters start from another trace's counts."""
     import pyarrow.parquet as pq

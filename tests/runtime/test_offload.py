@@ -105,6 +105,23 @@ def test_split_misses_keep_the_unmodified_models_tokens(model_type, tmp_path):
     assert split["fallback_entries"] < cpu["fallback_entries"]
 
 
+def test_a_policy_that_weighs_costs_runs_with_a_profile(tmp_path):
+    """impact reads the cost model: with cost_profile (any on_miss) it runs, and the greedy tokens are the
+    unmodified model's."""
+    plain = tiny("deepseek_v2")
+    want = greedy_logits(plain)
+    model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+    store = model.moecache.manager.store
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(split_profile(store, copy_us=1.0, cpu_us=10.0)))
+    session = model.moecache.reconfigure(capacity="25%", policy="impact", cost_profile=profile)
+    assert session.manager.policy.cost is session.manager.cost is not None
+    tokens, logits = greedy_logits(model)
+    assert torch.equal(tokens, want[0])
+    torch.testing.assert_close(logits, want[1], rtol=1e-4, atol=1e-5)
+    assert session.stats()["admissions"] > 0
+
+
 def test_the_dense_experts_are_gone_and_the_rest_is_the_models():
     plain = tiny("qwen3_5_moe")
     arch = adapter_for(plain).describe()
@@ -262,7 +279,11 @@ def test_reconfigure_switches_the_cache_and_keeps_the_models_tokens(model_type):
             dict(capacity=4, on_miss="split"),
             'on_miss="split" weighs copies against the CPU: give cost_profile=',
         ),
-        (dict(capacity=4, cost_profile="p.json"), "cost_profile=p.json is read only with on_miss='split'"),
+        (
+            dict(capacity=4, cost_profile="p.json"),
+            "cost_profile=p.json is read only with on_miss='split' or a policy that weighs costs",
+        ),
+        (dict(capacity=4, policy="impact"), "policy impact weighs measured costs .* give cost_profile="),
     ],
 )
 def test_reconfigure_refuses_bad_arguments_in_one_line_and_keeps_the_session(kwargs, message):

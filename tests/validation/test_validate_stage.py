@@ -247,6 +247,23 @@ def test_the_selected_policy_runs_split_with_a_profile_and_is_predicted_so(tmp_p
     assert phases["prefill"]["measured_ms"] == pytest.approx(1e3 / cpu["prefill_tokens_per_s"])
 
 
+def test_a_selected_policy_that_weighs_costs_needs_a_profile_and_runs_with_one(tmp_path):
+    """impact reads the cost model: without validate.cost_profile the stage refuses it in one line, before
+    any run; with one its run is made (on_miss=cpu) and predicted."""
+    from tests.validation.test_fidelity import _profile
+
+    decision(tmp_path, policy="impact")
+    res = validate(tmp_path, "validate.strategies=[selected]")
+    assert res.exit_code == 2 and "impact" in res.stderr and "validate.cost_profile" in res.stderr
+    assert "\n" not in res.stderr.strip()
+    res = validate(tmp_path, "validate.strategies=[selected]", f"validate.cost_profile={_profile(tmp_path)}")
+    assert res.exit_code == 0, res.output
+    runs = pq.read_table(Path(res.stdout.strip().splitlines()[-1]) / "runs.parquet").to_pylist()
+    selected = next(r for r in runs if r["strategy"] == "selected")
+    assert selected["policy"].startswith("impact(") and selected["on_miss"] == "cpu"
+    assert selected["predicted_hit_rate"] == pytest.approx(selected["hit_rate"])
+
+
 def test_the_decisions_on_miss_is_the_default_and_split_needs_a_profile(tmp_path):
     """validate.on_miss=null (the default): the decision's own on_miss; a split decision without
     validate.cost_profile is refused in one line, before any run."""

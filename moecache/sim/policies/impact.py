@@ -330,6 +330,7 @@ class Impact(Policy):
     )
     defaults = {"alpha": 0.3, "horizon": 8, "budget": 1}
     prefetches = True
+    weighs_costs = True
 
     def __init__(self, **params):
         super().__init__(**params)
