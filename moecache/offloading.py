@@ -390,28 +390,34 @@ def _policy_of(policy, params, decision, who: str):
 COST_MAX_TOKENS = 4096  # the runtime's cost tables' length in tokens (longer calls: their last entry)
 
 
+def cost_readers(on_miss: str, policy, on_miss_key: str = "on_miss") -> list[str]:
+    """What reads a cost profile in the runtime, named for an error line (empty: nothing does):
+    on_miss="split" weighs copies against the CPU, and a policy that weighs costs (`weighs_costs`, a
+    Policy's or a PolicySpec's: impact) reads them whatever its on_miss. The one rule the callers that
+    take a profile (offload, reconfigure, validate, generate) check against."""
+    readers = [f"{on_miss_key}=split"] if on_miss == "split" else []
+    return readers + ([f"policy {policy.name}"] if policy.weighs_costs else [])
+
+
 def runtime_cost(cost_profile, on_miss: str, policy, expert_bytes: int, who: str):
-    """The cost model the runtime weighs with (None where nothing reads one): on_miss="split" weighs copies
-    against the CPU, and a policy that weighs costs (`Policy.weighs_costs`: impact) reads them, whatever
-    its on_miss; the profile (a path, or calibrate's own in memory, a CostProfile) tabulated for this
-    model's expert. Either without a profile is refused, and a profile that nothing would read too: it
-    would change nothing, which is not what its caller meant."""
-    reader = "on_miss='split'" if on_miss == "split" else None
-    if policy.weighs_costs:
-        reader = f"policy {policy.name}"
+    """The cost model the runtime weighs with (None where nothing reads one, `cost_readers`); the profile
+    (a path, or calibrate's own in memory, a CostProfile) tabulated for this model's expert. A reader
+    without a profile is refused, and a profile that nothing would read too: it would change nothing,
+    which is not what its caller meant."""
+    readers = cost_readers(on_miss, policy)
     if cost_profile is None:
         if on_miss == "split":
             raise MoecacheError(
                 f'{who}: on_miss="split" weighs copies against the CPU: give cost_profile= (a cost_profile.json'
                 " of moecache calibrate on this machine)"
             )
-        if reader is not None:
+        if readers:
             raise MoecacheError(
-                f"{who}: {reader} weighs measured costs (CPU, GPU, copy time): give cost_profile= (a"
+                f"{who}: {readers[0]} weighs measured costs (CPU, GPU, copy time): give cost_profile= (a"
                 " cost_profile.json of moecache calibrate on this machine)"
             )
         return None
-    if reader is None:
+    if not readers:
         raise MoecacheError(
             f"{who}: cost_profile={cost_profile} is read only with on_miss='split' or a policy that weighs"
             f" costs (impact), not on_miss={on_miss!r} with {policy.name}"

@@ -154,16 +154,16 @@ class CudaDevice(Device):
     name = "cuda"
     is_cuda = True
 
-    def __init__(self, index: int | None = None, driver_copies: bool = True):
+    def __init__(self, index: int | None = None):
         if not torch.cuda.is_available():
             raise MoecacheError("runtime device cuda: torch.cuda.is_available() is false on this machine")
         self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         # The driver's copies run in the context current on this thread: the device's only where it is
         # torch's current device (torch.empty makes its primary context exist and be current).
         on_current = self.torch_device.index == torch.cuda.current_device()
-        if driver_copies and on_current:
+        if on_current:
             torch.empty(1, device=self.torch_device)
-        self.driver = DriverCopies.load() if driver_copies and on_current else None
+        self.driver = DriverCopies.load() if on_current else None
 
     def new_stream(self) -> CudaStream:
         return CudaStream(torch.cuda.Stream(device=self.torch_device))

@@ -49,6 +49,13 @@ def miss_entries(layer: int, num_experts: int, ids_host_TK: np.ndarray, weights_
     return torch.from_numpy(keys_M[:m]), torch.from_numpy(token_M[:m]), torch.from_numpy(weight_M[:m])
 
 
+def log_cpu_call(log: list, tokens: int, keys_M: torch.Tensor, ns: int) -> None:
+    """One CPU-path call into a CPU-path log (both loops' `cpu_log`: calibrate's in-loop rows):
+    (tokens, entries, ns, uses: the token count of each of its experts)."""
+    uses = tuple(np.unique(keys_M.numpy(), return_counts=True)[1].tolist())
+    log.append((int(tokens), int(keys_M.numel()), int(ns), uses))
+
+
 @nb.njit(cache=True, nogil=True)
 def _gather_misses(base, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
     m = 0
@@ -127,8 +134,7 @@ class ExpertsRuntime:
             cpu_TH, keys_M = self._cpu_part(layer, x_TH, ids_host_TK, w_host_TK, hit_TK, x_host_TH)
             visit.cpu_duration_ns = time.perf_counter_ns() - started_ns
             if self.cpu_log is not None:
-                uses = tuple(np.unique(keys_M.numpy(), return_counts=True)[1].tolist())
-                self.cpu_log.append((int(hit_TK.shape[0]), int(keys_M.numel()), visit.cpu_duration_ns, uses))
+                log_cpu_call(self.cpu_log, hit_TK.shape[0], keys_M, visit.cpu_duration_ns)
             y_TH = cpu_TH if y_TH is None else y_TH + cpu_TH
         self.stats.gpu_entries += n_hit
         self.stats.cpu_entries += hit_TK.size - n_hit

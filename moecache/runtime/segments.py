@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from moecache.errors import MoecacheError
-from moecache.runtime.experts_module import miss_entries
+from moecache.runtime.experts_module import log_cpu_call, miss_entries
 
 # what ExpertsTaps.host_ns adds up: ns in the manager's calls, ns waiting for read-backs, visits; ns of
 # the CPU path (a visit with misses: gather, CpuExperts.run, result to the device), its calls, its entries
@@ -194,7 +194,7 @@ class ExpertsTaps:
         self.host_ns = dict.fromkeys(HOST_TIMES, 0)
         # When a list (calibrate's in-loop CPU-path rows): one (tokens, entries, ns, uses) per CPU-path
         # call, uses the token count of each of its experts.
-        self.cpu_log: list[tuple[int, int, int]] | None = None
+        self.cpu_log: list[tuple[int, int, int, tuple]] | None = None
         self.mode = "split"
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
@@ -396,9 +396,8 @@ class ExpertsTaps:
             self.host_ns["cpu"] += spent_ns
             self.host_ns["cpu_calls"] += 1
             self.host_ns["cpu_entries"] += int(keys_M.numel())
-            if self.cpu_log is not None:  # uses: the call's experts' token counts (calibrate's prefill rows)
-                uses = tuple(np.unique(keys_M.numpy(), return_counts=True)[1].tolist())
-                self.cpu_log.append((int(hit_TK.shape[0]), int(keys_M.numel()), spent_ns, uses))
+            if self.cpu_log is not None:
+                log_cpu_call(self.cpu_log, hit_TK.shape[0], keys_M, spent_ns)
         self._visit_result = None
 
     def _run_waited(self, visit) -> None:

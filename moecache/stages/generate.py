@@ -26,8 +26,10 @@ LOOPS = ("fast", "transformers")
 
 
 def _check_cost_profile(c: dict) -> None:
-    """runtime.cost_profile is needed by on_miss=split and by a policy that weighs costs, and read by
-    nothing else (a profile nothing reads is refused: it would change nothing)."""
+    """runtime.cost_profile is needed by what reads one (`offloading.cost_readers`: on_miss=split, a policy
+    that weighs costs) and read by nothing else (a profile nothing reads is refused: it would change
+    nothing)."""
+    from moecache.offloading import cost_readers
     from moecache.sim.policy_spec import PolicySpec
 
     runtime = c["runtime"]
@@ -36,18 +38,11 @@ def _check_cost_profile(c: dict) -> None:
     else:
         policy = c.get("policy") or {"name": "lfu"}
         spec = PolicySpec.of(policy["name"], policy.get("params") or {})
-    readers = [
-        r
-        for r, on in (
-            (f"policy {spec.name}", spec.weighs_costs),
-            ("runtime.on_miss=split", runtime["on_miss"] == "split"),
-        )
-        if on
-    ]
+    readers = cost_readers(runtime["on_miss"], spec, on_miss_key="runtime.on_miss")
     if runtime["cost_profile"] is None and readers:
         raise MoecacheError(
-            f"{' and '.join(readers)} weighs measured costs: give runtime.cost_profile (a moecache calibrate"
-            " artifact id or cost_profile.json of this machine)"
+            f"{' and '.join(readers)} weighs measured costs: give runtime.cost_profile (a moecache"
+            " calibrate artifact id or cost_profile.json of this machine)"
         )
     if runtime["cost_profile"] is not None and not readers:
         raise MoecacheError(

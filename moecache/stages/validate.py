@@ -92,7 +92,7 @@ def _checked(c: dict) -> dict:
 
 def _on_miss(v: dict, decision_json) -> str:
     """The selected policy's on_miss: validate.on_miss, else (null) the decision's (its sweep's
-    sim.on_miss); split needs the cost profile it weighs with. One line on failure."""
+    sim.on_miss). One line on failure."""
     from moecache.sim.policy_spec import PolicySpec
     from moecache.validation.baselines import SELECTED_ON_MISS
 
@@ -102,11 +102,26 @@ def _on_miss(v: dict, decision_json) -> str:
             f"validate: the decision {decision_json} was judged with on_miss={on_miss}, which validate does"
             f" not run for the selected policy; set validate.on_miss to one of {', '.join(SELECTED_ON_MISS)}"
         )
-    if on_miss == "split" and v["cost_profile"] is None:
-        raise MoecacheError(
-            "validate.on_miss=split: weighs copies against the CPU with validate.cost_profile, which is null"
-        )
     return on_miss
+
+
+def _check_no_reader(strategies, selected) -> None:
+    """Without validate.cost_profile, no run may need one (`offloading.cost_readers`): the selected
+    policy's on_miss=split weighs copies against the CPU, a policy that weighs costs (impact) reads them."""
+    from moecache.offloading import cost_readers
+
+    for st in strategies:
+        readers = cost_readers(st.on_miss, st.policy, on_miss_key="validate.on_miss")
+        if readers:
+            what = (
+                "copies against the CPU"
+                if readers[0].endswith("=split")
+                else "measured costs (CPU, GPU, copy time)"
+            )
+            raise MoecacheError(
+                f"{readers[0]}: weighs {what} with validate.cost_profile, which is null (the selected policy"
+                f" {selected.label()}; a moecache calibrate profile of this machine)"
+            )
 
 
 def _decision(store: ArtifactStore, ref: str | None) -> Artifact:
@@ -128,8 +143,7 @@ def _decision(store: ArtifactStore, ref: str | None) -> Artifact:
 def _check_runnable(spec, shape, slots: int, profile: str | None) -> None:
     """The selected policy must run in the runtime: online, and buildable from the model's shape (and the
     cost profile, for a policy that weighs costs: the runtime binds it too)."""
-    from moecache.cost_profile import CostProfile
-    from moecache.sim.cost_model import CostModel
+    from moecache.offloading import runtime_cost
     from moecache.sim.policy import make_policy
     from moecache.validation.baselines import HINDSIGHT
 
@@ -140,8 +154,8 @@ def _check_runnable(spec, shape, slots: int, profile: str | None) -> None:
         raise MoecacheError(
             f"decision selects {spec.label()}: an offline policy (it reads the future) cannot run in the runtime"
         )
-    if policy.weighs_costs and profile is not None:
-        policy.bind_cost(CostModel.from_profile(CostProfile.load(profile), shape.expert_bytes, 1))
+    if policy.weighs_costs:  # as the runtime binds it (validate refused it without a profile before)
+        policy.bind_cost(runtime_cost(profile, "cpu", policy, shape.expert_bytes, "validate.cost_profile"))
     policy.init_state(shape, slots)
 
 
@@ -180,11 +194,8 @@ def run(cfg: DictConfig) -> StageResult:
     else:
         workloads = [Workload(n, wcfg=load_workload(n, CONF_DIR)) for n in v["workloads"]]
     strategies = build(v["strategies"], selected, _on_miss(v, decision.path / "decision.json"))
-    if v["cost_profile"] is None and any(st.policy.weighs_costs for st in strategies):
-        raise MoecacheError(
-            f"validate: the selected policy {selected.label()} weighs measured costs (CPU, GPU, copy time):"
-            " give validate.cost_profile (a moecache calibrate profile of this machine), which is null"
-        )
+    if v["cost_profile"] is None:
+        _check_no_reader(strategies, selected)
     profile = _profile_path(store, v["cost_profile"])
     fidelity.check_loop(profile, v["loop"])  # before the model is loaded
 

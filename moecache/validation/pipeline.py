@@ -70,7 +70,9 @@ def _meta(model_label: str, arch: dict, workload: str, spec: RunSpec, s: Setting
 def _configure(model, strategy: Strategy, slots: int, hindsight_G, profile: str | None = None) -> None:
     """A new cold cache for the run on the model's host store (module docstring, 2.); `profile`: the
     cost profile an on_miss="split" strategy, or a policy that weighs costs, reads."""
-    reads = strategy.on_miss == "split" or strategy.policy.weighs_costs
+    from moecache.offloading import cost_readers
+
+    reads = bool(cost_readers(strategy.on_miss, strategy.policy))
     session = model.moecache.reconfigure(
         capacity=slots, policy=strategy.policy.name, params=dict(strategy.policy.params),
         on_miss=strategy.on_miss, cost_profile=profile if reads else None,
