@@ -116,7 +116,7 @@ for section in "$@"; do
       validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" ${FORCE:+force=true} 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2${TAG:-}.txt"
     VAL=$(tail -1 "$OUT/validate_dsv2${TAG:-}.txt")
     cp "$VAL/validation.json" "$OUT/validation_dsv2${TAG:-}.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2${TAG:-}.parquet"
-    cp -r "$VAL/traces" "$OUT/traces_dsv2${TAG:-}"
+    tar -C "$VAL" -czf "$OUT/traces_dsv2${TAG:-}.tgz" traces  # one file: the tool returns no deep folders
     echo "== the runs' CPU path per call against the profile's (entries at one token each)"
     python3 - "$OUT/validation_dsv2${TAG:-}.json" "$PROF" <<'PY'
 import json, sys

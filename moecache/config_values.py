@@ -225,6 +225,7 @@ RULES: dict[str, dict[str, Check]] = {
         "cost.runtime.prompt_tokens": list_of(integer(1)),
         "cost.runtime.decode_steps": integer(1),
         "cost.runtime.cpu_path_decode_steps": integer(1),
+        "cost.runtime.cpu_path_prompt_tokens": integer(1),
         "cost.runtime.step": string,
         "cost.runtime.cpu_threads": optional(integer(1)),
         "cost.runtime.cpu_backend": one_of("auto", "cpp", "torch"),

@@ -460,6 +460,7 @@ FAST_RUNTIME = [
     "cost.runtime.repeats=3", "cost.runtime.warmup=1", "cost.runtime.kernel_tokens=[1,4]",
     "cost.runtime.cpu_tokens_per_expert=[1]", "cost.runtime.visit_tokens=[1,16]",
     "cost.runtime.prompt_tokens=[4,8]", "cost.runtime.decode_steps=3", "cost.runtime.step=fast",
+    "cost.runtime.cpu_path_decode_steps=48", "cost.runtime.cpu_path_prompt_tokens=12",
 ]  # fmt: skip
 
 
@@ -521,6 +522,10 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     lo, hi = one[0], one[-1]
     slope = max((hi["median_us"] - lo["median_us"]) / (hi["experts"] - lo["experts"]), 0.0)
     assert costs.cpu_call_us == pytest.approx(max(lo["median_us"] - lo["experts"] * slope, 0.0))
+    # those runs' generations start from cpu_path_prompt_tokens-token prompts; their steps are recorded
+    prefill = rt["cpu_path_prefill"]
+    assert prefill["prompt_tokens"] == 12 and [r["slots"] for r in prefill["runs"]] == [0, L * 32 // 2]
+    assert all(r[k]["median_us"] > 0 for r in prefill["runs"] for k in ("prefill", "decode"))
     # on_miss="split"'s host time, in the fast loop under lru at 25%: the decisions (misses admitted now
     # are candidates) and, where visits waited, their wait; the simulator reads both
     split = rt["split_host"]

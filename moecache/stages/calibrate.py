@@ -44,8 +44,10 @@ so a profile measured elsewhere never stands in for this machine's.
                     are scaled (`scaled_to_fast_loop`) by the factor that prices those runs' prefill
                     calls right in the median; the call cost the simulator uses is the smallest M's
                     intercept (a decode step's call)
-      cpu_path_prefill  {calls, scale (null: no prefill call or no multi-token row), prompt_tokens,
-                    timed: "fast_loop"} (step=fast with a model): that factor and what it rests on
+      cpu_path_prefill  {calls, scale (null: no prefill call or no multi-token row), prompt_tokens
+                    (cost.runtime.cpu_path_prompt_tokens), timed: "fast_loop", runs: [{slots, prefill,
+                    decode}] the two runs' own step timings} (step=fast with a model): that factor and
+                    what it rests on
       visit         [{tokens, copies_per_visit, ..}]: one `CacheManager.visit` + `commit` (policy lru, a
                     quarter of E slots: most visits admit, and enqueue those copies)
       visit_hits    [{tokens, ..}]: the same with every expert resident (static_cold at E slots: no
@@ -463,16 +465,18 @@ def _cpu_path_fast(model, rs: dict, vocab: int, multi_rows: list[dict]) -> tuple
     L, E = shape.num_layers, shape.num_experts
     keep = E // 2
     half_G = (np.arange(L)[:, None] * E + np.arange(keep)[None, :]).reshape(-1).astype(np.int64)
-    lengths = sorted({int(t) for t in rs["prompt_tokens"]})
+    prompt = int(rs["cpu_path_prompt_tokens"])
     log: list[tuple[int, int, int, tuple]] = []
+    runs = []
     for slots in (0, len(half_G)):
         session = model.moecache.reconfigure(capacity=slots, policy="static_cold")
         if slots:
             install_hindsight(session.manager, half_G)
-        cal.time_fast_steps(
-            model, prompt_tokens=lengths[0], decode_steps=int(rs["cpu_path_decode_steps"]),
+        prefill, decode = cal.time_fast_steps(
+            model, prompt_tokens=prompt, decode_steps=int(rs["cpu_path_decode_steps"]),
             repeats=max(3, int(rs["repeats"]) // 4), warmup=1, vocab_size=vocab, cpu_log=log,
         )  # fmt: skip
+        runs.append({"slots": slots, "prefill": prefill.as_dict(), "decode": decode.as_dict()})
     by_entries: dict[int, list[float]] = {}
     for tokens, entries, ns, _ in log:
         if tokens == 1:
@@ -490,7 +494,7 @@ def _cpu_path_fast(model, rs: dict, vocab: int, multi_rows: list[dict]) -> tuple
         )
     prefill = [(ns / 1e3, uses) for tokens, _, ns, uses in log if tokens > 1 and max(uses) > 1]
     scale = _prefill_scale(multi_rows, one_rows, prefill)
-    summary = {"calls": len(prefill), "scale": scale, "prompt_tokens": lengths[0], "timed": "fast_loop"}
+    summary = {"calls": len(prefill), "scale": scale, "prompt_tokens": prompt, "timed": "fast_loop", "runs": runs}
     if scale is None:
         return one_rows + multi_rows, summary
     return one_rows + [_scaled_row(r, scale) for r in multi_rows], summary
@@ -548,9 +552,8 @@ def _split_host_fast(model, section: dict, base: dict, rs: dict, vocab: int) -> 
             for k in ("split_decisions", "split_decide_ns", "split_waits", "split_wait_ns")
         )
 
-    lengths = sorted({int(t) for t in rs["prompt_tokens"]})
     cal.time_fast_steps(
-        model, prompt_tokens=lengths[0], decode_steps=int(rs["cpu_path_decode_steps"]),
+        model, prompt_tokens=int(rs["cpu_path_prompt_tokens"]), decode_steps=int(rs["cpu_path_decode_steps"]),
         repeats=max(3, int(rs["repeats"]) // 4), warmup=1, vocab_size=vocab, timed_start=timed_start,
     )  # fmt: skip
     decisions = stats.split_decisions - start["split_decisions"]
