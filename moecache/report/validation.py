@@ -115,6 +115,7 @@ def section(validation_dir: Path | None, decision_id: str | None, figure_dir: Pa
     for workload in result["workloads"]:
         rows = [_row(r) for r in runs if r["workload"] == workload]
         lines += [f"### {workload}", "", md.table(HEADERS, rows), ""]
+    lines += _machine_lines(result.get("machine_check"))
     phase_rows = _phase_rows(runs)
     if phase_rows:
         lines += [
@@ -133,3 +134,19 @@ def section(validation_dir: Path | None, decision_id: str | None, figure_dir: Pa
         written.append(figure)
         lines += ["![Predicted vs measured per run](figures/validation_predicted_vs_measured.png)", ""]
     return "\n".join(lines), written
+
+
+def _machine_lines(check: dict | None) -> list[str]:
+    """validate's machine check (moecache/validation/machine_check.py) as a paragraph, where it ran."""
+    if check is None:
+        return []
+    said = (
+        f"The machine since the cost profile was measured ({check['probe']}: {check['profile_median_us']:.1f} us"
+        f" then): {check['change_pct_before']:+.1f}% before the runs, {check['change_pct_after']:+.1f}% after."
+    )
+    if check["changed"]:
+        said += (
+            f" Beyond {check['change_target_pct']:.0f}%: the fidelity errors below mix the simulator's error"
+            " with the machine's change; calibrate again and validate on a quiet machine."
+        )
+    return [said, ""]

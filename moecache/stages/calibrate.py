@@ -494,7 +494,13 @@ def _cpu_path_fast(model, rs: dict, vocab: int, multi_rows: list[dict]) -> tuple
         )
     prefill = [(ns / 1e3, uses) for tokens, _, ns, uses in log if tokens > 1 and max(uses) > 1]
     scale = _prefill_scale(multi_rows, one_rows, prefill)
-    summary = {"calls": len(prefill), "scale": scale, "prompt_tokens": prompt, "timed": "fast_loop", "runs": runs}
+    summary = {
+        "calls": len(prefill),
+        "scale": scale,
+        "prompt_tokens": prompt,
+        "timed": "fast_loop",
+        "runs": runs,
+    }
     if scale is None:
         return one_rows + multi_rows, summary
     return one_rows + [_scaled_row(r, scale) for r in multi_rows], summary

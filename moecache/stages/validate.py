@@ -248,6 +248,8 @@ def run(cfg: DictConfig) -> StageResult:
             existing, reused=True, summary=_summary(json.loads((existing / "validation.json").read_text()))
         )
 
+    from moecache.cost_profile import CostProfile
+    from moecache.validation import machine_check
     from moecache.validation.pipeline import Settings, validate_all
     from moecache.validation.tables import write
 
@@ -262,7 +264,10 @@ def run(cfg: DictConfig) -> StageResult:
             reference=v["reference"],
             warmup=v["warmup"] == "on" or (v["warmup"] == "auto" and (device == "cuda" or profile is not None)),
         )  # fmt: skip
+        costs = None if profile is None else CostProfile.load(profile)
+        before = None if costs is None else machine_check.probe(costs)
         rows, latencies = validate_all(loaded, arch, workloads, strategies, grid, settings)
+        after = None if costs is None else machine_check.probe(costs)
         write(tmp, rows, latencies)
         result = {
             "decision": decision.id,
@@ -288,6 +293,7 @@ def run(cfg: DictConfig) -> StageResult:
             "capacities": [{"capacity": cap, "slots": n} for cap, n in grid],
             "strategies": [s.name for s in strategies],
             "cost_profile": profile,
+            "machine_check": None if costs is None else machine_check.compare(costs, before, after),
             "runs": rows,
         }
         (tmp / "validation.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -317,6 +323,12 @@ def _summary(result: dict) -> dict:
         "runs": len(result["runs"]),
     }
     out["predicted"] = "hit rate, time per token" if result["cost_profile"] else "hit rate (no cost profile)"
+    check = result.get("machine_check")
+    if check is not None:
+        out["machine since calibrate"] = (
+            f"{check['change_pct_before']:+.1f}% before, {check['change_pct_after']:+.1f}% after"
+            + (" (changed)" if check["changed"] else "")
+        )
     for r in result["runs"]:
         if r["strategy"] in ("unmodified", "all_resident", "all_cpu", "selected"):
             where = f"{r['workload']} {r['strategy']}" + (

@@ -20,7 +20,7 @@ def run_row(workload: str, strategy: str, capacity: str | None, predicted: float
     return row
 
 
-def artifact(folder, predicted, errors=None):
+def artifact(folder, predicted, errors=None, machine_check=None):
     folder.mkdir()
     runs = [run_row(w, s, c, predicted) for w in ("multi_request", "long_single") for s, c in
             (("unmodified", None), ("selected", "25%"))]  # fmt: skip
@@ -31,7 +31,7 @@ def artifact(folder, predicted, errors=None):
     result = {
         "decision": "decide-abc", "selected": {"label": "lfu"}, "model": "tiny", "device": "cpu",
         "execution": "transformers generate (eager)", "workloads": ["multi_request", "long_single"],
-        "runs": runs,
+        "runs": runs, "machine_check": machine_check,
     }  # fmt: skip
     (folder / "validation.json").write_text(json.dumps(result))
     return folder
@@ -53,6 +53,21 @@ def test_the_error_per_phase_is_a_table_of_its_own(tmp_path):
     text, _ = section(artifact(tmp_path / "validate-3", 0.3, errors), "decide-abc", tmp_path / "figures")
     assert "### Where the time-per-token error comes from" in text
     assert text.count("| selected | 25% | -20 | 6 -> 3 | -50 | - | - |") == 2  # one row per workload
+
+
+def test_the_machine_check_is_said_and_a_change_is_flagged(tmp_path):
+    check = {
+        "probe": "cpu expert, 1 token, bfloat16, 16 threads", "profile_median_us": 600.0,
+        "before_median_us": 630.0, "after_median_us": 990.0, "change_pct_before": 5.0,
+        "change_pct_after": 65.0, "change_target_pct": 10.0, "changed": True,
+    }  # fmt: skip
+    text, _ = section(artifact(tmp_path / "validate-4", 0.3, None, check), "decide-abc", tmp_path / "f")
+    assert "16 threads: 600.0 us then): +5.0% before the runs, +65.0% after. Beyond 10%" in text
+    quiet = check | {"after_median_us": 630.0, "change_pct_after": 5.0, "changed": False}
+    text, _ = section(artifact(tmp_path / "validate-5", 0.3, None, quiet), "decide-abc", tmp_path / "f")
+    assert "+5.0% after." in text and "Beyond" not in text
+    text, _ = section(artifact(tmp_path / "validate-6", 0.3), "decide-abc", tmp_path / "f")
+    assert "since the cost profile" not in text
 
 
 def test_predictions_give_the_figure_and_another_decision_is_named(tmp_path):
