@@ -19,6 +19,7 @@ uses for the whole-step estimate:
     rc.kernel_row_us(tokens=1)        # slot-pool operator, 1 token: [0, N=1, ..., N=top_k] resident entries
     rc.cpu_expert_us(m)               # runtime CPU path, one more expert of m tokens in a call
     rc.cpu_call_us                    # ... its fixed cost per call (a step with at least one miss)
+    rc.cpu_step_excess_us             # what else a decode layer step with CPU work costs in the fast loop
     rc.visit_us(tokens)               # host cost of a layer step besides the two halves (layer_call)
     rc.copy_us                        # copy engine, one expert (None: measured without CUDA)
     rc.non_expert_decode_us_per_layer, rc.non_expert_prefill_us_per_token
@@ -270,6 +271,11 @@ def _check_runtime(rt, source: str) -> None:
                 raise MoecacheError(
                     f"{source}: runtime.split_host.{key}={v!r}: expected a number >= 0 or null"
                 )
+    if rt.get("cpu_step_excess") is not None:
+        _require(rt["cpu_step_excess"], ("decode_us", "raw_us"), "runtime.cpu_step_excess", source)
+        v = rt["cpu_step_excess"]["decode_us"]
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
+            raise MoecacheError(f"{source}: runtime.cpu_step_excess.decode_us={v!r}: expected a number >= 0")
     if rt["copy_engine"] is not None:
         _require(
             rt["copy_engine"],
@@ -373,6 +379,9 @@ class RuntimeCosts:
     # the profile has no such row (older profiles, a transformers-loop calibrate, no visit waited)
     split_decide_us: float = 0.0
     split_wait_us: float = 0.0
+    # a fast-loop decode layer step with CPU work, beyond its halves, non-expert time and visit
+    # (runtime.cpu_step_excess, calibrate's all-CPU run); 0.0 where the profile has no such row
+    cpu_step_excess_us: float = 0.0
     source: str = ""
 
     @classmethod
@@ -404,6 +413,7 @@ class RuntimeCosts:
             copy_host_us=_copy_host_us(rt),
             split_decide_us=_split_host(rt, "decide_us"),
             split_wait_us=_split_host(rt, "wait_us"),
+            cpu_step_excess_us=float((rt.get("cpu_step_excess") or {}).get("decode_us") or 0.0),
             source=source,
         )
 

@@ -513,6 +513,15 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     assert timed.hit_A.all() and list(timed.forward_us_F) == pytest.approx([measured_decode] * 3, rel=1e-9)
     row = result.summary["decode ms/token, all resident (fast loop, measured)"]
     assert row == pytest.approx(result.summary["decode ms/token, all hits (model)"], rel=1e-9)
+    # ... and an all-CPU one (capacity 0): each token costs the all-CPU run's step, the excess its
+    # remainder over the priced step (clamped at 0: then the priced step)
+    excess = rt["cpu_step_excess"]
+    assert excess["decode_us"] == max(excess["raw_us"], 0.0) == costs.cpu_step_excess_us
+    all_cpu = next(r for r in rt["cpu_path_prefill"]["runs"] if r["slots"] == 0)["decode"]["median_us"]
+    timed = replay_timed(trace, make_policy("static_cold"), 0, cost)
+    priced = all_cpu - L * excess["raw_us"]  # the step the rows price without the excess
+    assert not timed.hit_A.any()
+    assert list(timed.forward_us_F) == pytest.approx([max(all_cpu, priced)] * 3, rel=1e-9)
     # The one-token CPU-path rows are the fast loop's own calls (all-CPU and half-resident runs): several
     # entry counts, among them K (every entry of the all-CPU run's calls); the call cost is theirs.
     one = [r for r in rt["cpu_path"] if r["tokens_per_expert"] == 1]
@@ -669,6 +678,48 @@ def test_the_split_pays_its_host_time_where_the_profile_has_it(make_trace) -> No
     for bad in (-1.0, "7", True):
         d["runtime"]["split_host"] = {**row, "decide_us": bad, "wait_us": 0.0}
         with pytest.raises(MoecacheError, match="runtime.split_host.decide_us"):
+            CostProfile.from_dict(d, "p.json")
+
+
+def test_the_cpu_step_excess_is_paid_by_decode_steps_with_cpu_work(make_trace) -> None:
+    """runtime.cpu_step_excess: a decode step with a miss on the CPU pays decode_us more, in both replays;
+    a step of hits only and a prefill step do not; a bad value is refused, an absent row is 0."""
+    from conftest import trace_table
+
+    from moecache.sim.cost_model import CostModel, instant_step_us
+    from moecache.sim.policy import make_policy
+    from moecache.sim.replay import replay_instant
+    from moecache.sim.timed import replay_timed
+    from moecache.sim.trace_arrays import DECODE, from_table
+
+    # a 2-token prefill, then decode steps: hits only (twice: the second once the copies have landed),
+    # then misses; 2 layers x 8 experts at 16 slots: nothing is evicted
+    tokens = [[[0, 1], [2, 3]], [[0, 1]], [[0, 1]], [[4, 5]]]
+    steps_ = [(0, i, layer, tok) for i, tok in enumerate(tokens) for layer in range(2)]
+    table, meta = trace_table(steps_, 2, 8, 2, expert_bytes=1_000_000)
+    trace = from_table(table, meta)
+    d = _runtime_profile("parallel")
+
+    def steps(excess):
+        d["runtime"]["cpu_step_excess"] = excess
+        cost = CostModel.for_trace(CostProfile.from_dict(d), trace, non_expert_us_per_layer=0.0)
+        timed = replay_timed(trace, make_policy("lru"), 16, cost)
+        instant = instant_step_us(trace, replay_instant(trace, make_policy("lru"), 16).hit_A, cost)
+        return timed, instant
+
+    (base, base_i), (more, more_i) = steps(None), steps({"decode_us": 40.0, "raw_us": 40.0})
+    for b, m, hit_A in ((base.step_us_V, more.step_us_V, base.hit_A), (base_i, more_i, None)):
+        if hit_A is None:
+            hit_A = replay_instant(trace, make_policy("lru"), 16).hit_A
+        miss_V = np.array(
+            [not hit_A[a0:a1].all() for a0, a1 in zip(trace.start_V[:-1], trace.start_V[1:], strict=True)]
+        )
+        decode_V = trace.phase_V == DECODE
+        assert (miss_V & decode_V).any() and (miss_V & ~decode_V).any() and (~miss_V & decode_V).any()
+        assert list(m - b) == pytest.approx(list(np.where(miss_V & decode_V, 40.0, 0.0)))
+    for bad in (-1.0, "7", True, None):
+        d["runtime"]["cpu_step_excess"] = {"decode_us": bad, "raw_us": -1.0}
+        with pytest.raises(MoecacheError, match="runtime.cpu_step_excess.decode_us"):
             CostProfile.from_dict(d, "p.json")
 
 

@@ -319,6 +319,13 @@ class CostModel:
             return 0.0, 0.0
         return self.runtime.split_decide_us, self.runtime.split_wait_us
 
+    def cpu_excess_V(self, trace) -> np.ndarray:
+        """float64 [V]: what a layer step with CPU work costs beyond its halves, non-expert time and
+        visit: the profile's decode excess (RuntimeCosts.cpu_step_excess_us, the fast loop's all-CPU
+        run) on decode steps, 0 on prefill steps and without a runtime section."""
+        excess = 0.0 if self.runtime is None else self.runtime.cpu_step_excess_us
+        return np.where(trace.phase_V == DECODE, excess, 0.0).astype(np.float64)
+
     def cpu_call_us(self) -> float:
         """Fixed CPU-path cost of a step with misses (scaled); 0.0 without a runtime section."""
         return 0.0 if self.runtime is None else self.runtime.cpu_call_us * self.cpu_scale
@@ -383,6 +390,7 @@ class CostModel:
                 "path": self.runtime.path,
                 "overlap": self.runtime.overlap,
                 "cpu_call_us": self.cpu_call_us(),
+                "cpu_step_excess_us": self.runtime.cpu_step_excess_us,
                 "kernel_us_T1": [float(v) for v in self.runtime.kernel_row_us(1)],
                 "visit_us_T1": float(self.runtime.visit_us(1)),
                 "copy_host_us": self.runtime.copy_host_us,
@@ -434,20 +442,21 @@ def instant_step_us(trace, hit_A: np.ndarray, cost: CostModel) -> np.ndarray:
     cpu = cost.cpu_step_table() if cost.runtime is not None else cost.cpu_table()
     _instant_step_us(
         trace.start_V, trace.uses_A, hit_A, cost.non_expert_V(trace), cost.gpu_table(), cpu,
-        kernel_off_V, kernel_us_X, cost.cpu_call_us(), cost.serial, step_us_V,
+        kernel_off_V, kernel_us_X, cost.cpu_call_us(), cost.cpu_excess_V(trace), cost.serial, step_us_V,
     )  # fmt: skip
     return step_us_V
 
 
 @nb.njit(cache=True, nogil=True)
 def _instant_step_us(
-    start_V, uses_A, hit_A, non_expert_V, gpu_us_M, cpu_us_M, kernel_off_V, kernel_us_X, cpu_call_us, serial,
-    step_us_V,
+    start_V, uses_A, hit_A, non_expert_V, gpu_us_M, cpu_us_M, kernel_off_V, kernel_us_X, cpu_call_us,
+    cpu_excess_V, serial, step_us_V,
 ):  # fmt: skip
     """step_us_V[s] = non_expert_V[s] + max(GPU time of step s's hits, CPU time of its misses), each
     summed in access order from 0.0: the sums np.bincount gives, so the result is bit-identical to the
     vectorised formula. With kernel rows (kernel_off_V not empty) the GPU time is the operator's row at
-    the step's resident entries, the CPU time gains cpu_call_us when the step has a miss, and `serial`
+    the step's resident entries, the CPU time gains cpu_call_us + cpu_excess_V[s] when the step has a
+    miss, and `serial`
     adds the two instead of taking their max."""
     fused = kernel_off_V.shape[0] > 0
     for s in range(step_us_V.shape[0]):
@@ -465,5 +474,5 @@ def _instant_step_us(
         if fused:
             gpu = kernel_us_X[kernel_off_V[s] + entries]
             if misses > 0:
-                cpu += cpu_call_us
+                cpu += cpu_call_us + cpu_excess_V[s]
         step_us_V[s] = non_expert_V[s] + (gpu + cpu if serial else max(gpu, cpu))

@@ -117,7 +117,7 @@ class TimedResult(ReplayResult):
 # visit goes through visit.apply_step, as in instant mode.
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
-    cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, serial, miss_mode,
+    cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, cpu_excess_V, serial, miss_mode,
     copy_host_us, split_decide_us, split_wait_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
     copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G, uses_G,
@@ -132,8 +132,8 @@ def _replay_timed(
     (int64: the key's uses in the step that last accessed it); on_miss="split"'s candidates (cand_*_J,
     gpu_wait_W: one more entry). miss_mode: ON_MISS_CODES (0 cpu, 1 wait, 2 split).
     With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
-    the operator's row at the step's usable resident entries, a step with a miss adds cpu_call_us to
-    its CPU time, and `serial` adds the two halves instead of taking their max. Every admission adds
+    the operator's row at the step's usable resident entries, a step with a miss on the CPU adds
+    cpu_call_us + cpu_excess_V[s] (the profile's decode excess: CostModel.cpu_excess_V) to its CPU time, and `serial` adds the two halves instead of taking their max. Every admission adds
     `copy_host_us` of host time (its copy's enqueue) to its step."""
     fused = kernel_off_V.shape[0] > 0
     wait = miss_mode == 1
@@ -225,7 +225,7 @@ def _replay_timed(
         if fused:
             gpu = kernel_us_X[kernel_off_V[s] + entries]
             if misses > 0:
-                cpu += cpu_call_us
+                cpu += cpu_call_us + cpu_excess_V[s]
         if wait:
             gpu_end = tr + wait_us + gpu
         if split:  # late candidates evicted by this step are no longer in flight for it
@@ -302,7 +302,7 @@ def _replay_timed(
                     cpu -= cand_cpu_J[j]
                 misses -= w
                 if fused and misses > 0:
-                    cpu += cpu_call_us
+                    cpu += cpu_call_us + cpu_excess_V[s]
                 gpu = max(gpu, cand_ready_J[w - 1] + gpu_wait_W[w])
         step_us = (
             non_expert_V[s] + wait_us + split_host_us + (gpu + cpu if serial else max(gpu, cpu))
@@ -382,7 +382,8 @@ def replay_timed(
                 policy.named_state(state), trace.key_A, trace.uses_A, trace.start_V, trace.clock_V,
                 trace.request_V, resident_G, int(capacity), cpu_us_M, cost.gpu_table(),
                 cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
-                cost.cpu_call_us(), cost.serial, ON_MISS_CODES[on_miss], float(cost.copy_host_us()),
+                cost.cpu_call_us(), cost.cpu_excess_V(trace), cost.serial, ON_MISS_CODES[on_miss],
+                float(cost.copy_host_us()),
                 *cost.split_host_us(),
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,

@@ -65,6 +65,9 @@ so a profile measured elsewhere never stands in for this machine's.
                     rows, decoding under random forced routing (`_split_host_fast`): per visit that
                     weighed candidates, the decision; per visit that waited, its wait row, the compute
                     stream's wait and the wait call's launch (null where no visit waited)
+      cpu_step_excess  {decode_us, raw_us, timed: "fast_loop", run_slots: 0} (step=fast with a model):
+                    the all-CPU run's decode layer step less what the simulator prices of it
+                    (`_cpu_step_excess`); the simulator adds decode_us to a decode step with CPU work
       non_expert    {moe_layers, prompt_tokens (the shortest of cost.runtime.prompt_tokens), decode_steps,
                     prefill, decode, decode_us_per_layer = decode median / moe_layers,
                     prefill_us_per_token_per_layer = prefill median / (prompt_tokens x moe_layers),
@@ -506,6 +509,28 @@ def _cpu_path_fast(model, rs: dict, vocab: int, multi_rows: list[dict]) -> tuple
     return one_rows + [_scaled_row(r, scale) for r in multi_rows], summary
 
 
+def _cpu_step_excess(section: dict) -> dict:
+    """cost.runtime.step=fast: what a decode layer step with CPU work costs in the fast loop beyond what
+    the model prices (the profile's runtime.cpu_step_excess): the all-CPU run's decode step
+    (`_cpu_path_fast`'s first run) per MoE layer, less that step as the simulator prices it from the
+    section's own rows (non-expert time, the visit without admissions, the operator at no resident
+    entry, the CPU-path call of top_k one-token entries, combined as the section's overlap says). On the
+    H200 host the fast loop's host points ran 4-8x slower with the CPU path between them than with every
+    expert resident (the manager's visit 43-78 us against 6-10: docs/benchmarks.md). `raw_us` keeps the
+    remainder, `decode_us` (what the simulator adds) is it clamped at 0: with it, the all-CPU run is
+    predicted exactly, as the all-resident one is."""
+    costs = RuntimeCosts.from_section(section, "calibrate")
+    run = next(r for r in section["cpu_path_prefill"]["runs"] if r["slots"] == 0)
+    layers = int(section["non_expert"]["moe_layers"])
+    k = costs.top_k
+    cpu = costs.cpu_call_us + k * float(costs.cpu_expert_us(1))
+    gpu = float(costs.kernel_row_us(1)[0])
+    halves = gpu + cpu if costs.overlap == "serial" else max(gpu, cpu)
+    priced = costs.non_expert_decode_us_per_layer + float(costs.visit_us(1)) + halves
+    raw = run["decode"]["median_us"] / layers - priced
+    return {"decode_us": max(raw, 0.0), "raw_us": raw, "timed": "fast_loop", "run_slots": 0}
+
+
 def _scaled_row(row: dict, scale: float) -> dict:
     times = {k: row[k] * scale for k in ("median_us", "p10_us", "p90_us")}
     return row | times | {"scaled_to_fast_loop": scale}
@@ -720,6 +745,7 @@ def measure_runtime(
         bar.step("runtime cpu path (fast loop)")
         multi = [r for r in section["cpu_path"] if r["tokens_per_expert"] != 1]
         section["cpu_path"], section["cpu_path_prefill"] = _cpu_path_fast(model, rs, vocab, multi)
+        section["cpu_step_excess"] = _cpu_step_excess(section)
         if base is not None:
             bar.step("runtime split host time (fast loop)")
             section["split_host"] = _split_host_fast(model, section, base, rs, vocab)
@@ -871,9 +897,16 @@ def runtime_summary(profile: CostProfile) -> dict:
     # The decode step the simulator's runtime formula gives (serial halves), all hits and all misses.
     layer = ne["decode_us_per_layer"] + float(costs.visit_us(1))
     all_hit = layer + float(costs.kernel_row_us(1)[k])
-    all_miss = layer + costs.cpu_call_us + k * float(costs.cpu_expert_us(1))
+    all_miss = layer + costs.cpu_call_us + k * float(costs.cpu_expert_us(1)) + costs.cpu_step_excess_us
     rows["decode ms/token, all hits (model)"] = all_hit * m["num_layers"] / 1e3
     rows["decode ms/token, all misses (model)"] = all_miss * m["num_layers"] / 1e3
+    excess = rt.get("cpu_step_excess")
+    if excess is not None:  # step=fast: the all-CPU run as timed (the all-misses row equals it)
+        run = next(r for r in rt["cpu_path_prefill"]["runs"] if r["slots"] == 0)
+        rows["decode ms/token, all on the CPU (fast loop, measured)"] = run["decode"]["median_us"] / 1e3
+        rows["cpu-step excess us/layer decode (fast loop; raw)"] = (
+            f"{excess['decode_us']:.1f} ({excess['raw_us']:.1f})"
+        )
     return rows
 
 
