@@ -778,12 +778,20 @@ def random_forcing(shape, prompt_tokens: int, tokens: int, seed: int = 0):
     drawn uniformly at random, random weights summing to 1. What `time_fast_steps` forces."""
     from moecache.runtime.forced_routing import ForcedRouting
 
+    ids_LNK, w_LNK = random_routing(shape, tokens, seed)
+    return ForcedRouting.from_arrays(
+        {"calibrate": (ids_LNK, w_LNK, prompt_tokens)}, num_experts=shape.num_experts
+    )
+
+
+def random_routing(shape, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 [L, tokens, K], weights float32 [L, tokens, K]): `random_forcing`'s routing."""
     rng = np.random.default_rng(seed)
     L, E, K = shape.num_layers, shape.num_experts, shape.top_k
     ids_LNK = np.argsort(rng.random((L, tokens, E)), axis=-1)[..., :K].astype(np.int64)
     w_LNK = rng.random((L, tokens, K), dtype=np.float32) + np.float32(0.1)
     w_LNK /= w_LNK.sum(axis=-1, keepdims=True)
-    return ForcedRouting.from_arrays({"calibrate": (ids_LNK, w_LNK, prompt_tokens)}, num_experts=E)
+    return ids_LNK, w_LNK
 
 
 def time_fast_steps(

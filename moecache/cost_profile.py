@@ -20,6 +20,7 @@ uses for the whole-step estimate:
     rc.cpu_expert_us(m)               # runtime CPU path, one more expert of m tokens in a call
     rc.cpu_call_us                    # ... its fixed cost per call (a step with at least one miss)
     rc.cpu_step_excess_us             # what else a decode layer step with CPU work costs in the fast loop
+    rc.cpu_step_excess_prefill_us     # ... a prefill layer step
     rc.visit_us(tokens)               # host cost of a layer step besides the two halves (layer_call)
     rc.copy_us                        # copy engine, one expert (None: measured without CUDA)
     rc.non_expert_decode_us_per_layer, rc.non_expert_prefill_us_per_token
@@ -273,9 +274,12 @@ def _check_runtime(rt, source: str) -> None:
                 )
     if rt.get("cpu_step_excess") is not None:
         _require(rt["cpu_step_excess"], ("decode_us", "raw_us"), "runtime.cpu_step_excess", source)
-        v = rt["cpu_step_excess"]["decode_us"]
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
-            raise MoecacheError(f"{source}: runtime.cpu_step_excess.decode_us={v!r}: expected a number >= 0")
+        for key in ("decode_us", "prefill_us"):
+            v = rt["cpu_step_excess"].get(key)
+            if key == "prefill_us" and v is None:  # not priced (calibrate without the profile so far)
+                continue
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
+                raise MoecacheError(f"{source}: runtime.cpu_step_excess.{key}={v!r}: expected a number >= 0")
     if rt["copy_engine"] is not None:
         _require(
             rt["copy_engine"],
@@ -379,9 +383,10 @@ class RuntimeCosts:
     # the profile has no such row (older profiles, a transformers-loop calibrate, no visit waited)
     split_decide_us: float = 0.0
     split_wait_us: float = 0.0
-    # a fast-loop decode layer step with CPU work, beyond its halves, non-expert time and visit
+    # a fast-loop layer step with CPU work, beyond its halves, non-expert time and visit (decode; prefill)
     # (runtime.cpu_step_excess, calibrate's all-CPU run); 0.0 where the profile has no such row
     cpu_step_excess_us: float = 0.0
+    cpu_step_excess_prefill_us: float = 0.0
     source: str = ""
 
     @classmethod
@@ -414,6 +419,7 @@ class RuntimeCosts:
             split_decide_us=_split_host(rt, "decide_us"),
             split_wait_us=_split_host(rt, "wait_us"),
             cpu_step_excess_us=float((rt.get("cpu_step_excess") or {}).get("decode_us") or 0.0),
+            cpu_step_excess_prefill_us=float((rt.get("cpu_step_excess") or {}).get("prefill_us") or 0.0),
             source=source,
         )
 

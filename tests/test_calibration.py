@@ -522,6 +522,14 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     priced = all_cpu - L * excess["raw_us"]  # the step the rows price without the excess
     assert not timed.hit_A.any()
     assert list(timed.forward_us_F) == pytest.approx([max(all_cpu, priced)] * 3, rel=1e-9)
+    # its prefill likewise: the prompt's forced routing as the simulator prices it, with the excess
+    run = next(r for r in rt["cpu_path_prefill"]["runs"] if r["slots"] == 0)
+    profile = json.loads((result.artifact / PROFILE_FILE).read_text())
+    with_excess = calibrate._priced_all_cpu_prefill_us(
+        profile, 12, {"cpu_path_decode_steps": 48, "repeats": 3}
+    )
+    assert excess["prefill_us"] == max(excess["prefill_raw_us"], 0.0) == costs.cpu_step_excess_prefill_us
+    assert with_excess == pytest.approx(run["prefill"]["median_us"] - L * min(excess["prefill_raw_us"], 0.0))
     # The one-token CPU-path rows are the fast loop's own calls (all-CPU and half-resident runs): several
     # entry counts, among them K (every entry of the all-CPU run's calls); the call cost is theirs.
     one = [r for r in rt["cpu_path"] if r["tokens_per_expert"] == 1]
@@ -707,7 +715,8 @@ def test_the_cpu_step_excess_is_paid_by_decode_steps_with_cpu_work(make_trace) -
         instant = instant_step_us(trace, replay_instant(trace, make_policy("lru"), 16).hit_A, cost)
         return timed, instant
 
-    (base, base_i), (more, more_i) = steps(None), steps({"decode_us": 40.0, "raw_us": 40.0})
+    excess = {"decode_us": 40.0, "raw_us": 40.0, "prefill_us": 25.0, "prefill_raw_us": 25.0}
+    (base, base_i), (more, more_i) = steps(None), steps(excess)
     for b, m, hit_A in ((base.step_us_V, more.step_us_V, base.hit_A), (base_i, more_i, None)):
         if hit_A is None:
             hit_A = replay_instant(trace, make_policy("lru"), 16).hit_A
@@ -716,10 +725,13 @@ def test_the_cpu_step_excess_is_paid_by_decode_steps_with_cpu_work(make_trace) -
         )
         decode_V = trace.phase_V == DECODE
         assert (miss_V & decode_V).any() and (miss_V & ~decode_V).any() and (~miss_V & decode_V).any()
-        assert list(m - b) == pytest.approx(list(np.where(miss_V & decode_V, 40.0, 0.0)))
-    for bad in (-1.0, "7", True, None):
-        d["runtime"]["cpu_step_excess"] = {"decode_us": bad, "raw_us": -1.0}
-        with pytest.raises(MoecacheError, match="runtime.cpu_step_excess.decode_us"):
+        assert list(m - b) == pytest.approx(list(np.where(miss_V, np.where(decode_V, 40.0, 25.0), 0.0)))
+    # a profile that did not price the prefill's (prefill_us null) adds none there
+    _, no_prefill = steps(excess | {"prefill_us": None})
+    assert list(no_prefill - base_i) == pytest.approx(list(np.where(miss_V & decode_V, 40.0, 0.0)))
+    for key, bad in [("decode_us", v) for v in (-1.0, "7", True, None)] + [("prefill_us", -1.0)]:
+        d["runtime"]["cpu_step_excess"] = excess | {key: bad}
+        with pytest.raises(MoecacheError, match=f"runtime.cpu_step_excess.{key}"):
             CostProfile.from_dict(d, "p.json")
 
 

@@ -321,10 +321,15 @@ class CostModel:
 
     def cpu_excess_V(self, trace) -> np.ndarray:
         """float64 [V]: what a layer step with CPU work costs beyond its halves, non-expert time and
-        visit: the profile's decode excess (RuntimeCosts.cpu_step_excess_us, the fast loop's all-CPU
-        run) on decode steps, 0 on prefill steps and without a runtime section."""
-        excess = 0.0 if self.runtime is None else self.runtime.cpu_step_excess_us
-        return np.where(trace.phase_V == DECODE, excess, 0.0).astype(np.float64)
+        visit: the profile's excess (RuntimeCosts.cpu_step_excess_us on decode steps,
+        cpu_step_excess_prefill_us on prefill steps: the fast loop's all-CPU run); 0 without a runtime
+        section."""
+        if self.runtime is None:
+            return np.zeros(trace.num_steps, np.float64)
+        rt = self.runtime
+        return np.where(trace.phase_V == DECODE, rt.cpu_step_excess_us, rt.cpu_step_excess_prefill_us).astype(
+            np.float64
+        )
 
     def cpu_call_us(self) -> float:
         """Fixed CPU-path cost of a step with misses (scaled); 0.0 without a runtime section."""
@@ -391,6 +396,7 @@ class CostModel:
                 "overlap": self.runtime.overlap,
                 "cpu_call_us": self.cpu_call_us(),
                 "cpu_step_excess_us": self.runtime.cpu_step_excess_us,
+                "cpu_step_excess_prefill_us": self.runtime.cpu_step_excess_prefill_us,
                 "kernel_us_T1": [float(v) for v in self.runtime.kernel_row_us(1)],
                 "visit_us_T1": float(self.runtime.visit_us(1)),
                 "copy_host_us": self.runtime.copy_host_us,

@@ -65,9 +65,10 @@ so a profile measured elsewhere never stands in for this machine's.
                     rows, decoding under random forced routing (`_split_host_fast`): per visit that
                     weighed candidates, the decision; per visit that waited, its wait row, the compute
                     stream's wait and the wait call's launch (null where no visit waited)
-      cpu_step_excess  {decode_us, raw_us, timed: "fast_loop", run_slots: 0} (step=fast with a model):
-                    the all-CPU run's decode layer step less what the simulator prices of it
-                    (`_cpu_step_excess`); the simulator adds decode_us to a decode step with CPU work
+      cpu_step_excess  {decode_us, raw_us, prefill_us, prefill_raw_us, timed: "fast_loop", run_slots: 0}
+                    (step=fast with a model): the all-CPU run's decode layer step, and its prefill per
+                    layer, less what the simulator prices of them (`_cpu_step_excess`); the simulator
+                    adds decode_us to a decode step with CPU work, prefill_us to such a prefill step
       non_expert    {moe_layers, prompt_tokens (the shortest of cost.runtime.prompt_tokens), decode_steps,
                     prefill, decode, decode_us_per_layer = decode median / moe_layers,
                     prefill_us_per_token_per_layer = prefill median / (prompt_tokens x moe_layers),
@@ -509,16 +510,18 @@ def _cpu_path_fast(model, rs: dict, vocab: int, multi_rows: list[dict]) -> tuple
     return one_rows + [_scaled_row(r, scale) for r in multi_rows], summary
 
 
-def _cpu_step_excess(section: dict) -> dict:
-    """cost.runtime.step=fast: what a decode layer step with CPU work costs in the fast loop beyond what
-    the model prices (the profile's runtime.cpu_step_excess): the all-CPU run's decode step
-    (`_cpu_path_fast`'s first run) per MoE layer, less that step as the simulator prices it from the
-    section's own rows (non-expert time, the visit without admissions, the operator at no resident
-    entry, the CPU-path call of top_k one-token entries, combined as the section's overlap says). On the
-    H200 host the fast loop's host points ran 4-8x slower with the CPU path between them than with every
-    expert resident (the manager's visit 43-78 us against 6-10: docs/benchmarks.md). `raw_us` keeps the
-    remainder, `decode_us` (what the simulator adds) is it clamped at 0: with it, the all-CPU run is
-    predicted exactly, as the all-resident one is."""
+def _cpu_step_excess(section: dict, base: dict | None, rs: dict) -> dict:
+    """cost.runtime.step=fast: what a layer step with CPU work costs in the fast loop beyond what the
+    model prices (the profile's runtime.cpu_step_excess), from the all-CPU run (`_cpu_path_fast`'s
+    first): per MoE layer, its decode step less that step as the simulator prices it from the section's
+    own rows (non-expert time, the visit without admissions, the operator at no resident entry, the
+    CPU-path call of top_k one-token entries, combined as the section's overlap says), and its prefill
+    less that prefill as the simulator prices it (`_priced_all_cpu_prefill_us`; needs `base`, the profile
+    measured so far: else null). On the H200 host the fast loop's host points ran 4-8x slower with the
+    CPU path between them than with every expert resident (the manager's visit 43-78 us against 6-10:
+    docs/benchmarks.md). `raw_us` / `prefill_raw_us` keep the remainders, `decode_us` / `prefill_us`
+    (what the simulator adds) are them clamped at 0: with them, the all-CPU run is predicted exactly, as
+    the all-resident one is."""
     costs = RuntimeCosts.from_section(section, "calibrate")
     run = next(r for r in section["cpu_path_prefill"]["runs"] if r["slots"] == 0)
     layers = int(section["non_expert"]["moe_layers"])
@@ -528,7 +531,42 @@ def _cpu_step_excess(section: dict) -> dict:
     halves = gpu + cpu if costs.overlap == "serial" else max(gpu, cpu)
     priced = costs.non_expert_decode_us_per_layer + float(costs.visit_us(1)) + halves
     raw = run["decode"]["median_us"] / layers - priced
-    return {"decode_us": max(raw, 0.0), "raw_us": raw, "timed": "fast_loop", "run_slots": 0}
+    out = {"decode_us": max(raw, 0.0), "raw_us": raw, "prefill_us": None, "prefill_raw_us": None}
+    if base is not None:
+        prompt = int(section["cpu_path_prefill"]["prompt_tokens"])
+        priced_prefill = _priced_all_cpu_prefill_us({**base, "runtime": section}, prompt, rs)
+        raw_prefill = (run["prefill"]["median_us"] - priced_prefill) / layers
+        out.update(prefill_us=max(raw_prefill, 0.0), prefill_raw_us=raw_prefill)
+    return out | {"timed": "fast_loop", "run_slots": 0}
+
+
+def _priced_all_cpu_prefill_us(profile: dict, prompt: int, rs: dict) -> float:
+    """The all-CPU run's prefill as the simulator prices it: the prompt's forced routing
+    (`calibration.random_forcing`, as `time_fast_steps` made it) as one prefill step per layer,
+    every access a miss, through the instant replay's step formula with `profile`."""
+    from moecache.sim.cost_model import CostModel, instant_step_us
+    from moecache.sim.trace_arrays import from_table
+    from moecache.trace.esft_import import EsftArrays, esft_to_table
+    from moecache.trace.schema import TraceMeta
+
+    m = profile["runtime"]["model"]
+    L, E, K = int(m["num_layers"]), int(m["num_experts"]), int(m["top_k"])
+    per_run = max(1, -(-int(rs["cpu_path_decode_steps"]) // max(3, int(rs["repeats"]) // 4)))
+    from moecache.sim.shape import ModelShape
+
+    shape = ModelShape(L, E, K, int(m["expert_bytes"]))
+    ids_LNK, w_LNK = cal.random_routing(shape, prompt + per_run)  # time_fast_steps' routing (seed 0)
+    arrays = EsftArrays(
+        expert_ids=np.ascontiguousarray(ids_LNK[:, :prompt].transpose(1, 0, 2)),
+        gate_weights=np.ascontiguousarray(w_LNK[:, :prompt].transpose(1, 0, 2)),
+        seq_offsets=np.array([0, prompt], np.int64),
+    )
+    meta = TraceMeta(L, E, K, int(m["expert_bytes"]), model="calibrate", source="random forcing")
+    trace = from_table(
+        esft_to_table(arrays, name="calibrate", run_id="calibrate", tokens_per_step=0, meta=meta), meta
+    )
+    cost = CostModel.for_trace(CostProfile.from_dict(profile, "calibrate's profile so far"), trace)
+    return float(instant_step_us(trace, np.zeros(trace.num_accesses, np.bool_), cost).sum())
 
 
 def _scaled_row(row: dict, scale: float) -> dict:
@@ -745,7 +783,7 @@ def measure_runtime(
         bar.step("runtime cpu path (fast loop)")
         multi = [r for r in section["cpu_path"] if r["tokens_per_expert"] != 1]
         section["cpu_path"], section["cpu_path_prefill"] = _cpu_path_fast(model, rs, vocab, multi)
-        section["cpu_step_excess"] = _cpu_step_excess(section)
+        section["cpu_step_excess"] = _cpu_step_excess(section, base, rs)
         if base is not None:
             bar.step("runtime split host time (fast loop)")
             section["split_host"] = _split_host_fast(model, section, base, rs, vocab)
@@ -907,6 +945,10 @@ def runtime_summary(profile: CostProfile) -> dict:
         rows["cpu-step excess us/layer decode (fast loop; raw)"] = (
             f"{excess['decode_us']:.1f} ({excess['raw_us']:.1f})"
         )
+        if excess.get("prefill_us") is not None:
+            rows["cpu-step excess us/layer prefill (fast loop; raw)"] = (
+                f"{excess['prefill_us']:.1f} ({excess['prefill_raw_us']:.1f})"
+            )
     return rows
 
 
