@@ -128,13 +128,18 @@ for r in runs:
     if us is not None:
         model = costs.cpu_call_us + n * float(costs.cpu_expert_us(1))
         print(f"{r['strategy']:16s} run {us:8.1f} us/call, {n:.2f} entries; profile {model:8.1f} us; manager "
-              f"{r['decode_manager_us_per_visit']:.1f} us/visit")
+              f"{r['decode_manager_us_per_visit']:.1f} us/visit, read-back wait "
+              f"{r.get('decode_readback_wait_us_per_visit') or 0:.1f} us/visit")
 for r in runs:
     errors = json.loads(r["fidelity_errors"]) if r.get("fidelity_errors") else None
     if errors:
         phases = "; ".join(f"{k} {v['measured_ms']:.2f} -> {v['predicted_ms']:.2f} ms/token ({v['error_pct']:+.1f}%)"
                            for k, v in errors.get("phases", {}).items())
         print(f"{r['strategy']:16s} time/token {errors['time_per_token_error_pct']:+.1f}%: {phases}")
+check = json.load(open(sys.argv[1])).get("machine_check")
+if check:
+    print(f"machine since calibrate ({check['probe']}): {check['change_pct_before']:+.1f}% before the runs,"
+          f" {check['change_pct_after']:+.1f}% after{' (changed)' if check['changed'] else ''}")
 PY
     ;;
   *) echo "unknown section $section"; exit 2 ;;

@@ -33,7 +33,7 @@ LOOPS = ("transformers", "fast")
 
 
 # DecodeResult fields a fast-loop generation reports (Generated.host)
-HOST_FIELDS = ("manager_s", "visits", "cpu_s", "cpu_calls", "cpu_entries")
+HOST_FIELDS = ("manager_s", "readback_wait_s", "visits", "cpu_s", "cpu_calls", "cpu_entries")
 
 
 @dataclass
@@ -44,8 +44,8 @@ class Generated:
     gaps_s: list[float]  # N - 1 gaps between consecutive generated tokens
     warmup_gaps: int  # the first gaps that were the decoder's warm-up (eager steps, graph capture)
     loop: str
-    # the fast loop's host points over its timed decode steps (DecodeResult): manager_s, visits, cpu_s,
-    # cpu_calls, cpu_entries; None for transformers
+    # the fast loop's host points over its timed decode steps (DecodeResult): manager_s, readback_wait_s,
+    # visits, cpu_s, cpu_calls, cpu_entries; None for transformers
     host: dict | None = None
 
 

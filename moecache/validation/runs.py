@@ -194,18 +194,23 @@ def measure(
                     cuda_peak, session, before, reference, outputs, latencies, loops, hooks, check, host)  # fmt: skip
 
 
-HOST_KEYS = ("decode_manager_us_per_visit", "decode_cpu_path_us_per_call", "decode_cpu_entries_per_call")
+HOST_KEYS = (
+    "decode_manager_us_per_visit", "decode_readback_wait_us_per_visit", "decode_cpu_path_us_per_call",
+    "decode_cpu_entries_per_call",
+)  # fmt: skip
 
 
 def _host_points(host: dict | None) -> dict:
     """The fast loop's host points over the timed decode steps (None elsewhere, or without calls): the
     manager's microseconds per visit, the CPU path's per call (a visit with misses: gather, run, result
-    to the device) and its (token, k) entries per call, to hold against the cost profile's rows."""
+    to the device) and its (token, k) entries per call, to hold against the cost profile's rows; the
+    host's wait for a layer's routing to be read back, per visit (the GPU's segment time it exposes)."""
     if not host:
         return dict.fromkeys(HOST_KEYS)
     visits, calls = host["visits"], host["cpu_calls"]
     return {
         "decode_manager_us_per_visit": 1e6 * host["manager_s"] / visits if visits else None,
+        "decode_readback_wait_us_per_visit": 1e6 * host["readback_wait_s"] / visits if visits else None,
         "decode_cpu_path_us_per_call": 1e6 * host["cpu_s"] / calls if calls else None,
         "decode_cpu_entries_per_call": host["cpu_entries"] / calls if calls else None,
     }

@@ -32,6 +32,7 @@ RUNS_SCHEMA = pa.schema(
         ("time_per_token_ms", pa.float64()),
         # the fast loop's host points over the timed decode steps (runs._host_points; null elsewhere)
         ("decode_manager_us_per_visit", pa.float64()),
+        ("decode_readback_wait_us_per_visit", pa.float64()),
         ("decode_cpu_path_us_per_call", pa.float64()),
         ("decode_cpu_entries_per_call", pa.float64()),
         ("peak_cpu_rss_bytes", pa.int64()),

@@ -187,9 +187,11 @@ def test_the_fast_loop_reports_its_host_points(transformers_run, fast_run):
             assert row["decode_manager_us_per_visit"] is None, key
             continue
         assert row["decode_manager_us_per_visit"] > 0, key
+        assert row["decode_readback_wait_us_per_visit"] == 0.0, key  # the stand-in: nothing to read back
         if key[0] in ("all_cpu", "selected"):  # misses run on the CPU (lru_sync waits for its copies)
             assert row["decode_cpu_path_us_per_call"] > 0, key
             assert 1 <= row["decode_cpu_entries_per_call"] <= K, key  # one decode token: at most K entries
         if key[0] == "all_resident":
             assert row["decode_cpu_path_us_per_call"] is None, key  # no miss, no CPU call
     assert all(r["decode_cpu_path_us_per_call"] is None for r in slow.values())
+    assert all(r["decode_readback_wait_us_per_visit"] is None for r in slow.values())
