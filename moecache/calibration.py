@@ -794,6 +794,11 @@ def random_routing(shape, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.nd
     return ids_LNK, w_LNK
 
 
+def decode_steps_per_generation(decode_steps: int, repeats: int) -> int:
+    """`time_fast_steps`' decode steps timed per generation: its routing covers prompt + these tokens."""
+    return max(1, -(-decode_steps // max(repeats, 1)))
+
+
 def time_fast_steps(
     model, *, prompt_tokens: int, decode_steps: int, repeats: int, warmup: int, vocab_size: int, seed: int = 0,
     cpu_log: list | None = None, timed_start=None,
@@ -810,7 +815,7 @@ def time_fast_steps(
     called once, before the first timed generation (its caller's counters start there)."""
     from moecache.validation.generation import FastLoop
 
-    per_run = max(1, -(-decode_steps // max(repeats, 1)))  # decode steps timed per generation
+    per_run = decode_steps_per_generation(decode_steps, repeats)
     gen = torch.Generator().manual_seed(seed)
     prompt = tuple(torch.randint(0, vocab_size, (prompt_tokens,), generator=gen).tolist())
     session = model.moecache
@@ -856,7 +861,7 @@ def time_model_steps(
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     prompt_1T = torch.randint(0, vocab_size, (1, prompt_tokens), generator=gen).to(device)
-    per_run = max(1, -(-decode_steps // max(repeats, 1)))  # decode steps timed per generation
+    per_run = decode_steps_per_generation(decode_steps, repeats)
     prefill, decode = [], []
     for n in range(warmup + repeats):
         stamp = (

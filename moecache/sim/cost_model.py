@@ -462,8 +462,7 @@ def _instant_step_us(
     summed in access order from 0.0: the sums np.bincount gives, so the result is bit-identical to the
     vectorised formula. With kernel rows (kernel_off_V not empty) the GPU time is the operator's row at
     the step's resident entries, the CPU time gains cpu_call_us + cpu_excess_V[s] when the step has a
-    miss, and `serial`
-    adds the two instead of taking their max."""
+    miss, and `serial` adds the two instead of taking their max."""
     fused = kernel_off_V.shape[0] > 0
     for s in range(step_us_V.shape[0]):
         gpu = 0.0

@@ -133,7 +133,8 @@ def _replay_timed(
     gpu_wait_W: one more entry). miss_mode: ON_MISS_CODES (0 cpu, 1 wait, 2 split).
     With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
     the operator's row at the step's usable resident entries, a step with a miss on the CPU adds
-    cpu_call_us + cpu_excess_V[s] (the profile's decode excess: CostModel.cpu_excess_V) to its CPU time, and `serial` adds the two halves instead of taking their max. Every admission adds
+    cpu_call_us + cpu_excess_V[s] (the profile's CPU-step excess of its phase: CostModel.cpu_excess_V)
+    to its CPU time, and `serial` adds the two halves instead of taking their max. Every admission adds
     `copy_host_us` of host time (its copy's enqueue) to its step."""
     fused = kernel_off_V.shape[0] > 0
     wait = miss_mode == 1

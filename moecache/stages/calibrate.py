@@ -447,6 +447,11 @@ def _non_expert_fast(loaded, section: dict, rs: dict, device: str, vocab: int) -
     return ne, model
 
 
+def _in_loop_repeats(rs: dict) -> int:
+    """Timed generations of each in-loop run (`_cpu_path_fast`, `_split_host_fast`)."""
+    return max(3, int(rs["repeats"]) // 4)
+
+
 CPU_LOG_MIN_CALLS = 5  # in-loop CPU-path calls of one entry count needed for its row (_cpu_path_fast)
 
 
@@ -478,7 +483,7 @@ def _cpu_path_fast(model, rs: dict, vocab: int, multi_rows: list[dict]) -> tuple
             install_hindsight(session.manager, half_G)
         prefill, decode = cal.time_fast_steps(
             model, prompt_tokens=prompt, decode_steps=int(rs["cpu_path_decode_steps"]),
-            repeats=max(3, int(rs["repeats"]) // 4), warmup=1, vocab_size=vocab, cpu_log=log,
+            repeats=_in_loop_repeats(rs), warmup=1, vocab_size=vocab, cpu_log=log,
         )  # fmt: skip
         runs.append({"slots": slots, "prefill": prefill.as_dict(), "decode": decode.as_dict()})
     by_entries: dict[int, list[float]] = {}
@@ -545,15 +550,14 @@ def _priced_all_cpu_prefill_us(profile: dict, prompt: int, rs: dict) -> float:
     (`calibration.random_forcing`, as `time_fast_steps` made it) as one prefill step per layer,
     every access a miss, through the instant replay's step formula with `profile`."""
     from moecache.sim.cost_model import CostModel, instant_step_us
+    from moecache.sim.shape import ModelShape
     from moecache.sim.trace_arrays import from_table
     from moecache.trace.esft_import import EsftArrays, esft_to_table
     from moecache.trace.schema import TraceMeta
 
     m = profile["runtime"]["model"]
     L, E, K = int(m["num_layers"]), int(m["num_experts"]), int(m["top_k"])
-    per_run = max(1, -(-int(rs["cpu_path_decode_steps"]) // max(3, int(rs["repeats"]) // 4)))
-    from moecache.sim.shape import ModelShape
-
+    per_run = cal.decode_steps_per_generation(int(rs["cpu_path_decode_steps"]), _in_loop_repeats(rs))
     shape = ModelShape(L, E, K, int(m["expert_bytes"]))
     ids_LNK, w_LNK = cal.random_routing(shape, prompt + per_run)  # time_fast_steps' routing (seed 0)
     arrays = EsftArrays(
@@ -623,7 +627,7 @@ def _split_host_fast(model, section: dict, base: dict, rs: dict, vocab: int) -> 
 
     cal.time_fast_steps(
         model, prompt_tokens=int(rs["cpu_path_prompt_tokens"]), decode_steps=int(rs["cpu_path_decode_steps"]),
-        repeats=max(3, int(rs["repeats"]) // 4), warmup=1, vocab_size=vocab, timed_start=timed_start,
+        repeats=_in_loop_repeats(rs), warmup=1, vocab_size=vocab, timed_start=timed_start,
     )  # fmt: skip
     decisions = stats.split_decisions - start["split_decisions"]
     waits = stats.split_waits - start["split_waits"]
