@@ -140,6 +140,25 @@ def _input(tokens: int, hidden: int, dtype: torch.dtype, device: torch.device | 
     return torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
 
 
+HOST_LOOP_ITEMS = 20_000  # one host-loop sample: this many iterations of a plain Python loop (~1 ms)
+
+
+def time_host_loop(repeats: int = 31, warmup: int = 3) -> Timing:
+    """Wall time of a fixed plain Python loop on this thread: the host thread's own speed, which the
+    runtime's host points (the manager's visit, the segments' launches) run at. calibrate records it
+    (`machine.host_loop`) and validate times it again (moecache/validation/machine_check.py)."""
+    samples_us = []
+    for n in range(warmup + repeats):
+        t0 = time.perf_counter_ns()
+        acc = 0
+        for i in range(HOST_LOOP_ITEMS):
+            acc += i * i
+        elapsed_us = (time.perf_counter_ns() - t0) / 1e3
+        if n >= warmup:
+            samples_us.append(elapsed_us)
+    return summarize(samples_us)
+
+
 @torch.inference_mode()
 def time_cpu_expert(
     pool: tuple[torch.Tensor, torch.Tensor], tokens: int, repeats: int, warmup: int, start: int = 0

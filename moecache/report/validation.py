@@ -141,8 +141,13 @@ def _machine_lines(check: dict | None) -> list[str]:
     if check is None:
         return []
     said = (
-        f"The machine since the cost profile was measured ({check['probe']}: {check['profile_median_us']:.1f} us"
-        f" then): {check['change_pct_before']:+.1f}% before the runs, {check['change_pct_after']:+.1f}% after."
+        "The machine since the cost profile was measured: "
+        + "; ".join(
+            f"{p['probe']} ({p['what']}: {p['profile_median_us']:.1f} us then) {p['change_pct_before']:+.1f}%"
+            f" before the runs, {p['change_pct_after']:+.1f}% after"
+            for p in check["probes"]
+        )
+        + "."
     )
     if check["changed"]:
         said += (

@@ -15,7 +15,8 @@ so a profile measured elsewhere never stands in for this machine's.
     schema_version  2
     shape           {hidden_size, moe_intermediate_size, params, expert_bytes (of `dtype`), source}
     dtype           the model's weight dtype (the headline and the one-expert copy use it)
-    machine         {cpu_model, cpu_count, gpu_model, torch, cuda, threads, llc_bytes, gpu_l2_bytes, loadavg_1m}
+    machine         {cpu_model, cpu_count, gpu_model, torch, cuda, threads, llc_bytes, gpu_l2_bytes, loadavg_1m,
+                     host_loop: a fixed Python loop's timing (`calibration.time_host_loop`)}
     cpu             [{dtype, tokens_per_call, median_us, p10_us, p90_us, repeats, pool_experts, threads}]
     cuda            same rows, timed with CUDA events around one eager expert call (its kernel launches
                     included: what a per-expert loop pays), or null when the run had no GPU
@@ -822,6 +823,7 @@ def measure(
     llc = cal.last_level_cache_bytes()
     # The load average tells a reader whether other work competed for the CPU while it was measured.
     machine = machine | {"llc_bytes": llc, "gpu_l2_bytes": None, "loadavg_1m": os.getloadavg()[0]}
+    machine["host_loop"] = cal.time_host_loop().as_dict()  # the host thread's speed (validate's check)
     expert_bytes = shape.bytes(cal.dtype_of(dtype))
     with _Progress(n_expert_points * (2 if on_gpu else 1) + (n_copy_points if on_gpu else 0)) as bar:
         with _threads(settings.get("threads")) as threads:

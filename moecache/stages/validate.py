@@ -324,11 +324,12 @@ def _summary(result: dict) -> dict:
     }
     out["predicted"] = "hit rate, time per token" if result["cost_profile"] else "hit rate (no cost profile)"
     check = result.get("machine_check")
-    if check is not None:
-        out["machine since calibrate"] = (
-            f"{check['change_pct_before']:+.1f}% before, {check['change_pct_after']:+.1f}% after"
-            + (" (changed)" if check["changed"] else "")
+    for p in (check or {}).get("probes", []):
+        out[f"machine since calibrate: {p['probe']}"] = (
+            f"{p['change_pct_before']:+.1f}% before, {p['change_pct_after']:+.1f}% after"
         )
+    if check is not None and check["changed"]:
+        out["machine since calibrate"] = f"changed (beyond {check['change_target_pct']:.0f}%)"
     for r in result["runs"]:
         if r["strategy"] in ("unmodified", "all_resident", "all_cpu", "selected"):
             where = f"{r['workload']} {r['strategy']}" + (

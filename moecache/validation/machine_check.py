@@ -2,15 +2,18 @@
 
 The simulator prices a run with the profile `moecache calibrate` measured; a fidelity error is the model's
 only while the machine runs as fast as it did then. On a shared host it may not (the H200 host's speed
-varied from call to call and within one: docs/benchmarks.md), so validate times one of the profile's own
-rows again, the same way (`calibration.time_cpu_expert`: one expert call on one token over a pool of the
-profile's size, its threads, its repeats), before its first run and after its last:
+varied from call to call and within one: docs/benchmarks.md), so validate times two of the profile's own
+measurements again, the same way, before its first run and after its last:
+- "cpu expert": the profile's one-token CPU expert row (`calibration.time_cpu_expert`: one expert call on
+  one token over a pool of the row's size, its threads, its repeats): the CPU path's speed;
+- "host loop": `machine.host_loop` (`calibration.time_host_loop`, a fixed Python loop on this thread): the
+  host thread's own speed, which the runtime's host points run at (profiles from before it lack it).
 
     check = compare(profile, probe(profile), probe(profile))
 
-`compare` gives each time's change against the profile's median, in percent, and `changed`: either
-change beyond CHANGE_PCT. validation.json keeps it (`machine_check`, null without a profile or without
-such a row) and the report says where the fidelity errors mix the model's error with the machine's
+`compare` gives each probe's change against the profile's median, in percent, and `changed`: any change
+beyond CHANGE_PCT. validation.json keeps it (`machine_check`, null without a profile or without either
+measurement) and the report says where the fidelity errors mix the model's error with the machine's
 change. It only reports: no prediction is rescaled by it.
 """
 
@@ -35,41 +38,55 @@ def probe_row(profile: CostProfile) -> dict | None:
     return None
 
 
-def probe(profile: CostProfile) -> dict | None:
-    """That row timed now as calibrate timed it (its pool size, threads and repeats; PROBE_WARMUP calls
-    first), or None where the profile has no such row."""
+def references(profile: CostProfile) -> dict[str, tuple[str, dict]]:
+    """{probe name: (what it times, the profile's timing)} of the probes this profile has."""
+    out = {}
     row = probe_row(profile)
-    if row is None:
-        return None
-    shape = cal.ExpertShape(int(profile.shape["hidden_size"]), int(profile.shape["moe_intermediate_size"]))
-    pool = cal.make_pool(shape, int(row["pool_experts"]), cal.dtype_of(row["dtype"]), "cpu")
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(row.get("threads") or before))
-    try:
-        timing = cal.time_cpu_expert(
-            pool, PROBE_TOKENS, int(row.get("repeats") or PROBE_REPEATS), PROBE_WARMUP
+    if row is not None:
+        threads = row.get("threads") or "default"
+        out["cpu expert"] = (f"one expert, {PROBE_TOKENS} token, {row['dtype']}, {threads} threads", row)
+    loop = (profile.machine or {}).get("host_loop")
+    if loop is not None:
+        out["host loop"] = (f"{cal.HOST_LOOP_ITEMS} Python loop iterations, one thread", loop)
+    return out
+
+
+def probe(profile: CostProfile) -> dict[str, dict]:
+    """Each of the profile's probes timed now as calibrate timed it: {name: timing dict}."""
+    out = {}
+    row = probe_row(profile)
+    if row is not None:
+        shape = cal.ExpertShape(
+            int(profile.shape["hidden_size"]), int(profile.shape["moe_intermediate_size"])
         )
-    finally:
-        torch.set_num_threads(before)
-    return timing.as_dict()
+        pool = cal.make_pool(shape, int(row["pool_experts"]), cal.dtype_of(row["dtype"]), "cpu")
+        before = torch.get_num_threads()
+        torch.set_num_threads(int(row.get("threads") or before))
+        try:
+            repeats = int(row.get("repeats") or PROBE_REPEATS)
+            out["cpu expert"] = cal.time_cpu_expert(pool, PROBE_TOKENS, repeats, PROBE_WARMUP).as_dict()
+        finally:
+            torch.set_num_threads(before)
+    if (profile.machine or {}).get("host_loop") is not None:
+        out["host loop"] = cal.time_host_loop().as_dict()
+    return out
 
 
-def compare(profile: CostProfile, before: dict | None, after: dict | None) -> dict | None:
-    """The check's record (module docstring), or None without the row or a probe."""
-    row = probe_row(profile)
-    if row is None or before is None or after is None:
+def compare(profile: CostProfile, before: dict[str, dict], after: dict[str, dict]) -> dict | None:
+    """The check's record (module docstring): per probe timed both times, the profile's median, the two
+    medians now and their changes in percent; None where no probe was."""
+    probes = []
+    for name, (what, ref) in references(profile).items():
+        if name not in before or name not in after:
+            continue
+        base = float(ref["median_us"])
+        b, a = float(before[name]["median_us"]), float(after[name]["median_us"])
+        probes.append({
+            "probe": name, "what": what, "profile_median_us": base, "before_median_us": b,
+            "after_median_us": a, "change_pct_before": 100.0 * (b - base) / base,
+            "change_pct_after": 100.0 * (a - base) / base,
+        })  # fmt: skip
+    if not probes:
         return None
-    ref = float(row["median_us"])
-    change = {
-        k: 100.0 * (float(t["median_us"]) - ref) / ref for k, t in (("before", before), ("after", after))
-    }
-    return {
-        "probe": f"cpu expert, {PROBE_TOKENS} token, {row['dtype']}, {row.get('threads') or 'default'} threads",
-        "profile_median_us": ref,
-        "before_median_us": float(before["median_us"]),
-        "after_median_us": float(after["median_us"]),
-        "change_pct_before": change["before"],
-        "change_pct_after": change["after"],
-        "change_target_pct": CHANGE_PCT,
-        "changed": any(abs(c) > CHANGE_PCT for c in change.values()),
-    }
+    changed = any(abs(p[k]) > CHANGE_PCT for p in probes for k in ("change_pct_before", "change_pct_after"))
+    return {"probes": probes, "change_target_pct": CHANGE_PCT, "changed": changed}

@@ -56,16 +56,25 @@ def test_the_error_per_phase_is_a_table_of_its_own(tmp_path):
 
 
 def test_the_machine_check_is_said_and_a_change_is_flagged(tmp_path):
-    check = {
-        "probe": "cpu expert, 1 token, bfloat16, 16 threads", "profile_median_us": 600.0,
-        "before_median_us": 630.0, "after_median_us": 990.0, "change_pct_before": 5.0,
-        "change_pct_after": 65.0, "change_target_pct": 10.0, "changed": True,
+    cpu = {
+        "probe": "cpu expert", "what": "one expert, 1 token, bfloat16, 16 threads", "profile_median_us": 600.0,
+        "before_median_us": 630.0, "after_median_us": 990.0, "change_pct_before": 5.0, "change_pct_after": 65.0,
     }  # fmt: skip
+    host = cpu | {"probe": "host loop", "what": "20000 Python loop iterations, one thread", "profile_median_us": 900.0,
+                  "change_pct_before": 1.0, "change_pct_after": 2.0}  # fmt: skip
+    check = {"probes": [cpu, host], "change_target_pct": 10.0, "changed": True}
     text, _ = section(artifact(tmp_path / "validate-4", 0.3, None, check), "decide-abc", tmp_path / "f")
-    assert "16 threads: 600.0 us then): +5.0% before the runs, +65.0% after. Beyond 10%" in text
-    quiet = check | {"after_median_us": 630.0, "change_pct_after": 5.0, "changed": False}
+    assert (
+        "cpu expert (one expert, 1 token, bfloat16, 16 threads: 600.0 us then) +5.0% before the runs, +65.0% after;"
+        in text
+    )
+    assert (
+        "host loop (20000 Python loop iterations, one thread: 900.0 us then) +1.0%" in text
+        and "Beyond 10%" in text
+    )
+    quiet = {"probes": [host], "change_target_pct": 10.0, "changed": False}
     text, _ = section(artifact(tmp_path / "validate-5", 0.3, None, quiet), "decide-abc", tmp_path / "f")
-    assert "+5.0% after." in text and "Beyond" not in text
+    assert "+2.0% after." in text and "Beyond" not in text
     text, _ = section(artifact(tmp_path / "validate-6", 0.3), "decide-abc", tmp_path / "f")
     assert "since the cost profile" not in text
 
