@@ -100,7 +100,7 @@ for section in "$@"; do
     ROOT=output_root=$PWD/.device-data/outputs
     M="model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda $ROOT"
     if [ -n "${PROFILE:-}" ]; then  # a profile calibrated before (a cost_profile.json path): no calibrate
-      PROF=$PWD/$PROFILE
+      case "$PROFILE" in /*) PROF=$PROFILE ;; *) PROF=$PWD/$PROFILE ;; esac
     else
       echo "== calibrate DeepSeek-V2-Lite (cost.runtime.step=fast)"
       timeout "${CAL_S:-300}" python3 -m moecache.cli calibrate $M cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
