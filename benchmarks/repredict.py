@@ -1,0 +1,76 @@
+"""A validate artifact's runs predicted again with other cost profiles: each run's recorded trace replayed
+through the simulator (`validation.predict`, as validate predicts it) per profile; a table of the errors
+(time per token, decode, prefill) and one JSON line.
+
+    python benchmarks/repredict.py VALIDATION_JSON TRACES_ROOT PROFILE [PROFILE ...] [--add-excess]
+
+TRACES_ROOT holds the runs' `traces/...` paths (the artifact's folder, or where h200_round's
+traces_dsv2.tgz was unpacked). `--add-excess`: each profile also with `runtime.cpu_step_excess` computed
+from its own in-loop runs (calibrate's `_cpu_step_excess`, for a profile measured before it existed)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+from pathlib import Path
+
+from moecache.sim.policy_spec import PolicySpec
+from moecache.validation import predict
+from moecache.validation.baselines import STRATEGIES, build
+
+
+def with_excess(path: str, out_dir: Path) -> str:
+    from moecache.stages.calibrate import _cpu_step_excess
+
+    data = json.loads(Path(path).read_text())
+    base = {k: v for k, v in data.items() if k != "runtime"}
+    more = copy.deepcopy(data)
+    more["runtime"]["cpu_step_excess"] = _cpu_step_excess(data["runtime"], base, data["settings"]["runtime"])
+    out = out_dir / f"{Path(path).stem}+excess.json"
+    out.write_text(json.dumps(more))
+    return str(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("validation_json")
+    ap.add_argument("traces_root")
+    ap.add_argument("profiles", nargs="+")
+    ap.add_argument("--add-excess", action="store_true")
+    args = ap.parse_args()
+    result = json.loads(Path(args.validation_json).read_text())
+    selected = PolicySpec.of(result["selected"]["policy"], result["selected"]["params"])
+    on_miss = next((r["on_miss"] for r in result["runs"] if r["strategy"] == "selected"), "cpu")
+    strategies = {s.name: s for s in build(list(STRATEGIES), selected, on_miss or "cpu")}
+    tmp = Path(tempfile.mkdtemp(prefix="repredict-"))
+    profiles = list(args.profiles)
+    if args.add_excess:
+        profiles += [with_excess(p, tmp) for p in args.profiles]
+    rows = []
+    for run in result["runs"]:
+        if run["strategy"] not in strategies:
+            continue
+        spec = strategies[run["strategy"]]
+        trace = Path(args.traces_root) / run["trace"]
+        for profile in profiles:
+            got = predict.predict(trace, spec.sim_policy, run["slots"], profile, run, on_miss=run["on_miss"])
+            errors = json.loads(got["fidelity_errors"])
+            phases = errors.get("phases", {})
+            rows.append({
+                "strategy": run["strategy"], "profile": Path(profile).name,
+                "time_per_token_error_pct": errors["time_per_token_error_pct"],
+                "decode_error_pct": phases.get("decode", {}).get("error_pct"),
+                "prefill_error_pct": phases.get("prefill", {}).get("error_pct"),
+            })  # fmt: skip
+    print(f"{'strategy':17s} | {'profile':36s} | time/token | decode | prefill")
+    for r in rows:
+        fmt = lambda v: "-" if v is None else f"{v:+.1f}%"  # noqa: E731
+        print(f"{r['strategy']:17s} | {r['profile']:36s} | {fmt(r['time_per_token_error_pct']):>10s} | "
+              f"{fmt(r['decode_error_pct']):>6s} | {fmt(r['prefill_error_pct']):>7s}")  # fmt: skip
+    print(json.dumps({"bench": "repredict", "validation": args.validation_json, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
