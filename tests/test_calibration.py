@@ -458,7 +458,7 @@ def test_calibrate_measures_the_runtime_on_cuda(tmp_path) -> None:
 
 FAST_RUNTIME = [  # the operator timed at the prompts' lengths too: extrapolated past T=4 to the 8-token
     # prefill, the stand-in's operator row could exceed the whole all-resident step it is taken off
-    "cost.runtime.repeats=3", "cost.runtime.warmup=1", "cost.runtime.kernel_tokens=[1,4,8]",
+    "cost.runtime.repeats=5", "cost.runtime.warmup=1", "cost.runtime.kernel_tokens=[1,4,8]",
     "cost.runtime.cpu_tokens_per_expert=[1]", "cost.runtime.visit_tokens=[1,16]",
     "cost.runtime.prompt_tokens=[4,8]", "cost.runtime.decode_steps=3", "cost.runtime.step=fast",
     "cost.runtime.cpu_path_decode_steps=48", "cost.runtime.cpu_path_prompt_tokens=12",
@@ -526,9 +526,7 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     # its prefill likewise: the prompt's forced routing as the simulator prices it, with the excess
     run = next(r for r in rt["cpu_path_prefill"]["runs"] if r["slots"] == 0)
     profile = json.loads((result.artifact / PROFILE_FILE).read_text())
-    with_excess = calibrate._priced_all_cpu_prefill_us(
-        profile, 12, {"cpu_path_decode_steps": 48, "repeats": 3}
-    )
+    with_excess = calibrate._priced_all_cpu_prefill_us(profile, 12, profile["settings"]["runtime"])
     assert excess["prefill_us"] == max(excess["prefill_raw_us"], 0.0) == costs.cpu_step_excess_prefill_us
     assert with_excess == pytest.approx(run["prefill"]["median_us"] - L * min(excess["prefill_raw_us"], 0.0))
     # The one-token CPU-path rows are the fast loop's own calls (all-CPU and half-resident runs): several
