@@ -523,9 +523,9 @@ def _cpu_step_excess(section: dict, base: dict | None, rs: dict) -> dict:
     own rows (non-expert time, the visit without admissions, the operator at no resident entry, the
     CPU-path call of top_k one-token entries, combined as the section's overlap says), and its prefill
     less that prefill as the simulator prices it (`_priced_all_cpu_prefill_us`; needs `base`, the profile
-    measured so far: else null). On the H200 host the fast loop's host points ran 4-8x slower with the
-    CPU path between them than with every expert resident (the manager's visit 43-78 us against 6-10:
-    docs/benchmarks.md). `raw_us` / `prefill_raw_us` keep the remainders, `decode_us` / `prefill_us`
+    measured so far: else null). On the H200 host the fast loop's host points ran 4-13x slower with the
+    CPU path between them than the profile's visit rows price them (the manager's visit 43-78 us per
+    visit in those runs against 6-10: docs/benchmarks.md). `raw_us` / `prefill_raw_us` keep the remainders, `decode_us` / `prefill_us`
     (what the simulator adds) are them clamped at 0: with them, the all-CPU run is predicted exactly, as
     the all-resident one is."""
     costs = RuntimeCosts.from_section(section, "calibrate")
