@@ -247,6 +247,10 @@ def _split_host(rt: dict, key: str) -> float:
     return 0.0 if row is None or row.get(key) is None else float(row[key])
 
 
+def _at_least_0(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
 def _check_runtime(rt, source: str) -> None:
     _require(rt, _RUNTIME_KEYS, "runtime", source)
     _require(rt["model"], _RUNTIME_MODEL_KEYS, "runtime.model", source)
@@ -268,7 +272,7 @@ def _check_runtime(rt, source: str) -> None:
         )
         for key in ("decide_us", "wait_us"):
             v = rt["split_host"][key]
-            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
+            if v is not None and not _at_least_0(v):
                 raise MoecacheError(
                     f"{source}: runtime.split_host.{key}={v!r}: expected a number >= 0 or null"
                 )
@@ -276,9 +280,9 @@ def _check_runtime(rt, source: str) -> None:
         _require(rt["cpu_step_excess"], ("decode_us", "raw_us"), "runtime.cpu_step_excess", source)
         for key in ("decode_us", "prefill_us"):
             v = rt["cpu_step_excess"].get(key)
-            if key == "prefill_us" and v is None:  # not priced (calibrate without the profile so far)
+            if key == "prefill_us" and v is None:  # a profile that prices the decode's alone
                 continue
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
+            if not _at_least_0(v):
                 raise MoecacheError(f"{source}: runtime.cpu_step_excess.{key}={v!r}: expected a number >= 0")
     if rt["copy_engine"] is not None:
         _require(

@@ -526,7 +526,10 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     # its prefill likewise: the prompt's forced routing as the simulator prices it, with the excess
     run = next(r for r in rt["cpu_path_prefill"]["runs"] if r["slots"] == 0)
     profile = json.loads((result.artifact / PROFILE_FILE).read_text())
-    with_excess = calibrate._priced_all_cpu_prefill_us(profile, 12, profile["settings"]["runtime"])
+    with_excess, decode_with_excess = calibrate._priced_all_cpu_us(
+        profile, 12, profile["settings"]["runtime"]
+    )
+    assert decode_with_excess == pytest.approx(max(all_cpu, priced), rel=1e-9)  # as the timed replay's
     assert excess["prefill_us"] == max(excess["prefill_raw_us"], 0.0) == costs.cpu_step_excess_prefill_us
     assert with_excess == pytest.approx(run["prefill"]["median_us"] - L * min(excess["prefill_raw_us"], 0.0))
     # The one-token CPU-path rows are the fast loop's own calls (all-CPU and half-resident runs): several

@@ -40,11 +40,14 @@ computes, then the sum. On CUDA the two halves overlap (`overlap` "parallel", wh
 there, for both decode loops); on the CPU stand-in, where the operator is host work too, they run one
 after the other ("serial"):
 
-    step = non-expert(T) + visit(T) + kernel(T, N) + [misses] (cpu_call + sum over missed experts cpu(M))
+    step = non-expert(T) + visit(T) + kernel(T, N)
+           + [misses] (cpu_call + excess(phase) + sum over missed experts cpu(M))
 
 with T the step's tokens, N the resident (token, k) entries (the sum of the hits' uses), kernel the
 operator's measured time for one call (`kernel_tables`: one row per distinct T of the trace),
-cpu_call the CPU path's fixed cost per call and cpu(M) its cost per missed expert of M tokens;
+cpu_call the CPU path's fixed cost per call, excess what else a step with CPU work costs the fast loop
+(`cpu_excess_V`, calibrate's all-CPU run; 0 without it; the split rule weighs cpu_call alone, in the
+replay and the runtime alike) and cpu(M) its cost per missed expert of M tokens;
 "parallel" takes max(kernel, cpu part) instead of their sum. The non-expert time is measured per MoE
 layer (decode) and per token per MoE layer (prefill) on the model with its routed experts replaced by
 zeros; a positive `non_expert_us_per_layer` / `non_expert_us_per_prefill_token` override replaces it

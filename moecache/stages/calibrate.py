@@ -516,40 +516,33 @@ def _cpu_path_fast(model, rs: dict, vocab: int, multi_rows: list[dict]) -> tuple
     return one_rows + [_scaled_row(r, scale) for r in multi_rows], summary
 
 
-def _cpu_step_excess(section: dict, base: dict | None, rs: dict) -> dict:
+def _cpu_step_excess(section: dict, base: dict, rs: dict) -> dict:
     """cost.runtime.step=fast: what a layer step with CPU work costs in the fast loop beyond what the
     model prices (the profile's runtime.cpu_step_excess), from the all-CPU run (`_cpu_path_fast`'s
-    first): per MoE layer, its decode step less that step as the simulator prices it from the section's
-    own rows (non-expert time, the visit without admissions, the operator at no resident entry, the
-    CPU-path call of top_k one-token entries, combined as the section's overlap says), and its prefill
-    less that prefill as the simulator prices it (`_priced_all_cpu_prefill_us`; needs `base`, the profile
-    measured so far: else null). On the H200 host the fast loop's host points ran 4-13x slower with the
-    CPU path between them than the profile's visit rows price them (the manager's visit 43-78 us per
-    visit in those runs against 6-10: docs/benchmarks.md). `raw_us` / `prefill_raw_us` keep the remainders, `decode_us` / `prefill_us`
+    first): per MoE layer, its decode step and its prefill less the same as the simulator prices them
+    with the profile measured so far (`base` with this `section`: `_priced_all_cpu_us`). On the H200
+    host the fast loop's host points ran 4-13x slower with the CPU path between them than the profile's
+    visit rows price them (the manager's visit 43-78 us per visit in those runs against 6-10:
+    docs/benchmarks.md). `raw_us` / `prefill_raw_us` keep the remainders, `decode_us` / `prefill_us`
     (what the simulator adds) are them clamped at 0: with them, the all-CPU run is predicted exactly, as
     the all-resident one is."""
-    costs = RuntimeCosts.from_section(section, "calibrate")
     run = next(r for r in section["cpu_path_prefill"]["runs"] if r["slots"] == 0)
     layers = int(section["non_expert"]["moe_layers"])
-    k = costs.top_k
-    cpu = costs.cpu_call_us + k * float(costs.cpu_expert_us(1))
-    gpu = float(costs.kernel_row_us(1)[0])
-    halves = gpu + cpu if costs.overlap == "serial" else max(gpu, cpu)
-    priced = costs.non_expert_decode_us_per_layer + float(costs.visit_us(1)) + halves
-    raw = run["decode"]["median_us"] / layers - priced
-    out = {"decode_us": max(raw, 0.0), "raw_us": raw, "prefill_us": None, "prefill_raw_us": None}
-    if base is not None:
-        prompt = int(section["cpu_path_prefill"]["prompt_tokens"])
-        priced_prefill = _priced_all_cpu_prefill_us({**base, "runtime": section}, prompt, rs)
-        raw_prefill = (run["prefill"]["median_us"] - priced_prefill) / layers
-        out.update(prefill_us=max(raw_prefill, 0.0), prefill_raw_us=raw_prefill)
-    return out | {"timed": "fast_loop", "run_slots": 0}
+    prompt = int(section["cpu_path_prefill"]["prompt_tokens"])
+    prefill_us, decode_us = _priced_all_cpu_us({**base, "runtime": section}, prompt, rs)
+    raw = (run["decode"]["median_us"] - decode_us) / layers
+    raw_prefill = (run["prefill"]["median_us"] - prefill_us) / layers
+    return {
+        "decode_us": max(raw, 0.0), "raw_us": raw, "prefill_us": max(raw_prefill, 0.0),
+        "prefill_raw_us": raw_prefill, "timed": "fast_loop", "run_slots": 0,
+    }  # fmt: skip
 
 
-def _priced_all_cpu_prefill_us(profile: dict, prompt: int, rs: dict) -> float:
-    """The all-CPU run's prefill as the simulator prices it: the prompt's forced routing
-    (`calibration.random_forcing`, as `time_fast_steps` made it) as one prefill step per layer,
-    every access a miss, through the instant replay's step formula with `profile`."""
+def _priced_all_cpu_us(profile: dict, prompt: int, rs: dict) -> tuple[float, float]:
+    """The all-CPU run as the simulator prices it with `profile`: its forced routing
+    (`calibration.random_routing`, as `time_fast_steps` drew it), the prompt as one prefill step per
+    layer and each later token a decode step, every access a miss, through the instant replay's step
+    formula: (the prefill's us, a decode token's us, the median over the generation's tokens)."""
     from moecache.sim.cost_model import CostModel, instant_step_us
     from moecache.sim.shape import ModelShape
     from moecache.sim.trace_arrays import from_table
@@ -561,17 +554,26 @@ def _priced_all_cpu_prefill_us(profile: dict, prompt: int, rs: dict) -> float:
     per_run = cal.decode_steps_per_generation(int(rs["cpu_path_decode_steps"]), _in_loop_repeats(rs))
     shape = ModelShape(L, E, K, int(m["expert_bytes"]))
     ids_LNK, w_LNK = cal.random_routing(shape, prompt + per_run)  # time_fast_steps' routing (seed 0)
-    arrays = EsftArrays(
-        expert_ids=np.ascontiguousarray(ids_LNK[:, :prompt].transpose(1, 0, 2)),
-        gate_weights=np.ascontiguousarray(w_LNK[:, :prompt].transpose(1, 0, 2)),
-        seq_offsets=np.array([0, prompt], np.int64),
-    )
     meta = TraceMeta(L, E, K, int(m["expert_bytes"]), model="calibrate", source="random forcing")
-    trace = from_table(
-        esft_to_table(arrays, name="calibrate", run_id="calibrate", tokens_per_step=0, meta=meta), meta
-    )
-    cost = CostModel.for_trace(CostProfile.from_dict(profile, "calibrate's profile so far"), trace)
-    return float(instant_step_us(trace, np.zeros(trace.num_accesses, np.bool_), cost).sum())
+    costs = CostProfile.from_dict(profile, "calibrate's profile so far")
+
+    def step_us(tokens: slice, tokens_per_step: int) -> np.ndarray:
+        arrays = EsftArrays(
+            expert_ids=np.ascontiguousarray(ids_LNK[:, tokens].transpose(1, 0, 2)),
+            gate_weights=np.ascontiguousarray(w_LNK[:, tokens].transpose(1, 0, 2)),
+            seq_offsets=np.array([0, ids_LNK[:, tokens].shape[1]], np.int64),
+        )
+        table = esft_to_table(
+            arrays, name="calibrate", run_id="calibrate", tokens_per_step=tokens_per_step, meta=meta
+        )
+        trace = from_table(table, meta)
+        return instant_step_us(
+            trace, np.zeros(trace.num_accesses, np.bool_), CostModel.for_trace(costs, trace)
+        )
+
+    prefill_V = step_us(slice(0, prompt), 0)  # one step per layer
+    decode_V = step_us(slice(prompt, prompt + per_run), 1)  # per token, a step per layer (layer-major rows)
+    return float(prefill_V.sum()), float(np.median(decode_V.reshape(-1, L).sum(axis=1)))
 
 
 def _scaled_row(row: dict, scale: float) -> dict:
@@ -788,8 +790,8 @@ def measure_runtime(
         bar.step("runtime cpu path (fast loop)")
         multi = [r for r in section["cpu_path"] if r["tokens_per_expert"] != 1]
         section["cpu_path"], section["cpu_path_prefill"] = _cpu_path_fast(model, rs, vocab, multi)
-        section["cpu_step_excess"] = _cpu_step_excess(section, base, rs)
-        if base is not None:
+        if base is not None:  # both weigh the profile measured so far
+            section["cpu_step_excess"] = _cpu_step_excess(section, base, rs)
             bar.step("runtime split host time (fast loop)")
             section["split_host"] = _split_host_fast(model, section, base, rs, vocab)
         del model
