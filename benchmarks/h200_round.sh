@@ -6,8 +6,10 @@
 #   bench_cpu_experts with kt-kernel where .whl/kt is carried; STORE_EXPERTS=10240 adds the full-size
 #   store (register time, peak RSS) (runtime_quick: the device, manager and
 #   decode-loop GPU tests, bench_runtime copy and manager).
-# kernels: tests/kernels' GPU tests, tuning the Qwen3.6 decode (two-stage and pdl variants, prefill entries
-#   kept), bench_slot_moe at T = 1, 4, 16.
+# kernels: tests/kernels' GPU tests (KERNEL_TESTS= their -k), tuning the Qwen3.6 decode (TUNE_TOKENS, default
+#   1 4 16; tune_slot_moe's default variants, two_stage and l2; prefill entries kept), bench_slot_moe at
+#   T = 1, 4, 16. prefill_shape: tune another shape's prefill (SHAPE=, PREFILL_TOKENS=, TUNE_S=) and bench it
+#   at T = 4096 beside Qwen3.6.
 # manager: bench_runtime's manager section (SPLIT_PROFILE=<cost_profile.json>: again with on_miss=split),
 #   and bench_copy_enqueue (one copy's host cost, torch's and the driver's).
 # decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; COMPILE=1 adds
@@ -62,8 +64,8 @@ for section in "$@"; do
     echo "== kernel GPU tests"
     PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 -m pytest tests/kernels -q -p no:cacheprovider -m gpu -k "${KERNEL_TESTS:-pdl or determin or graph}" 2>&1 | tail -8 | tee "$OUT/kernel_tests.txt"
     echo "== tune the Qwen3.6 decode"
-    PYTHONPATH=/tmp/mk:$PWD timeout 140 python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 \
-      --tokens 1 4 16 --budget-s "${TUNE_S:-100}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune.txt"
+    PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-100} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 \
+      --tokens ${TUNE_TOKENS:-1 4 16} --budget-s "${TUNE_S:-100}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune.txt"
     for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-qwen3_6.json"; done
     echo "== bench_slot_moe T = 1, 4, 16"
     PYTHONPATH=/tmp/mk:$PWD timeout 120 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16 2>&1 | tail -40 | tee "$OUT/bench_slot_moe.txt" ;;
@@ -80,6 +82,17 @@ for section in "$@"; do
     for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-prefill-qwen3_6.json"; done
     echo "== bench_slot_moe T = 512, 4096"
     PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 512 4096 2>&1 | tail -40 | tee "$OUT/bench_slot_moe_prefill.txt" ;;
+  prefill_shape)
+    # tune the prefill (T = 4096) of one more shape of bench_slot_moe's (SHAPE=dsv2-lite, qwen3-30b, large),
+    # then bench_slot_moe at T = 4096 for it and Qwen3.6
+    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
+    read -r H I E K <<<"$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from bench_slot_moe import SHAPES; print(*SHAPES['${SHAPE:-dsv2-lite}'])")"
+    echo "== tune the ${SHAPE:-dsv2-lite} prefill (H $H, I $I, E $E, K $K; T = ${PREFILL_TOKENS:-4096})"
+    PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-90} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden $H --inter $I --experts $E \
+      --top-k $K --tokens ${PREFILL_TOKENS:-4096} --budget-s "${TUNE_S:-90}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune_prefill_${SHAPE:-dsv2-lite}.txt"
+    for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-prefill-${SHAPE:-dsv2-lite}.json"; done
+    echo "== bench_slot_moe T = 4096, ${SHAPE:-dsv2-lite} and qwen3.6"
+    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 4096 --shapes qwen3.6 ${SHAPE:-dsv2-lite} 2>&1 | tail -20 | tee "$OUT/bench_slot_moe_4096.txt" ;;
   decode)
     echo "== bench_decode Qwen3.6, all resident, fused vs split"
     timeout ${DECODE_S:-420} python3 benchmarks/bench_decode.py --model $QWEN --capacities 100% --prompt-tokens 512 \

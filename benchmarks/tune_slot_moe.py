@@ -4,7 +4,8 @@ For each token count T, times candidate block sizes (triton.testing.do_bench ove
 flushed, routings rotating over the whole expert pool so weights are cold) and keeps the fastest, checking each result
 against the default config's. For T > 16 (prefill) the layout and TMA keys, BLOCK_M and the two stages'
 tiles are searched likeliest first (PREFILL_LAYOUT below), the stages in turns; for T <= 16
-both decode variants ("two_stage" and "fused", see kernels/slot_moe_config.py) are searched, their
+the named decode variants (--decode-variants: "two_stage" and "l2" by default, see
+kernels/slot_moe_config.py) are searched, their
 candidates taken in turns so that a short budget tries both, and the faster variant's best is kept. The
 search stops at --budget-s (the best found so far is kept), and the file is written atomically:
 `E=..,N=..,device_name=..,dtype=bfloat16.json`, which `slot_moe` then loads for this device and shape.
@@ -34,6 +35,9 @@ DECODE_GATE_UP = [{"BLOCK_I": i, "BLOCK_H": h, "num_warps": w}
 DECODE_DOWN = [{"BLOCK_H": h, "BLOCK_I": i, "num_warps": w}
                for h, i, w in itertools.product((1, 2, 4, 8, 16), (128, 256, 512), (4, 8))]  # fmt: skip
 PDL_DOWN = [{"BLOCK_H": h, "num_warps": w} for h, w in itertools.product((1, 2, 4, 8, 16), (4, 8))]
+# the "l2" decode: prefetch programs per pair and their load width first, then the down tile (it reads L2
+# now), then the gate/up tile
+L2_PREFETCH = [{"programs": p} for p in (8, 32, 4, 64, 2)] + [{"BLOCK_P": b} for b in (1024, 4096, 512, 8192)]
 # prefill, likeliest first, so that a short --budget-s spends itself on these: each item is merged into the
 # best entry so far (with_choice). The layout and TMA first (kernels/slot_moe_config.py), then BLOCK_M, then
 # each stage's tile with its warps, its pipeline depth and its GROUP_M (the two stages in turns), then
@@ -86,6 +90,11 @@ def candidates(
     if "BLOCK_M" not in default:
         if variant == "fused":
             yield from FUSED
+            return
+        if variant == "l2":
+            yield from (("prefetch", c) for c in L2_PREFETCH)
+            yield from (("down", c) for c in DECODE_DOWN)
+            yield from (("gate_up", c) for c in DECODE_GATE_UP)
             return
         if variant == "pdl":  # the down tile's rows of H first (it decides how many programs start early)
             yield from (("down", c) for c in PDL_DOWN)
@@ -254,9 +263,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--budget-s", type=float, default=600.0, help="stop searching after this long")
     parser.add_argument(
-        "--decode-variants", nargs="+", choices=("two_stage", "fused", "pdl"),
-        default=["two_stage", "pdl"],
-        help="decode variants searched for T <= 16 (default both)",
+        "--decode-variants", nargs="+", choices=("two_stage", "fused", "pdl", "l2"),
+        default=["two_stage", "l2"],
+        help="decode variants searched for T <= 16 (default two_stage and l2)",
     )  # fmt: skip
     parser.add_argument(
         "--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "kernels" / "configs"

@@ -14,6 +14,9 @@ is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T,
   programs, one per (token, block of H), load the down rows of all K experts in one tile first, then
   wait for the gate/up launch (`gdc_wait`) and read its activations, so the down weights stream while
   gate/up finishes instead of after it.
+  "l2": "two_stage" whose first launch also has, per pair, programs that stream the pair's down weights
+  with the evict-last policy (gate/up's own loads evict-first), so the down launch reads them from L2:
+  the weights' HBM traffic all falls in one launch, and the down launch is short.
   "fused": launch 1, one program per (block of I, pair), computes its BLOCK_I activations and at once
   their share of the down projection (the slot's down columns of that block) into a float32
   [T*K, I / BLOCK_I, H] scratch of partial sums, so all of an expert's weights stream in one launch;
@@ -80,9 +83,11 @@ def _slots_of(ids_ptr, slot_ptr, pairs, valid, E, S):
 def _gate_up_rows(
     x_ptr, w13_ptr, stride_wn, offs_i, mask_i,
     H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    EVICT: tl.constexpr = "",
 ):  # fmt: skip
     """(x . gate[i], x . up[i]) in float32 for the rows offs_i of one slot's w13 (gate rows, then up rows);
-    x_ptr points at the token's row, w13_ptr at the slot's matrix."""
+    x_ptr points at the token's row, w13_ptr at the slot's matrix. EVICT: the weight loads' L2 eviction
+    policy ("" = the default; "evict_first" where they must not push out lines kept for a later launch)."""
     gate_ptrs = w13_ptr + offs_i[:, None] * stride_wn
     up_ptrs = gate_ptrs + I * stride_wn
     acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
@@ -92,11 +97,29 @@ def _gate_up_rows(
         mask_h = offs_h < H
         x = tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
         mask = mask_i[:, None] & mask_h[None, :]
-        gate = tl.load(gate_ptrs + offs_h[None, :], mask=mask, other=0.0)
-        up = tl.load(up_ptrs + offs_h[None, :], mask=mask, other=0.0)
+        gate = tl.load(gate_ptrs + offs_h[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+        up = tl.load(up_ptrs + offs_h[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
         acc_gate += gate.to(tl.float32) * x[None, :]
         acc_up += up.to(tl.float32) * x[None, :]
     return tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
+def _prefetch_down(w2_ptr, sink_ptr, part, numel, PARTS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Read part `part` of PARTS of one slot's down matrix (numel contiguous elements at w2_ptr) with the
+    evict-last policy, so it stays in L2 for the down launch that follows. The loads feed a sum that is
+    stored (to a scratch, `sink_ptr + part`) only if it is NaN, which keeps them from being optimised away
+    while writing nothing in practice; nothing reads the scratch."""
+    chunk = tl.cdiv(tl.cdiv(numel, PARTS), BLOCK_P) * BLOCK_P
+    start = part * chunk
+    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for off in range(start, tl.minimum(start + chunk, numel), BLOCK_P):
+        offs = off + tl.arange(0, BLOCK_P)
+        acc += tl.load(w2_ptr + offs, mask=offs < numel, other=0.0, eviction_policy="evict_last").to(
+            tl.float32
+        )
+    total = tl.sum(acc, axis=0)
+    tl.store(sink_ptr + part, total, mask=total != total)
 
 
 @triton.jit
@@ -105,22 +128,35 @@ def _gate_up_decode(
     H: tl.constexpr, I: tl.constexpr, E, S, K: tl.constexpr,
     stride_xt, stride_ws, stride_wn,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LAUNCH_DOWN_EARLY: tl.constexpr = False,
+    w2_ptr=None, sink_ptr=None, stride_w2s=0,
+    PREFETCH_PROGRAMS: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1024, EVICT: tl.constexpr = "",
 ):  # fmt: skip
     """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i]).
     LAUNCH_DOWN_EARLY ("pdl" variant): let the down launch start its programs now (they load their
-    weights, then wait for this whole launch: programmatic dependent launch)."""
+    weights, then wait for this whole launch: programmatic dependent launch).
+    PREFETCH_PROGRAMS > 0 ("l2" variant): the grid's last PREFETCH_PROGRAMS blocks of each pair stream the
+    pair's down weights instead (`_prefetch_down`), so that they sit in L2 when the down launch reads them;
+    this launch's own weight loads are then marked evict-first (EVICT)."""
     if LAUNCH_DOWN_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     expert, slot, _ = _slot_of(ids_ptr, slot_ptr, pair, E, S)
     if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):  # not resident, as timed on the H200
         return
+    block = tl.program_id(1)
+    if PREFETCH_PROGRAMS > 0:
+        if block >= tl.cdiv(I, BLOCK_I):
+            _prefetch_down(
+                w2_ptr + slot.to(tl.int64) * stride_w2s, sink_ptr + pair * PREFETCH_PROGRAMS,
+                block - tl.cdiv(I, BLOCK_I), H * I, PREFETCH_PROGRAMS, BLOCK_P,
+            )  # fmt: skip
+            return
     token = pair // K
-    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_i = block * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < I
     gate_i, up_i = _gate_up_rows(
         x_ptr + token * stride_xt, w13_ptr + slot.to(tl.int64) * stride_ws, stride_wn, offs_i, mask_i,
-        H, I, BLOCK_I, BLOCK_H,
+        H, I, BLOCK_I, BLOCK_H, EVICT,
     )  # fmt: skip
     act = gate_i / (1.0 + tl.exp(-gate_i)) * up_i
     tl.store(act_ptr + pair * I + offs_i, act, mask=mask_i)
@@ -517,9 +553,12 @@ def launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH,
 
 
 def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """The decode entry's variant: "two_stage" (the default), "pdl" or "fused"."""
+    """The decode entry's variant: "two_stage" (the default; "l2" is it with a prefetch stage), "pdl" or
+    "fused"."""
     variant = decode_variant(config)
-    run = {"fused": _decode_fused, "pdl": _decode_pdl}.get(variant, _decode_two_stage)
+    run = {"fused": _decode_fused, "pdl": _decode_pdl, "l2": _decode_two_stage}.get(
+        variant, _decode_two_stage
+    )
     run(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
 
 
@@ -542,27 +581,52 @@ def _decode_pdl(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, conf
     )  # fmt: skip
 
 
-def _gate_up(x_TH, ids_TK, slot_of_E, w13_SIH, inter, gate_up, launch_down_early=False) -> torch.Tensor:
-    """The decode's gate/up launch: SiLU(gate) * up of every (token, k) pair into a float32 [P, I]."""
+def _gate_up(
+    x_TH, ids_TK, slot_of_E, w13_SIH, inter, gate_up, launch_down_early=False, w2_SHI=None, prefetch=None
+) -> torch.Tensor:
+    """The decode's gate/up launch: SiLU(gate) * up of every (token, k) pair into a float32 [P, I].
+    `prefetch` ("l2" variant, with `w2_SHI`): {"programs", "BLOCK_P"}, that many more programs per pair
+    stream the pair's down weights into L2 for the down launch."""
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
-    act_PI = torch.empty((num_tokens * top_k, inter), dtype=torch.float32, device=x_TH.device)
-    _gate_up_decode[(num_tokens * top_k, triton.cdiv(inter, gate_up["BLOCK_I"]))](
+    num_pairs = num_tokens * top_k
+    act_PI = torch.empty((num_pairs, inter), dtype=torch.float32, device=x_TH.device)
+    extra = {}
+    programs = 0
+    if prefetch is not None:
+        programs = prefetch["programs"]
+        sink = torch.empty((num_pairs * programs,), dtype=torch.float32, device=x_TH.device)
+        extra = dict(
+            w2_ptr=w2_SHI, sink_ptr=sink, stride_w2s=w2_SHI.stride(0), PREFETCH_PROGRAMS=programs,
+            BLOCK_P=prefetch["BLOCK_P"], EVICT="evict_first",
+        )  # fmt: skip
+    _gate_up_decode[(num_pairs, triton.cdiv(inter, gate_up["BLOCK_I"]) + programs)](
         x_TH, ids_TK, slot_of_E, w13_SIH, act_PI,
         hidden, inter, slot_of_E.shape[0], w13_SIH.shape[0], top_k,
         x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1),
         BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], LAUNCH_DOWN_EARLY=launch_down_early,
-        num_warps=gate_up["num_warps"],
+        num_warps=gate_up["num_warps"], **extra,
     )  # fmt: skip
     return act_PI
 
 
 def _decode_two_stage(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """Two launches: gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch, then down."""
+    """Two launches: gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch, then down. The
+    "l2" variant's entry (a "prefetch" stage) adds to the first launch the programs that stream the down
+    weights into L2."""
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
     num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
-    act_PI = _gate_up(x_TH, ids_TK, slot_of_E, w13_SIH, inter, config["gate_up"])
+    act_PI = _gate_up(
+        x_TH,
+        ids_TK,
+        slot_of_E,
+        w13_SIH,
+        inter,
+        config["gate_up"],
+        w2_SHI=w2_SHI,
+        prefetch=config.get("prefetch"),
+    )
     down = config["down"]
     _down_decode[(num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))](
         act_PI, ids_TK, slot_of_E, weights_TK, w2_SHI, y_TH,

@@ -5,11 +5,14 @@ token count T (a JSON string key) to the block sizes measured fastest for it by
 `benchmarks/tune_slot_moe.py`; the entry of the nearest T is used. With no file for the device and shape,
 `default_config` gives a sane one. Two kinds of entry, one per path of the kernel:
 
-- decode (T <= DECODE_MAX_T), one of two variants, named by the optional "variant" key:
+- decode (T <= DECODE_MAX_T), one of four variants, named by the optional "variant" key:
     "two_stage" (the default when the key is absent): {"gate_up": {"BLOCK_I", "BLOCK_H", "num_warps"},
                                                        "down": {"BLOCK_H", "BLOCK_I", "num_warps"}}
     "fused": {"variant": "fused", "fused": {"BLOCK_I", "BLOCK_H", "BLOCK_HD", "num_warps"},
               "reduce": {"BLOCK_R", "BLOCK_H", "num_warps"}}
+    "l2": {"variant": "l2", "gate_up": {as two_stage's}, "down": {as two_stage's}, "prefetch": {"programs",
+          "BLOCK_P"}} (two_stage, with "programs" more gate/up programs per pair that stream the pair's down
+          weights into L2 in loads of BLOCK_P elements)
     "pdl": {"variant": "pdl", "gate_up": {as two_stage's}, "down": {"BLOCK_H", "num_warps"}} (the down
            launch's tile holds all K experts' rows of its block of H, the whole of I)
 - prefill (T > DECODE_MAX_T): {"BLOCK_M", "gate_up": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
@@ -51,6 +54,13 @@ DECODE_VARIANTS = {
     "pdl": {
         "gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"),
         "down": ("BLOCK_H", "num_warps"),
+    },
+    # "two_stage" whose gate/up launch also streams the resident experts' down weights into L2
+    # ("programs" more programs per pair, loads of BLOCK_P elements), so the down launch reads L2
+    "l2": {
+        "gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"),
+        "down": ("BLOCK_H", "BLOCK_I", "num_warps"),
+        "prefetch": ("programs", "BLOCK_P"),
     },
 }
 DEFAULT_DECODE_VARIANT = "two_stage"
@@ -177,6 +187,12 @@ def default_config(num_tokens: int, variant: str = DEFAULT_DECODE_VARIANT) -> di
             "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128, "num_warps": 8},
             "down": {"BLOCK_H": 4, "num_warps": 8},
         }
+    if num_tokens <= DECODE_MAX_T and variant == "l2":
+        # The tuner's starting point: two_stage's default, and 16 programs per pair streaming the down
+        # weights (128 KiB each at the Qwen3.6 shape) in loads of 2048 elements.
+        return (
+            {"variant": "l2"} | default_config(num_tokens) | {"prefetch": {"programs": 16, "BLOCK_P": 2048}}
+        )
     if num_tokens <= DECODE_MAX_T:
         # Many small programs: at T = 1 the down launch has only T * H / BLOCK_H of them, and fewer than
         # ~4 per SM leave HBM idle (H200, Qwen3.6 shape: BLOCK_H 16 -> 4 took 38.9 -> 25.6 us).

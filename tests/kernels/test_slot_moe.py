@@ -47,6 +47,14 @@ PDL_CPU = {
     "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "num_warps": 4},
     "down": {"BLOCK_H": 16, "num_warps": 4},
 }
+# The "l2" decode: two_stage with 3 prefetch programs per pair over a slot's 64 x 40 = 2,560 down weights
+# in loads of 128 (chunks of 896: the last one shorter), a 4-row down tile.
+L2_CPU = {
+    "variant": "l2",
+    "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "num_warps": 4},
+    "down": {"BLOCK_H": 16, "BLOCK_I": 16, "num_warps": 4},
+    "prefetch": {"programs": 3, "BLOCK_P": 128},
+}
 # The prefill path's layouts and TMA (kernels/slot_moe_config.py), pinned like the decode variants. Blocks
 # that cut every dimension unevenly: gate/up BLOCK_N 16 over I = 40 (the last block 8 wide, its boxes past
 # row I), down BLOCK_N 32 over H = 64 and BLOCK_K 16 over I = 40 (a tail step); BLOCK_M 16, so an expert's
@@ -80,6 +88,8 @@ CPU_CASES = (
         (16, torch.float32, "all", "pdl"),
         (5, torch.bfloat16, "some", "pdl"),
     ]
+    + [(5, torch.float32, p, "l2") for p in PATTERNS]
+    + [(1, torch.float32, "some", "l2"), (16, torch.float32, "all", "l2"), (5, torch.bfloat16, "some", "l2")]
     + [(37, torch.float32, p, c) for c in ("sorted", "sorted_tma") for p in PATTERNS]
     + [
         (17, torch.float32, "all", "sorted"),
@@ -92,8 +102,10 @@ CPU_CASES = (
     ]
 )
 # ids -1 and E and a slot S count as not resident: (T, config), run on out_of_range_case
-OUT_OF_RANGE_CASES = [(5, None), (5, "fused"), (5, "pdl"), (37, None), (37, "sorted"), (37, "sorted_tma")]
-CONFIGS = {None: None, "fused": FUSED_CPU, "pdl": PDL_CPU} | PREFILL_CPU_CONFIGS
+OUT_OF_RANGE_CASES = [
+    (5, None), (5, "fused"), (5, "pdl"), (5, "l2"), (37, None), (37, "sorted"), (37, "sorted_tma")
+]  # fmt: skip
+CONFIGS = {None: None, "fused": FUSED_CPU, "pdl": PDL_CPU, "l2": L2_CPU} | PREFILL_CPU_CONFIGS
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -323,7 +335,7 @@ def test_config_picks_a_fused_decode_entry(tmp_path) -> None:
     [
         (
             default_config(4) | {"variant": "unrolled"},
-            r"\[4\]\.variant: want one of \['fused', 'pdl', 'two_stage'\], got 'unrolled'",
+            r"\[4\]\.variant: want one of \['fused', 'l2', 'pdl', 'two_stage'\], got 'unrolled'",
         ),
         (default_config(4) | {"variant": "fused"}, r"\[4\]\.fused: want an object"),
         (
@@ -582,7 +594,8 @@ PREFILL_GPU = {
     },
 }  # fmt: skip
 PINNED = {
-    "picked": None, "two_stage": default_config(1), "fused": FUSED_GPU["default"], "pdl": default_config(1, "pdl")
+    "picked": None, "two_stage": default_config(1), "fused": FUSED_GPU["default"], "pdl": default_config(1, "pdl"),
+    "l2": default_config(1, "l2"),
 } | PREFILL_GPU  # fmt: skip
 
 
@@ -622,20 +635,24 @@ def test_cuda_fused_decode_matches_reference(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["pdl", "l2"])
 @pytest.mark.parametrize(
     "shape", [QWEN36, QWEN3_30B, DSV2, LARGE], ids=["qwen3.6", "qwen3-30b", "dsv2-lite", "large"]
 )
 @pytest.mark.parametrize("num_tokens", GPU_DECODE_T)
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_cuda_pdl_decode_matches_reference(monkeypatch, shape: dict, num_tokens: int, pattern: str) -> None:
-    """The down launch started early (programmatic dependent launch) waits for gate/up's activations."""
-    _pin_config(monkeypatch, "pdl")
-    _cuda_run_matches(num_tokens, shape, pattern, f"pdl T={num_tokens} {pattern}")
+def test_cuda_decode_variant_matches_reference(
+    monkeypatch, shape: dict, num_tokens: int, pattern: str, variant: str
+) -> None:
+    """pdl: the down launch started early (programmatic dependent launch) waits for gate/up's activations;
+    l2: the prefetch programs read the down weights and write nothing the result depends on."""
+    _pin_config(monkeypatch, variant)
+    _cuda_run_matches(num_tokens, shape, pattern, f"{variant} T={num_tokens} {pattern}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl"])
+@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "l2"])
 def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch, variant: str) -> None:
     from moecache_kernels.slot_moe import slot_moe
 
@@ -648,7 +665,7 @@ def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch, variant: str) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl"])
+@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "l2"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_tokens: int) -> None:
     """Many programs add into each output element; their order must not depend on scheduling."""
@@ -676,6 +693,8 @@ def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_
         (16, "fused"),
         (1, "pdl"),
         (16, "pdl"),
+        (1, "l2"),
+        (16, "l2"),
         (600, "sorted"),
         (600, "sorted_tma"),
         (600, "pairs_tma"),
