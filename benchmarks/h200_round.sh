@@ -8,8 +8,8 @@
 #   decode-loop GPU tests, bench_runtime copy and manager).
 # kernels: tests/kernels' GPU tests (KERNEL_TESTS= their -k), tuning the Qwen3.6 decode (TUNE_TOKENS, default
 #   1 4 16; tune_slot_moe's default variants, two_stage and l2; prefill entries kept), bench_slot_moe at
-#   T = 1, 4, 16. prefill_shape: tune another shape's prefill (SHAPE=, PREFILL_TOKENS=, TUNE_S=) and bench it
-#   at T = 4096 beside Qwen3.6.
+#   T = 1, 4, 16. prefill_shape: tune another shape's prefill (SHAPE=, PREFILL_TOKENS=, TUNE_S=; entries of
+#   other T kept) and bench it at T = 4096 beside Qwen3.6 (PREFILL_BENCH=0: no bench).
 # manager: bench_runtime's manager section (SPLIT_PROFILE=<cost_profile.json>: again with on_miss=split),
 #   and bench_copy_enqueue (one copy's host cost, torch's and the driver's).
 # decode: bench_decode on the full Qwen3.6 shape (all resident: fused vs split host points; COMPILE=1 adds
@@ -90,7 +90,9 @@ for section in "$@"; do
     echo "== tune the ${SHAPE:-dsv2-lite} prefill (H $H, I $I, E $E, K $K; T = ${PREFILL_TOKENS:-4096})"
     PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-90} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden $H --inter $I --experts $E \
       --top-k $K --tokens ${PREFILL_TOKENS:-4096} --budget-s "${TUNE_S:-90}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune_prefill_${SHAPE:-dsv2-lite}.txt"
-    for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-prefill-${SHAPE:-dsv2-lite}.json"; done
+    f="$OUT/configs/E=$E,N=$I,device_name=NVIDIA_H200,dtype=bfloat16.json"
+    cp "$f" kernels/configs/ && cp "$f" "$OUT/tuned-prefill-${SHAPE:-dsv2-lite}.json"
+    [ "${PREFILL_BENCH:-1}" = 0 ] && continue
     echo "== bench_slot_moe T = 4096, ${SHAPE:-dsv2-lite} and qwen3.6"
     PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 4096 --shapes qwen3.6 ${SHAPE:-dsv2-lite} 2>&1 | tail -20 | tee "$OUT/bench_slot_moe_4096.txt" ;;
   decode)
@@ -150,9 +152,9 @@ for r in runs:
                            for k, v in errors.get("phases", {}).items())
         print(f"{r['strategy']:16s} time/token {errors['time_per_token_error_pct']:+.1f}%: {phases}")
 check = json.load(open(sys.argv[1])).get("machine_check")
-if check:
-    print(f"machine since calibrate ({check['probe']}): {check['change_pct_before']:+.1f}% before the runs,"
-          f" {check['change_pct_after']:+.1f}% after{' (changed)' if check['changed'] else ''}")
+for probe in (check or {}).get("probes", []):
+    print(f"machine since calibrate ({probe['probe']}): {probe['change_pct_before']:+.1f}% before the runs,"
+          f" {probe['change_pct_after']:+.1f}% after{' (changed)' if check['changed'] else ''}")
 PY
     ;;
   *) echo "unknown section $section"; exit 2 ;;
