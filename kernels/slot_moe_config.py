@@ -2,7 +2,8 @@
 
 As vLLM's `fused_moe/configs/`: `configs/E=256,N=512,device_name=NVIDIA_H200,dtype=bfloat16.json` maps a
 token count T (a JSON string key) to the block sizes measured fastest for it by
-`benchmarks/tune_slot_moe.py`; the entry of the nearest T is used. With no file for the device and shape,
+`benchmarks/tune_slot_moe.py`; the entry of the nearest T of the same path is used, if within a factor of
+NEAREST_MAX_RATIO of the call's T. With no file for the device and shape,
 `default_config` gives a sane one. Two kinds of entry, one per path of the kernel:
 
 - decode (T <= DECODE_MAX_T), one of four variants, named by the optional "variant" key:
@@ -39,6 +40,11 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Up to this many tokens the decode path runs (one GEMV program per (token, k, block of I)); above it, the
 # prefill path sorts (token, k) pairs by expert and runs tensor-core tiles.
 DECODE_MAX_T = 16
+# A tuned entry is used for token counts within this factor of its own T, else `default_config`: an entry
+# tuned for T = 4096 (BLOCK_M 128) ran a 64-token prefill of the DeepSeek-V2-Lite shape on the H200 with
+# each expert's few rows padded to 128, and validate's all-resident prefill took 1.54 ms per token where
+# entries tuned at 64 and 512 gave 1.20 (docs/benchmarks.md, ninth session).
+NEAREST_MAX_RATIO = 4
 
 # decode variant -> its stages' keys. "two_stage": gate/up launch, then down launch; "fused": one launch of
 # gate/up + that block of I's down columns into float32 partial sums, then a small launch summing them.
@@ -215,12 +221,16 @@ def get_config(
     config_dir: Path = CONFIG_DIR,
 ) -> dict:
     """The tuned entry of the nearest T in the matching file that is of the same path (decode or
-    prefill) as `num_tokens`, else `default_config(num_tokens)`. Cached (the launcher calls it on every
-    call): treat the returned dict as read-only."""
+    prefill) as `num_tokens` and within NEAREST_MAX_RATIO of it, else `default_config(num_tokens)`.
+    Cached (the launcher calls it on every call): treat the returned dict as read-only."""
     table = load_configs(config_dir / config_file_name(num_experts, inter, device, dtype))
     if table:
         decode = num_tokens <= DECODE_MAX_T
-        same_path = [t for t in table if (t <= DECODE_MAX_T) == decode]
-        if same_path:
-            return table[min(same_path, key=lambda t: (abs(t - num_tokens), t))]
+        near = [
+            t
+            for t in table
+            if (t <= DECODE_MAX_T) == decode and max(t, num_tokens) <= NEAREST_MAX_RATIO * min(t, num_tokens)
+        ]
+        if near:
+            return table[min(near, key=lambda t: (abs(t - num_tokens), t))]
     return default_config(num_tokens)

@@ -311,8 +311,20 @@ def test_config_uses_the_nearest_token_count_of_the_same_path(tmp_path) -> None:
     prefill = default_config(512) | {"BLOCK_M": 128}
     folder = _write(tmp_path, {"1": decode, "512": prefill})
     assert get_config(4, 8, 40, torch.float32, "Test_GPU", folder) == decode
-    assert get_config(DECODE_MAX_T + 1, 8, 40, torch.float32, "Test_GPU", folder) == prefill
+    assert get_config(128, 8, 40, torch.float32, "Test_GPU", folder) == prefill
     assert get_config(4, 8, 40, torch.float32, "Other_GPU", folder) == default_config(4)
+
+
+def test_config_entries_far_from_the_token_count_are_not_used(tmp_path) -> None:
+    """An entry applies within a factor of 4 of its T: beyond, default_config (a T = 4096 tile of BLOCK_M
+    128 would pad a short prompt's few rows per expert to 128)."""
+    decode = default_config(1) | {"gate_up": {"BLOCK_I": 32, "BLOCK_H": 128, "num_warps": 2}}
+    prefill = default_config(4096) | {"BLOCK_M": 128}
+    folder = _write(tmp_path, {"1": decode, "4096": prefill})
+    assert get_config(5, 8, 40, torch.float32, "Test_GPU", folder) == default_config(5)
+    assert get_config(1023, 8, 40, torch.float32, "Test_GPU", folder) == default_config(1023)
+    assert get_config(1024, 8, 40, torch.float32, "Test_GPU", folder) == prefill
+    assert get_config(DECODE_MAX_T + 1, 8, 40, torch.float32, "Test_GPU", folder) == default_config(17)
 
 
 def test_config_file_with_a_bad_value_is_refused_by_name(tmp_path) -> None:
