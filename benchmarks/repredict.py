@@ -2,11 +2,15 @@
 through the simulator (`validation.predict`, as validate predicts it) per profile; a table of the errors
 (time per token, decode, prefill) and one JSON line.
 
-    python benchmarks/repredict.py VALIDATION_JSON TRACES_ROOT PROFILE [PROFILE ...] [--add-excess]
+    python benchmarks/repredict.py VALIDATION_JSON TRACES_ROOT PROFILE [PROFILE ...] [--add-excess] [--anchor-runs]
 
 TRACES_ROOT holds the runs' `traces/...` paths (the artifact's folder, or where h200_round's
 traces_dsv2.tgz was unpacked). `--add-excess`: each profile also with `runtime.cpu_step_excess` computed
-from its own in-loop runs (calibrate's `_cpu_step_excess`, for a profile measured before it existed)."""
+from its own in-loop runs (calibrate's `_cpu_step_excess`, for a profile measured before it existed).
+`--anchor-runs`: each profile also with its two decode anchors (the non-expert time per layer and the
+CPU-step excess, which calibrate takes from its own all-resident and all-CPU runs) moved so that the
+validation's OWN all_resident and all_cpu runs are priced exactly (the excess kept >= 0): what the
+predictions would be without the machine's drift between the calibrate and validate processes."""
 
 from __future__ import annotations
 
@@ -33,12 +37,37 @@ def with_excess(path: str, out_dir: Path) -> str:
     return str(out)
 
 
+def anchored_on_runs(path: str, runs: dict, strategies: dict, traces_root: str, out_dir: Path) -> str:
+    """The profile at `path` with its decode anchors moved onto the validation's all_resident and all_cpu
+    runs (three rounds of: price both runs, move the non-expert time per layer by the all-resident
+    run's decode gap, the excess by what then remains of the all-CPU run's)."""
+    data = json.loads(Path(path).read_text())
+    layers = data["runtime"]["non_expert"]["moe_layers"]
+    for round_ in range(3):
+        out = out_dir / f"{Path(path).stem}+anchored{round_}.json"
+        out.write_text(json.dumps(data))
+        gap_us = {}
+        for name in ("all_resident", "all_cpu"):
+            run = runs[name]
+            got = predict.predict(Path(traces_root) / run["trace"], strategies[name].sim_policy, run["slots"],
+                                  str(out), run, on_miss=run["on_miss"])  # fmt: skip
+            decode = json.loads(got["fidelity_errors"])["phases"]["decode"]
+            gap_us[name] = (decode["measured_ms"] - decode["predicted_ms"]) * 1e3 / layers
+        data["runtime"]["non_expert"]["decode_us_per_layer"] += gap_us["all_resident"]
+        excess = data["runtime"]["cpu_step_excess"]
+        excess["decode_us"] = max(0.0, excess["decode_us"] + gap_us["all_cpu"] - gap_us["all_resident"])
+    out = out_dir / f"{Path(path).stem}+anchored.json"
+    out.write_text(json.dumps(data))
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("validation_json")
     ap.add_argument("traces_root")
     ap.add_argument("profiles", nargs="+")
     ap.add_argument("--add-excess", action="store_true")
+    ap.add_argument("--anchor-runs", action="store_true")
     args = ap.parse_args()
     result = json.loads(Path(args.validation_json).read_text())
     selected = PolicySpec.of(result["selected"]["policy"], result["selected"]["params"])
@@ -48,6 +77,9 @@ def main() -> None:
     profiles = list(args.profiles)
     if args.add_excess:
         profiles += [with_excess(p, tmp) for p in args.profiles]
+    if args.anchor_runs:
+        runs = {r["strategy"]: r for r in result["runs"]}
+        profiles += [anchored_on_runs(p, runs, strategies, args.traces_root, tmp) for p in list(profiles)]
     rows = []
     for run in result["runs"]:
         if run["strategy"] not in strategies:
