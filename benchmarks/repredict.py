@@ -9,8 +9,8 @@ traces_dsv2.tgz was unpacked). `--add-excess`: each profile also with `runtime.c
 from its own in-loop runs (calibrate's `_cpu_step_excess`, for a profile measured before it existed).
 `--anchor-runs`: each profile also with its two decode anchors (the non-expert time per layer and the
 CPU-step excess, which calibrate takes from its own all-resident and all-CPU runs) moved so that the
-validation's OWN all_resident and all_cpu runs are priced exactly (the excess kept >= 0): what the
-predictions would be without the machine's drift between the calibrate and validate processes."""
+validation's OWN all_resident and all_cpu runs are priced exactly (the excess kept >= 0), as validate's
+second prediction now does (`fidelity_errors_anchored`), for artifacts made before it."""
 
 from __future__ import annotations
 
@@ -39,25 +39,19 @@ def with_excess(path: str, out_dir: Path) -> str:
 
 def anchored_on_runs(path: str, runs: dict, strategies: dict, traces_root: str, out_dir: Path) -> str:
     """The profile at `path` with its decode anchors moved onto the validation's all_resident and all_cpu
-    runs (three rounds of: price both runs, move the non-expert time per layer by the all-resident
-    run's decode gap, the excess by what then remains of the all-CPU run's)."""
-    data = json.loads(Path(path).read_text())
-    layers = data["runtime"]["non_expert"]["moe_layers"]
-    for round_ in range(3):
-        out = out_dir / f"{Path(path).stem}+anchored{round_}.json"
-        out.write_text(json.dumps(data))
-        gap_us = {}
-        for name in ("all_resident", "all_cpu"):
-            run = runs[name]
-            got = predict.predict(Path(traces_root) / run["trace"], strategies[name].sim_policy, run["slots"],
-                                  str(out), run, on_miss=run["on_miss"])  # fmt: skip
-            decode = json.loads(got["fidelity_errors"])["phases"]["decode"]
-            gap_us[name] = (decode["measured_ms"] - decode["predicted_ms"]) * 1e3 / layers
-        data["runtime"]["non_expert"]["decode_us_per_layer"] += gap_us["all_resident"]
-        excess = data["runtime"]["cpu_step_excess"]
-        excess["decode_us"] = max(0.0, excess["decode_us"] + gap_us["all_cpu"] - gap_us["all_resident"])
-    out = out_dir / f"{Path(path).stem}+anchored.json"
-    out.write_text(json.dumps(data))
+    runs, as validate's second prediction does (moecache/validation/anchors.py)."""
+    from moecache.validation.anchors import ANCHORS, Predicted, anchored_profile
+
+    predicted = {
+        name: Predicted(runs[name], Path(traces_root) / runs[name]["trace"], strategies[name].sim_policy,
+                        runs[name]["slots"], runs[name]["on_miss"])
+        for name in ANCHORS
+    }  # fmt: skip
+    out = anchored_profile(path, predicted, out_dir / f"{Path(path).stem}+anchored.json")
+    if out is None:
+        raise SystemExit(
+            f"repredict: {path} has no decode anchors (not calibrated with cost.runtime.step=fast)"
+        )
     return str(out)
 
 

@@ -21,6 +21,7 @@ HEADERS = [
 PHASE_HEADERS = [
     "workload", "strategy", "capacity", "time/token error %", "prefill ms/token measured -> predicted",
     "prefill error %", "decode ms/token measured -> predicted", "decode error %",
+    "time/token error %, anchored here",
 ]  # fmt: skip
 
 
@@ -58,6 +59,9 @@ def _phase_rows(runs: list[dict]) -> list[list]:
                     f"{md.num(p['measured_ms'], 4)} -> {md.num(p['predicted_ms'], 4)}",
                     md.num(p["error_pct"], 3),
                 ]
+        anchored = json.loads(r["fidelity_errors_anchored"]) if r.get("fidelity_errors_anchored") else {}
+        anchored_pct = anchored.get("time_per_token_error_pct")
+        row.append("-" if anchored_pct is None else md.num(anchored_pct, 3))
         rows.append(row)
     return rows
 
@@ -121,7 +125,10 @@ def section(validation_dir: Path | None, decision_id: str | None, figure_dir: Pa
         lines += [
             "### Where the time-per-token error comes from",
             "",
-            "The simulator's error per phase (per prompt token, per decoded token; runs.parquet's fidelity_errors):",
+            "The simulator's error per phase (per prompt token, per decoded token; runs.parquet's fidelity_errors),"
+            " and its time-per-token error with the profile's decode anchors (non-expert time, CPU-step excess)"
+            " moved onto this artifact's own all_resident and all_cpu runs (fidelity_errors_anchored; '-':"
+            " not both runs, or no fast-loop profile):",
             "",
             md.table(PHASE_HEADERS, phase_rows),
             "",

@@ -330,6 +330,15 @@ def _summary(result: dict) -> dict:
         )
     if check is not None and check["changed"]:
         out["machine since calibrate"] = f"changed (beyond {check['change_target_pct']:.0f}%)"
+    for key, what in (
+        ("fidelity_errors", "calibrate's profile"),
+        ("fidelity_errors_anchored", "anchored here"),
+    ):
+        errors = [json.loads(r[key]) for r in result["runs"] if r.get(key)]
+        judged = [e["time_within_target"] for e in errors if e["time_within_target"] is not None]
+        if judged:
+            target = errors[0]["time_target_pct"]
+            out[f"time/token within {target:.0f}% ({what})"] = f"{sum(judged)} of {len(judged)} runs"
     for r in result["runs"]:
         if r["strategy"] in ("unmodified", "all_resident", "all_cpu", "selected"):
             where = f"{r['workload']} {r['strategy']}" + (

@@ -25,7 +25,7 @@ import torch
 
 from moecache.errors import MoecacheError
 from moecache.trace.schema import TraceMeta
-from moecache.validation import predict
+from moecache.validation import anchors, predict
 from moecache.validation.baselines import Strategy, hindsight_keys, install_hindsight
 from moecache.validation.runs import Outputs, Request, RunSpec, measure
 from moecache.validation.workloads import request_stream
@@ -139,6 +139,7 @@ def validate_all(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     num_keys = arch["num_layers"] * arch["num_experts"]
     rows_of: dict[str, list[dict]] = {w.name: [] for w in workloads}
+    predicted_of: dict[str, list[anchors.Predicted]] = {w.name: [] for w in workloads}
     latencies: list[dict] = []
 
     def one(w: Workload, spec: RunSpec, requests, reference, outputs=None):
@@ -157,11 +158,9 @@ def validate_all(
         if spec.strategy is None:
             row.update(predict.EMPTY)
         else:
-            row.update(
-                predict.predict(
-                    trace, spec.strategy.sim_policy, spec.slots, s.profile, row, on_miss=spec.strategy.on_miss
-                )
-            )
+            run = anchors.Predicted(row, trace, spec.strategy.sim_policy, spec.slots, spec.strategy.on_miss)
+            row.update(predict.predict(run.trace, run.policy, run.slots, s.profile, row, on_miss=run.on_miss))
+            predicted_of[w.name].append(run)
         row["reference"] = is_reference
         rows_of[w.name].append(row)
         latencies.extend(outcome.latencies)
@@ -207,4 +206,7 @@ def validate_all(
                 _configure(model, strategy, slots, hindsight, s.profile)
                 one(w, RunSpec(w.name, strategy, capacity, slots), made, reference)
         _release()
+    if s.profile is not None:  # the second prediction (moecache/validation/anchors.py)
+        for w in workloads:
+            anchors.add_anchored(predicted_of[w.name], s.profile, s.folder, w.name)
     return [r for w in workloads for r in rows_of[w.name]], latencies

@@ -55,6 +55,10 @@ RUNS_SCHEMA = pa.schema(
         ("predicted_hit_rate", pa.float64()),
         ("predicted_time_per_token_ms", pa.float64()),
         ("fidelity_errors", pa.string()),
+        # the same with the profile's decode anchors moved onto this validate's all_resident / all_cpu runs
+        # (moecache/validation/anchors.py; null without both runs or a step=fast profile)
+        ("fidelity_errors_anchored", pa.string()),
+        ("anchored_profile", pa.string()),
     ]
 )
 LATENCY_SCHEMA = pa.schema(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pyarrow.parquet as pq
+
 from moecache.report.validation import section
 from moecache.validation.tables import RUNS_SCHEMA, write
 
@@ -52,7 +54,23 @@ def test_the_error_per_phase_is_a_table_of_its_own(tmp_path):
     }
     text, _ = section(artifact(tmp_path / "validate-3", 0.3, errors), "decide-abc", tmp_path / "figures")
     assert "### Where the time-per-token error comes from" in text
-    assert text.count("| selected | 25% | -20 | 6 -> 3 | -50 | - | - |") == 2  # one row per workload
+    assert text.count("| selected | 25% | -20 | 6 -> 3 | -50 | - | - | - |") == 2  # one row per workload
+
+
+def test_the_anchored_error_is_a_column_of_the_phase_table(tmp_path):
+    errors = {
+        "time_per_token_error_pct": -20.0,
+        "phases": {"decode": {"predicted_ms": 2.0, "measured_ms": 2.5, "error_pct": -20.0}},
+    }
+    folder = artifact(tmp_path / "validate-7", 0.3, errors)
+    runs = pq.read_table(folder / "runs.parquet").to_pylist()
+    for r in runs:
+        if r["strategy"] == "selected":
+            r["fidelity_errors_anchored"] = json.dumps({"time_per_token_error_pct": -4.5})
+    write(folder, runs, [])
+    text, _ = section(folder, "decide-abc", tmp_path / "figures")
+    assert "anchored here" in text
+    assert text.count("| selected | 25% | -20 | - | - | 2.5 -> 2 | -20 | -4.5 |") == 2
 
 
 def test_the_machine_check_is_said_and_a_change_is_flagged(tmp_path):

@@ -252,6 +252,36 @@ def test_the_selected_policy_runs_split_with_a_profile_and_is_predicted_so(tmp_p
     assert phases["prefill"]["measured_ms"] == pytest.approx(1e3 / cpu["prefill_tokens_per_s"])
 
 
+def test_with_a_profile_every_run_is_predicted_again_on_the_artifacts_own_anchors(tmp_path):
+    """moecache/validation/anchors.py through the stage: the profile anchored on this validate's
+    all_resident and all_cpu runs is in the artifact, prices those two runs' decode exactly, predicts
+    every strategy's run again, and the summary counts both predictions against the target."""
+    from tests.validation.test_anchors import _with_excess
+
+    decision(tmp_path)
+    res = validate(
+        tmp_path,
+        "validate.strategies=[all_resident,all_cpu,selected]",
+        f"validate.cost_profile={_with_excess(tmp_path, 0.0)}",
+    )
+    assert res.exit_code == 0, res.output
+    folder = Path(res.stdout.strip().splitlines()[-1])
+    assert (folder / "cost_profile_anchored_multi_request.json").is_file()
+    runs = {r["strategy"]: r for r in pq.read_table(folder / "runs.parquet").to_pylist()}
+    assert runs["unmodified"]["fidelity_errors_anchored"] is None
+    for name in ("all_resident", "all_cpu", "selected"):
+        assert runs[name]["anchored_profile"] == "cost_profile_anchored_multi_request.json", name
+        anchored = json.loads(runs[name]["fidelity_errors_anchored"])
+        assert anchored["time_per_token_error_pct"] is not None, name
+        if name != "selected":
+            assert anchored["phases"]["decode"]["error_pct"] == pytest.approx(0.0, abs=1e-6), name
+    from moecache.stages.validate import _summary
+
+    summary = _summary(json.loads((folder / "validation.json").read_text()))
+    for what in ("calibrate's profile", "anchored here"):
+        assert summary[f"time/token within 15% ({what})"].endswith(" of 3 runs"), summary
+
+
 def test_a_selected_policy_that_weighs_costs_needs_a_profile_and_runs_with_one(tmp_path):
     """impact reads the cost model: without validate.cost_profile the stage refuses it in one line, before
     any run; with one its run is made (on_miss=cpu) and predicted."""
