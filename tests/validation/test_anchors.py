@@ -25,15 +25,30 @@ def _with_excess(tmp_path, excess_us: float) -> str:
     return str(out)
 
 
-def _run(tiny_model, tmp_path, strategy: str, policy: str, slots: int, decode_ms: float) -> anchors.Predicted:  # noqa: F811
-    folder = tmp_path / strategy
-    folder.mkdir()
-    _, trace = recorded_run(tiny_model, folder, policy, slots)
+RUNS = {  # strategy: (policy, slots)
+    "all_resident": ("static_cold", NUM_KEYS),
+    "all_cpu": ("static_cold", 0),
+    "selected": ("lru", 32),
+}
+
+
+@pytest.fixture(scope="module")
+def traces(tiny_model, tmp_path_factory):  # noqa: F811
+    """Each strategy's recorded trace on the tiny model, made once."""
+    out = {}
+    for name, (policy, slots) in RUNS.items():
+        _, out[name] = recorded_run(tiny_model, tmp_path_factory.mktemp(name), policy, slots)
+    return out
+
+
+def _run(traces, strategy: str, decode_ms: float = 1.0) -> anchors.Predicted:
+    """The strategy's run as predicted, with a fresh row whose measured decode takes `decode_ms`."""
+    policy, slots = RUNS[strategy]
     row = {
         "strategy": strategy, "hit_rate": None, "time_per_token_ms": 1.0,
         "decode_tokens_per_s": 1e3 / decode_ms, "prefill_tokens_per_s": None,
     }  # fmt: skip
-    return anchors.Predicted(row, trace, PolicySpec.of(policy), slots, "cpu")
+    return anchors.Predicted(row, traces[strategy], PolicySpec.of(policy), slots, "cpu")
 
 
 def _decode(run: anchors.Predicted, profile: str) -> dict:
@@ -42,14 +57,10 @@ def _decode(run: anchors.Predicted, profile: str) -> dict:
 
 
 @pytest.mark.parametrize("excess_us", [0.0, 50.0])
-def test_the_anchored_profile_prices_both_anchors_exactly(tiny_model, tmp_path, excess_us):  # noqa: F811
+def test_the_anchored_profile_prices_both_anchors_exactly(traces, tmp_path, excess_us):
     profile = _with_excess(tmp_path, excess_us)
     # measured: the all-resident decode 30% dearer than the profile prices it, the all-CPU one dearer still
-    runs = {
-        "all_resident": _run(tiny_model, tmp_path, "all_resident", "static_cold", NUM_KEYS, 1.0),
-        "all_cpu": _run(tiny_model, tmp_path, "all_cpu", "static_cold", 0, 1.0),
-        "selected": _run(tiny_model, tmp_path, "selected", "lru", 32, 1.0),
-    }
+    runs = {name: _run(traces, name) for name in RUNS}
     res_ms = _decode(runs["all_resident"], profile)["predicted_ms"] * 1.3
     cpu_ms = _decode(runs["all_cpu"], profile)["predicted_ms"] * 1.6
     runs["all_resident"].row["decode_tokens_per_s"] = 1e3 / res_ms
@@ -74,12 +85,9 @@ def test_the_anchored_profile_prices_both_anchors_exactly(tiny_model, tmp_path, 
         assert json.loads(run.row["fidelity_errors_anchored"])["time_per_token_error_pct"] is not None, name
 
 
-def test_an_all_cpu_run_cheaper_than_priced_keeps_the_excess_at_zero(tiny_model, tmp_path):  # noqa: F811
+def test_an_all_cpu_run_cheaper_than_priced_keeps_the_excess_at_zero(traces, tmp_path):
     profile = _with_excess(tmp_path, 0.0)
-    runs = {
-        "all_resident": _run(tiny_model, tmp_path, "all_resident", "static_cold", NUM_KEYS, 1.0),
-        "all_cpu": _run(tiny_model, tmp_path, "all_cpu", "static_cold", 0, 1.0),
-    }
+    runs = {name: _run(traces, name) for name in ("all_resident", "all_cpu")}
     res_ms = _decode(runs["all_resident"], profile)["predicted_ms"]
     runs["all_resident"].row["decode_tokens_per_s"] = 1e3 / res_ms
     runs["all_cpu"].row["decode_tokens_per_s"] = 1e3 / (
@@ -90,12 +98,9 @@ def test_an_all_cpu_run_cheaper_than_priced_keeps_the_excess_at_zero(tiny_model,
     assert _decode(runs["all_resident"], str(out))["predicted_ms"] == pytest.approx(res_ms, rel=1e-6)
 
 
-def test_no_second_prediction_without_both_anchors_or_an_excess(tiny_model, tmp_path):  # noqa: F811
-    runs = [
-        _run(tiny_model, tmp_path, "all_resident", "static_cold", NUM_KEYS, 1.0),
-        _run(tiny_model, tmp_path, "selected", "lru", 32, 1.0),
-    ]
+def test_no_second_prediction_without_both_anchors_or_an_excess(traces, tmp_path):
+    runs = [_run(traces, "all_resident"), _run(traces, "selected")]
     anchors.add_anchored(runs, _with_excess(tmp_path, 0.0), tmp_path, "w")  # no all_cpu run
     assert all(r.row["fidelity_errors_anchored"] is None and r.row["anchored_profile"] is None for r in runs)
-    both = {"all_resident": runs[0], "all_cpu": _run(tiny_model, tmp_path, "all_cpu", "static_cold", 0, 1.0)}
+    both = {"all_resident": runs[0], "all_cpu": _run(traces, "all_cpu")}
     assert anchors.anchored_profile(_profile(tmp_path), both, tmp_path / "x.json") is None  # no excess row
