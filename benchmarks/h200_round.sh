@@ -7,7 +7,7 @@
 #   store (register time, peak RSS) (runtime_quick: the device, manager and
 #   decode-loop GPU tests, bench_runtime copy and manager).
 # kernels: tests/kernels' GPU tests (KERNEL_TESTS= their -k), tuning the Qwen3.6 decode (TUNE_TOKENS, default
-#   1 4 16; tune_slot_moe's default variants, two_stage and l2; prefill entries kept), bench_slot_moe at
+#   1 4 16; DECODE_VARIANTS= tune_slot_moe's --decode-variants, default two_stage pdl; prefill entries kept), bench_slot_moe at
 #   T = 1, 4, 16. prefill_shape: tune another shape's prefill (SHAPE=, PREFILL_TOKENS=, TUNE_S=; entries of
 #   other T kept) and bench it at T = 4096 beside Qwen3.6 (PREFILL_BENCH=0: no bench).
 # manager: bench_runtime's manager section (SPLIT_PROFILE=<cost_profile.json>: again with on_miss=split),
@@ -65,7 +65,8 @@ for section in "$@"; do
     PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 -m pytest tests/kernels -q -p no:cacheprovider -m gpu -k "${KERNEL_TESTS:-pdl or determin or graph}" 2>&1 | tail -8 | tee "$OUT/kernel_tests.txt"
     echo "== tune the Qwen3.6 decode"
     PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-100} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 \
-      --tokens ${TUNE_TOKENS:-1 4 16} --budget-s "${TUNE_S:-100}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune.txt"
+      --tokens ${TUNE_TOKENS:-1 4 16} ${DECODE_VARIANTS:+--decode-variants $DECODE_VARIANTS} --budget-s "${TUNE_S:-100}" \
+      --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune.txt"
     for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-qwen3_6.json"; done
     echo "== bench_slot_moe T = 1, 4, 16"
     PYTHONPATH=/tmp/mk:$PWD timeout 120 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16 2>&1 | tail -40 | tee "$OUT/bench_slot_moe.txt" ;;
@@ -90,8 +91,9 @@ for section in "$@"; do
     echo "== tune the ${SHAPE:-dsv2-lite} prefill (H $H, I $I, E $E, K $K; T = ${PREFILL_TOKENS:-4096})"
     PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-90} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden $H --inter $I --experts $E \
       --top-k $K --tokens ${PREFILL_TOKENS:-4096} --budget-s "${TUNE_S:-90}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune_prefill_${SHAPE:-dsv2-lite}.txt"
-    f="$OUT/configs/E=$E,N=$I,device_name=NVIDIA_H200,dtype=bfloat16.json"
-    cp "$f" kernels/configs/ && cp "$f" "$OUT/tuned-prefill-${SHAPE:-dsv2-lite}.json"
+    for f in "$OUT"/configs/E=$E,N=$I,device_name=*,dtype=bfloat16.json; do
+      cp "$f" kernels/configs/ && cp "$f" "$OUT/tuned-prefill-${SHAPE:-dsv2-lite}.json"
+    done
     [ "${PREFILL_BENCH:-1}" = 0 ] && continue
     echo "== bench_slot_moe T = 4096, ${SHAPE:-dsv2-lite} and qwen3.6"
     PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 4096 --shapes qwen3.6 ${SHAPE:-dsv2-lite} 2>&1 | tail -20 | tee "$OUT/bench_slot_moe_4096.txt" ;;

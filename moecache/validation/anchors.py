@@ -22,7 +22,6 @@ from moecache.sim.policy_spec import PolicySpec
 from moecache.validation import predict
 
 ANCHORS = ("all_resident", "all_cpu")
-ROUNDS = 3  # moving one anchor moves the other's price a little: the moves are repeated
 
 
 @dataclass(frozen=True)
@@ -35,36 +34,35 @@ class Predicted:
     slots: int
     on_miss: str
 
+    def predict(self, profile_path: str | None) -> dict:
+        """The run's predicted columns with `profile_path` (`predict.predict`)."""
+        return predict.predict(
+            self.trace, self.policy, self.slots, profile_path, self.row, on_miss=self.on_miss
+        )
+
 
 def anchored_profile(profile_path: str, anchors: dict[str, Predicted], out: Path) -> Path | None:
     """The profile at `profile_path` with its decode anchors moved onto the runs `anchors` (all_resident,
     all_cpu), written to `out`; None where the profile has no such anchors (not calibrated with
-    cost.runtime.step=fast) or a run has no measured decode."""
+    cost.runtime.step=fast) or a run has no measured decode. One move prices both runs exactly: the
+    non-expert time is added to every layer step, so the all-resident run's decode gap per layer is it;
+    the excess is added to every step with CPU work (every all-CPU step), so what remains of the all-CPU
+    run's gap is the excess's. Only an excess kept at 0 leaves the all-CPU run priced high."""
     data = json.loads(Path(profile_path).read_text())
     runtime = data.get("runtime") or {}
     non_expert, excess = runtime.get("non_expert"), runtime.get("cpu_step_excess")
     if not non_expert or not excess or set(ANCHORS) - set(anchors):
         return None
     layers = int(non_expert["moe_layers"])
-    for _ in range(ROUNDS):
-        out.write_text(json.dumps(data, indent=1, sort_keys=True))
-        gap_us = {}
-        for name in ANCHORS:
-            run = anchors[name]
-            errors = json.loads(
-                predict.predict(run.trace, run.policy, run.slots, str(out), run.row, on_miss=run.on_miss)[
-                    "fidelity_errors"
-                ]
-            )
-            decode = errors["phases"].get("decode")
-            if decode is None:
-                return None
-            gap_us[name] = (decode["measured_ms"] - decode["predicted_ms"]) * 1e3 / layers
-        non_expert["decode_us_per_layer"] = max(
-            0.0, non_expert["decode_us_per_layer"] + gap_us["all_resident"]
-        )
-        excess["decode_us"] = max(0.0, excess["decode_us"] + gap_us["all_cpu"] - gap_us["all_resident"])
-        excess["anchored_on"] = "validate: " + ", ".join(ANCHORS)
+    gap_us = {}
+    for name in ANCHORS:
+        decode = json.loads(anchors[name].predict(profile_path)["fidelity_errors"])["phases"].get("decode")
+        if decode is None:
+            return None
+        gap_us[name] = (decode["measured_ms"] - decode["predicted_ms"]) * 1e3 / layers
+    non_expert["decode_us_per_layer"] = max(0.0, non_expert["decode_us_per_layer"] + gap_us["all_resident"])
+    excess["decode_us"] = max(0.0, excess["decode_us"] + gap_us["all_cpu"] - gap_us["all_resident"])
+    excess["anchored_on"] = "validate: " + ", ".join(ANCHORS)
     out.write_text(json.dumps(data, indent=1, sort_keys=True))
     return out
 
@@ -78,9 +76,5 @@ def add_anchored(runs: list[Predicted], profile_path: str, folder: Path, workloa
     for run in runs:
         run.row["anchored_profile"] = None if out is None else out.name
         run.row["fidelity_errors_anchored"] = (
-            None
-            if out is None
-            else predict.predict(run.trace, run.policy, run.slots, str(out), run.row, on_miss=run.on_miss)[
-                "fidelity_errors"
-            ]
+            None if out is None else run.predict(str(out))["fidelity_errors"]
         )

@@ -51,25 +51,26 @@ def references(profile: CostProfile) -> dict[str, tuple[str, dict]]:
     return out
 
 
+def _time_cpu_expert(profile: CostProfile, row: dict) -> dict:
+    """The `cpu` row timed now as calibrate timed it (its pool size, threads and repeats)."""
+    shape = cal.ExpertShape(int(profile.shape["hidden_size"]), int(profile.shape["moe_intermediate_size"]))
+    pool = cal.make_pool(shape, int(row["pool_experts"]), cal.dtype_of(row["dtype"]), "cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(row.get("threads") or before))
+    try:
+        repeats = int(row.get("repeats") or PROBE_REPEATS)
+        return cal.time_cpu_expert(pool, PROBE_TOKENS, repeats, PROBE_WARMUP).as_dict()
+    finally:
+        torch.set_num_threads(before)
+
+
 def probe(profile: CostProfile) -> dict[str, dict]:
-    """Each of the profile's probes timed now as calibrate timed it: {name: timing dict}."""
-    out = {}
-    row = probe_row(profile)
-    if row is not None:
-        shape = cal.ExpertShape(
-            int(profile.shape["hidden_size"]), int(profile.shape["moe_intermediate_size"])
-        )
-        pool = cal.make_pool(shape, int(row["pool_experts"]), cal.dtype_of(row["dtype"]), "cpu")
-        before = torch.get_num_threads()
-        torch.set_num_threads(int(row.get("threads") or before))
-        try:
-            repeats = int(row.get("repeats") or PROBE_REPEATS)
-            out["cpu expert"] = cal.time_cpu_expert(pool, PROBE_TOKENS, repeats, PROBE_WARMUP).as_dict()
-        finally:
-            torch.set_num_threads(before)
-    if (profile.machine or {}).get("host_loop") is not None:
-        out["host loop"] = cal.time_host_loop().as_dict()
-    return out
+    """Each of the profile's probes (`references`) timed now as calibrate timed it: {name: timing dict}."""
+    timers = {
+        "cpu expert": lambda row: _time_cpu_expert(profile, row),
+        "host loop": lambda _: cal.time_host_loop().as_dict(),
+    }
+    return {name: timers[name](ref) for name, (_, ref) in references(profile).items()}
 
 
 def compare(profile: CostProfile, before: dict[str, dict], after: dict[str, dict]) -> dict | None:

@@ -159,7 +159,7 @@ def validate_all(
             row.update(predict.EMPTY)
         else:
             run = anchors.Predicted(row, trace, spec.strategy.sim_policy, spec.slots, spec.strategy.on_miss)
-            row.update(predict.predict(run.trace, run.policy, run.slots, s.profile, row, on_miss=run.on_miss))
+            row.update(run.predict(s.profile))
             predicted_of[w.name].append(run)
         row["reference"] = is_reference
         rows_of[w.name].append(row)

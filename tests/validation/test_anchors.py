@@ -10,7 +10,7 @@ import json
 import pytest
 
 from moecache.sim.policy_spec import PolicySpec
-from moecache.validation import anchors, predict
+from moecache.validation import anchors
 from tests.validation.test_fidelity import _profile, recorded_run, tiny_model  # noqa: F401 (fixture)
 
 NUM_KEYS = 4 * 32  # the tiny model: every expert of its 4 MoE layers
@@ -52,8 +52,7 @@ def _run(traces, strategy: str, decode_ms: float = 1.0) -> anchors.Predicted:
 
 
 def _decode(run: anchors.Predicted, profile: str) -> dict:
-    got = predict.predict(run.trace, run.policy, run.slots, profile, run.row, on_miss=run.on_miss)
-    return json.loads(got["fidelity_errors"])["phases"]["decode"]
+    return json.loads(run.predict(profile)["fidelity_errors"])["phases"]["decode"]
 
 
 @pytest.mark.parametrize("excess_us", [0.0, 50.0])
