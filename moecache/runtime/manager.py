@@ -50,14 +50,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from moecache.capacity import parse_capacity
 from moecache.errors import MoecacheError
-from moecache.runtime.manager_visit import ADMIT_DEFERRED, BAD_ROUTING, FREE, HELD, CompiledVisit
+from moecache.runtime.manager_visit import ADMIT_DEFERRED, BAD_ROUTING, FREE, HELD, TALLY, CompiledVisit
 from moecache.runtime.miss_split import SplitCosts
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import Copy, TransferEngine
@@ -76,9 +76,10 @@ ON_MISS = tuple(ON_MISS_CODES)  # what a miss does (module docstring): cpu, wait
 ROW_UPLOADS = ("manager", "executor")  # who copies a published mapping row to the device (row_uploads)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class VisitResult:
-    """What one layer visit gives the MoE layer. Arrays are the visit's own (safe to keep)."""
+    """What one layer visit gives the MoE layer. Arrays are the visit's own (safe to keep). The
+    `__init__` is written out (the generated one costs twice as long, once per layer visit)."""
 
     layer: int
     slot_of_E: torch.Tensor  # device int32 [E]: the published snapshot (a fixed-address row)
@@ -87,21 +88,39 @@ class VisitResult:
     miss_experts: np.ndarray  # int64: distinct experts of the visit run on the CPU, in access order
     admitted: np.ndarray  # int32 keys admitted by the policy at this visit
     evicted: np.ndarray  # int32 keys evicted
-    copies: list[Copy] = field(default_factory=list)  # this visit's admissions' copies (deferred ones too)
+    copies: list[Copy]  # this visit's admissions' copies (deferred ones too)
     # Filled by the executors: execution time of the CPU part of the layer, and of the GPU part, given
     # either as a number or (with `CacheManager.time_gpu`) as the (start, end) timing events recorded
     # around its kernels on the compute stream, resolved when the record is written (`cache_fields`).
-    cpu_duration_ns: int | None = None
-    cuda_duration_ns: int | None = None
-    gpu_events: tuple | None = None
+    cpu_duration_ns: int | None
+    cuda_duration_ns: int | None
+    gpu_events: tuple | None
     # on_miss="wait" only: the snapshot and hit mask when the visit began, before it waited for its
     # copies (snapshot_E / hit_TK are then what the device ran). None: the same as snapshot_E / hit_TK.
-    cache_snapshot_E: np.ndarray | None = None
-    cache_hit_TK: np.ndarray | None = None
+    cache_snapshot_E: np.ndarray | None
+    cache_hit_TK: np.ndarray | None
     # on_miss="split": the copies the compute stream waits for (empty: none), and the device row
     # mapping only their experts, for the executor's second operator call
-    waited: list[Copy] = field(default_factory=list)
-    wait_slot_of_E: torch.Tensor | None = None
+    waited: list[Copy]
+
+    def __init__(self, layer, slot_of_E, snapshot_E, hit_TK, miss_experts, admitted, evicted):
+        self.layer = layer
+        self.slot_of_E = slot_of_E
+        self.snapshot_E = snapshot_E
+        self.hit_TK = hit_TK
+        self.miss_experts = miss_experts
+        self.admitted = admitted
+        self.evicted = evicted
+        self.copies = []
+        self.cpu_duration_ns = None
+        self.cuda_duration_ns = None
+        self.gpu_events = None
+        self.cache_snapshot_E = None
+        self.cache_hit_TK = None
+        self.waited = []
+        self.wait_slot_of_E = None
+
+    wait_slot_of_E: torch.Tensor | None
 
     def cache_fields(self, num_experts: int) -> list[dict]:
         """The routing record's cache columns (moecache/trace/schema.py) for each of the visit's T rows.
@@ -207,6 +226,7 @@ class CacheManager:
         self._lock = threading.RLock()
         L, E, G = self.shape.num_layers, self.shape.num_experts, self.shape.num_keys
         self._num_layers = L
+        self._num_experts = E
         # The published mapping: host rows (the truth), pinned staging rows, fixed-address device rows.
         self.published_LE = np.full((L, E), -1, np.int32)
         self._staging_LE = torch.full((L, E), -1, dtype=torch.int32, pin_memory=device.is_cuda)
@@ -254,11 +274,24 @@ class CacheManager:
         # keys holding a slot, capacity, free slots (the top of free_S): manager_visit.py's counts_X
         self._counts_X = np.array([0, self.capacity, 0], np.int64)
         self._routing_views: dict = {}  # pinned read-back buffers of device routing, by shape
-        self.stats = ManagerStats()
+        self._stats = ManagerStats()
+        self._tally_X = np.zeros(len(TALLY), np.int64)  # the compiled visit's share of the stats
+        self._copies = 0  # copies started by visits (stats.copies)
+        self._routing_ok = None  # the last routing array found fit as it is (the fast loop's view)
         self.last_visit: VisitResult | None = None  # the latest visit's result (the routing logger's)
         self.time_gpu = False
         self._init_session()
         self._warm_compiled()
+
+    @property
+    def stats(self) -> ManagerStats:
+        """The running totals (never reset by `reset`): the compiled visit's (TALLY) and the copies are
+        brought up to date on each read; the other fields are counted where they happen."""
+        stats = self._stats
+        for name, value in zip(TALLY, self._tally_X.tolist(), strict=True):
+            setattr(stats, name, value)
+        stats.copies = self._copies
+        return stats
 
     @property
     def time_gpu(self) -> bool:
@@ -487,7 +520,7 @@ class CacheManager:
             np.empty(E, np.int32), self.resident_G.copy(), self._loading_G.copy(), self._late_G.copy(),
             self._counts_X.copy(), self._admit_out, self._evict_out, self._slot_out, self._flag_out,
             self.slot_of_G.copy(), self.published_LE.copy(), self._dirty_L.copy(), self.free_S.copy(),
-            self._freed_S, self.last_read_S.copy(),
+            self._freed_S, self.last_read_S.copy(), self._tally_X.copy(),
         )  # fmt: skip
 
     # ---- the hot path ----------------------------------------------------------------------------
@@ -579,13 +612,13 @@ class CacheManager:
             hit_TK = np.empty(ids_TK.shape, np.bool_)
             snapshot_E = np.empty(self.shape.num_experts, np.int32)
             try:
-                U, n_miss, n_admit, n_evict, n_late, n_wasted = self._core(
+                U, n_miss, n_admit, n_evict, _late, n_wasted = self._core(
                     self.state, ids_TK, layer, self._serial, self.a0, self.clock, self.request,
                     self._stamp_E, self._pos_E, self._key_U, self._uses_U, self._slot_U, self._miss_U,
                     self._hit_U, hit_TK, snapshot_E, self.resident_G, self._loading_G, self._late_G,
                     self._counts_X, self._admit_out, self._evict_out, self._slot_out, self._flag_out,
                     self.slot_of_G, self.published_LE, self._dirty_L, self.free_S, self._freed_S,
-                    self.last_read_S,
+                    self.last_read_S, self._tally_X,
                 )  # fmt: skip
             except ValueError as exc:
                 raise MoecacheError(
@@ -597,15 +630,14 @@ class CacheManager:
                 )
             self.a0 += U
             result = VisitResult(
-                layer=layer,
-                slot_of_E=self._device_rows[layer],
-                snapshot_E=snapshot_E,
-                hit_TK=hit_TK,
-                miss_experts=self._miss_U[:n_miss].copy() if n_miss else _NONE_I64,
-                admitted=self._admit_out[:n_admit].copy() if n_admit else _NONE_I32,
-                evicted=self._evict_out[:n_evict].copy() if n_evict else _NONE_I32,
+                layer,
+                self._device_rows[layer],
+                snapshot_E,
+                hit_TK,
+                self._miss_U[:n_miss].copy() if n_miss else _NONE_I64,
+                self._admit_out[:n_admit].copy() if n_admit else _NONE_I32,
+                self._evict_out[:n_evict].copy() if n_evict else _NONE_I32,
             )
-            s = self.stats
             if n_wasted:
                 self._drop_wasted(result.evicted, n_evict)
             deferred = []
@@ -618,13 +650,6 @@ class CacheManager:
                 self._split_misses(layer, ids_TK, result)
             self._pending = (self._serial, deferred, result)
             self.last_visit = result
-            s.visits += 1
-            s.hits += U - n_miss
-            s.misses += n_miss
-            s.admissions += n_admit
-            s.evictions += n_evict
-            s.late_copies += n_late
-            s.wasted_copies += n_wasted
             return result
 
     def commit(self) -> None:
@@ -738,13 +763,16 @@ class CacheManager:
     def _read_routing(self, topk_ids_TK) -> np.ndarray:
         """The routing as host int64 [T, K], C-contiguous (the compiled visit's argument type): the one
         device-to-host read of the hot path (into a reused pinned buffer for a CUDA tensor)."""
+        if topk_ids_TK is self._routing_ok:  # the same array again: its type and layout cannot change
+            return topk_ids_TK
         if (
             type(topk_ids_TK) is np.ndarray
             and topk_ids_TK.dtype == np.int64
             and topk_ids_TK.ndim == 2
             and topk_ids_TK.flags.c_contiguous
         ):
-            return topk_ids_TK  # the fast loop's read-back view
+            self._routing_ok = topk_ids_TK  # the fast loop's read-back view
+            return topk_ids_TK
         if isinstance(topk_ids_TK, np.ndarray):
             return np.ascontiguousarray(topk_ids_TK, np.int64).reshape(topk_ids_TK.shape[0], -1)
         if topk_ids_TK.device.type == "cpu":
@@ -817,7 +845,7 @@ class CacheManager:
         slots, flags = self._slot_out[:n_admit].tolist(), self._flag_out[:n_admit].tolist()
         for key, slot, flag in zip(result.admitted.tolist(), slots, flags, strict=True):
             if flag == ADMIT_DEFERRED:
-                self.stats.deferred_copies += 1
+                self._stats.deferred_copies += 1
                 deferred.append((key, slot))
             else:
                 self._start_copy(key, slot, result)
@@ -825,10 +853,10 @@ class CacheManager:
 
     def _start_copy(self, key: int, slot: int, result: VisitResult) -> None:
         """Enqueue `key`'s copy into `slot` after the slot's last reader; the key is loading from now."""
-        copy = self.engine.enqueue(key, slot, after=self._slot_free_after(slot))
-        self.loading_L[key // self.shape.num_experts][key] = copy
+        copy = self.engine.enqueue(key, slot, self._slot_free_after(slot))
+        self.loading_L[key // self._num_experts][key] = copy
         self._loading_G[key] = True
         self._seq_G[key] = copy.seq  # the split's decision reads these (moecache/runtime/miss_split.py)
         self._est_ready_G[key] = copy.est_ready_ns
         result.copies.append(copy)
-        self.stats.copies += 1
+        self._copies += 1

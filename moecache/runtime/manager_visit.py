@@ -31,18 +31,21 @@ ADMIT_DEFERRED = 1  # flag_out[j] of an admission whose copy must follow this vi
 BAD_ROUTING = -1  # the visit's first result when the routing holds an id outside 0..E-1
 # counts_X (int64): keys holding a slot, capacity, free slots on the stack, slots freed busy (scratch)
 HELD, CAPACITY, FREE = 0, 1, 2
+# tally_X (int64): the manager's running totals, kept here so the hot path adds them up without Python
+TALLY = ("visits", "hits", "misses", "admissions", "evictions", "late_copies", "wasted_copies")
 
 
 def _manager_visit(
     state, ids_TK, layer, serial, a0, clock, request, stamp_E, pos_E, key_U, uses_U, slot_U, miss_U,
     hit_U, hit_TK, snapshot_E, resident_G, loading_G, late_G, counts_X, admit_out, evict_out, slot_out,
-    flag_out, slot_of_G, published_LE, dirty_L, free_S, freed_S, last_read_S,
+    flag_out, slot_of_G, published_LE, dirty_L, free_S, freed_S, last_read_S, tally_X,
 ):  # fmt: skip
     """One visit of `layer` (module docstring) at visit `serial`. Returns (U, misses, admissions,
     evictions, late, wasted); the keys are key_U[:U], miss_U[:misses] (expert ids), admit_out[:admissions]
     with slot_out / flag_out, evict_out[:evictions] with flag_out[G + j] = 1 for a wasted copy; U =
-    BAD_ROUTING (the rest 0) for an expert id outside 0..E-1, before any state changed. Raises ValueError
-    naming the policy's broken rule."""
+    BAD_ROUTING (the rest 0) for an expert id outside 0..E-1, before any state changed. The counts are
+    also added to tally_X (TALLY's order, hits = U - misses). Raises ValueError naming the policy's
+    broken rule."""
     E = published_LE.shape[1]
     G = resident_G.shape[0]
     row_E = published_LE[layer]
@@ -125,6 +128,13 @@ def _manager_visit(
         free_S[n_free] = freed_S[i]
         n_free += 1
     counts_X[FREE] = n_free
+    tally_X[0] += 1
+    tally_X[1] += U - n_miss
+    tally_X[2] += n_miss
+    tally_X[3] += n_admit
+    tally_X[4] += n_evict
+    tally_X[5] += n_late
+    tally_X[6] += n_wasted
     return U, n_miss, n_admit, n_evict, n_late, n_wasted
 
 
