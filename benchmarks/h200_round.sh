@@ -153,6 +153,10 @@ for r in runs:
         phases = "; ".join(f"{k} {v['measured_ms']:.2f} -> {v['predicted_ms']:.2f} ms/token ({v['error_pct']:+.1f}%)"
                            for k, v in errors.get("phases", {}).items())
         print(f"{r['strategy']:16s} time/token {errors['time_per_token_error_pct']:+.1f}%: {phases}")
+    anchored = json.loads(r["fidelity_errors_anchored"]) if r.get("fidelity_errors_anchored") else None
+    if anchored:
+        print(f"{r['strategy']:16s} anchored on this validate's own runs: time/token "
+              f"{anchored['time_per_token_error_pct']:+.1f}%")
 check = json.load(open(sys.argv[1])).get("machine_check")
 for probe in (check or {}).get("probes", []):
     print(f"machine since calibrate ({probe['probe']}): {probe['change_pct_before']:+.1f}% before the runs,"
