@@ -16,7 +16,7 @@
 #   --compile; SKIP= its --skip list, default hf; DECODE_S its time limit, default 420 s).
 # forced: bench_decode's validate baselines at 25% under real DeepSeek-V2-Lite traces (TRACES="law intent",
 #   POLICY=, WARM= untimed requests first, REQUESTS=, NEW= tokens, COMPILE=1, FORCED_S= limit per trace).
-# fidelity: calibrate (fast loop) + validate on the DeepSeek-V2-Lite shape, forced (DECISION=, FORCING= ids
+# fidelity: calibrate (fast loop) + validate on the DeepSeek-V2-Lite shape (MODEL=, MODEL_TAG=), forced (DECISION=, FORCING= ids
 #   in .device-data/outputs; REQUESTS=, NEW=, STRATEGIES=, ON_MISS=, CAL_S=, VAL_S=; PROFILE= a cost_profile.json
 #   path instead of calibrating; TAG= a suffix for the output files; VAL_ENV="K=V ..." validate's environment,
 #   e.g. MOECACHE_CPU_HOST_THREAD=idle; FORCE=1 validate with force=true (a new run though the config is
@@ -114,28 +114,31 @@ for section in "$@"; do
     # non-expert time), then validate the decision DECISION forced by the trace import FORCING (both made
     # on the dev VM into .device-data/outputs: import-trace, analyze, sweep, decide) with that profile;
     # ON_MISS: the selected policy's validate.on_miss (cpu, split).
+    # MODEL= another conf/model (e.g. qwen3_6_35b_a3b with a FORCING import reshaped onto it), MODEL_TAG= its
+    # file suffix (default dsv2); CAL_ARGS= extra calibrate overrides.
     ROOT=output_root=$PWD/.device-data/outputs
-    M="model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda $ROOT"
+    MT=${MODEL_TAG:-dsv2}
+    M="model=${MODEL:-deepseek_v2_lite} model.path=null model.random.seed=0 device=cuda $ROOT"
     if [ -n "${PROFILE:-}" ]; then  # a profile calibrated before (a cost_profile.json path): no calibrate
       case "$PROFILE" in /*) PROF=$PROFILE ;; *) PROF=$PWD/$PROFILE ;; esac
     else
-      echo "== calibrate DeepSeek-V2-Lite (cost.runtime.step=fast)"
+      echo "== calibrate ${MODEL:-deepseek_v2_lite} (cost.runtime.step=fast)"
       timeout "${CAL_S:-300}" python3 -m moecache.cli calibrate $M cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
-        cost.repeats=20 2>&1 | grep -v '^\[transformers\]' | tail -40 | tee "$OUT/calibrate_dsv2.txt"
-      CAL=$(tail -1 "$OUT/calibrate_dsv2.txt")
+        cost.repeats=20 ${CAL_ARGS:-} 2>&1 | grep -v '^\[transformers\]' | tail -40 | tee "$OUT/calibrate_$MT.txt"
+      CAL=$(tail -1 "$OUT/calibrate_$MT.txt")
       PROF=$CAL/cost_profile.json
-      cp "$PROF" "$OUT/cost_profile_dsv2.json" || exit 1
+      cp "$PROF" "$OUT/cost_profile_$MT.json" || exit 1
     fi
     echo "== validate, fast loop, with that profile"
     timeout "${VAL_S:-300}" env ${VAL_ENV:-} python3 -m moecache.cli validate validate.decision="$DECISION" $M validate.forced_trace="$FORCING" \
       validate.forced_requests="${REQUESTS:-2}" validate.forced_max_tokens="${NEW:-33}" "validate.capacities=[25%]" \
       "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
-      validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" ${FORCE:+force=true} 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_dsv2${TAG:-}.txt"
-    VAL=$(tail -1 "$OUT/validate_dsv2${TAG:-}.txt")
-    cp "$VAL/validation.json" "$OUT/validation_dsv2${TAG:-}.json"; cp "$VAL/runs.parquet" "$OUT/runs_dsv2${TAG:-}.parquet"
-    tar -C "$VAL" -czf "$OUT/traces_dsv2${TAG:-}.tgz" traces  # one file: the tool returns no deep folders
+      validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" ${FORCE:+force=true} 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_$MT${TAG:-}.txt"
+    VAL=$(tail -1 "$OUT/validate_$MT${TAG:-}.txt")
+    cp "$VAL/validation.json" "$OUT/validation_$MT${TAG:-}.json"; cp "$VAL/runs.parquet" "$OUT/runs_$MT${TAG:-}.parquet"
+    tar -C "$VAL" -czf "$OUT/traces_$MT${TAG:-}.tgz" traces  # one file: the tool returns no deep folders
     echo "== the runs' CPU path per call against the profile's (entries at one token each)"
-    python3 - "$OUT/validation_dsv2${TAG:-}.json" "$PROF" <<'PY'
+    python3 - "$OUT/validation_$MT${TAG:-}.json" "$PROF" <<'PY'
 import json, sys
 from moecache.cost_profile import CostProfile
 runs = json.load(open(sys.argv[1]))["runs"]

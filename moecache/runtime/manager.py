@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -76,10 +76,9 @@ ON_MISS = tuple(ON_MISS_CODES)  # what a miss does (module docstring): cpu, wait
 ROW_UPLOADS = ("manager", "executor")  # who copies a published mapping row to the device (row_uploads)
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class VisitResult:
-    """What one layer visit gives the MoE layer. Arrays are the visit's own (safe to keep). The
-    `__init__` is written out (the generated one costs twice as long, once per layer visit)."""
+    """What one layer visit gives the MoE layer. Arrays are the visit's own (safe to keep)."""
 
     layer: int
     slot_of_E: torch.Tensor  # device int32 [E]: the published snapshot (a fixed-address row)
@@ -88,39 +87,21 @@ class VisitResult:
     miss_experts: np.ndarray  # int64: distinct experts of the visit run on the CPU, in access order
     admitted: np.ndarray  # int32 keys admitted by the policy at this visit
     evicted: np.ndarray  # int32 keys evicted
-    copies: list[Copy]  # this visit's admissions' copies (deferred ones too)
+    copies: list[Copy] = field(default_factory=list)  # this visit's admissions' copies (deferred ones too)
     # Filled by the executors: execution time of the CPU part of the layer, and of the GPU part, given
     # either as a number or (with `CacheManager.time_gpu`) as the (start, end) timing events recorded
     # around its kernels on the compute stream, resolved when the record is written (`cache_fields`).
-    cpu_duration_ns: int | None
-    cuda_duration_ns: int | None
-    gpu_events: tuple | None
+    cpu_duration_ns: int | None = None
+    cuda_duration_ns: int | None = None
+    gpu_events: tuple | None = None
     # on_miss="wait" only: the snapshot and hit mask when the visit began, before it waited for its
     # copies (snapshot_E / hit_TK are then what the device ran). None: the same as snapshot_E / hit_TK.
-    cache_snapshot_E: np.ndarray | None
-    cache_hit_TK: np.ndarray | None
+    cache_snapshot_E: np.ndarray | None = None
+    cache_hit_TK: np.ndarray | None = None
     # on_miss="split": the copies the compute stream waits for (empty: none), and the device row
     # mapping only their experts, for the executor's second operator call
-    waited: list[Copy]
-
-    def __init__(self, layer, slot_of_E, snapshot_E, hit_TK, miss_experts, admitted, evicted):
-        self.layer = layer
-        self.slot_of_E = slot_of_E
-        self.snapshot_E = snapshot_E
-        self.hit_TK = hit_TK
-        self.miss_experts = miss_experts
-        self.admitted = admitted
-        self.evicted = evicted
-        self.copies = []
-        self.cpu_duration_ns = None
-        self.cuda_duration_ns = None
-        self.gpu_events = None
-        self.cache_snapshot_E = None
-        self.cache_hit_TK = None
-        self.waited = []
-        self.wait_slot_of_E = None
-
-    wait_slot_of_E: torch.Tensor | None
+    waited: list[Copy] = field(default_factory=list)
+    wait_slot_of_E: torch.Tensor | None = None
 
     def cache_fields(self, num_experts: int) -> list[dict]:
         """The routing record's cache columns (moecache/trace/schema.py) for each of the visit's T rows.

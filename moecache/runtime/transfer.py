@@ -19,17 +19,16 @@ Legend: G global expert keys, S slots.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moecache.runtime.device import plain_pair
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Copy:
     """One expert copy in flight or done. Times are host `time.monotonic_ns()`; `duration_ns` is the
     device time between the copy's start and ready events, where the device measures it and the engine
-    timed the copy (`start_event` None: untimed). The `__init__` is written out: the generated one took
-    2.7x as long, on the hot path of every copy."""
+    timed the copy (`start_event` None: untimed)."""
 
     key: int
     slot: int
@@ -37,24 +36,11 @@ class Copy:
     enqueued_ns: int
     ready_event: object
     start_event: object
-    seq: int  # its place on the copy stream (0, 1, ...): copies complete in this order
-    est_ready_ns: int  # when it should land (host clock), with TransferEngine.copy_estimate_ns set
-    ready_ns: int | None  # when the manager saw the ready event complete
-    duration_ns: int | None
-    wasted: bool  # its key was evicted before the copy was published
-
-    def __init__(self, key, slot, nbytes, enqueued_ns, ready_event, start_event, seq=-1, est_ready_ns=0):
-        self.key = key
-        self.slot = slot
-        self.nbytes = nbytes
-        self.enqueued_ns = enqueued_ns
-        self.ready_event = ready_event
-        self.start_event = start_event
-        self.seq = seq
-        self.est_ready_ns = est_ready_ns
-        self.ready_ns = None
-        self.duration_ns = None
-        self.wasted = False
+    seq: int = -1  # its place on the copy stream (0, 1, ...): copies complete in this order
+    est_ready_ns: int = 0  # when it should land (host clock), with TransferEngine.copy_estimate_ns set
+    ready_ns: int | None = None  # when the manager saw the ready event complete
+    duration_ns: int | None = None
+    wasted: bool = field(default=False)  # its key was evicted before the copy was published
 
     def observe(self, known_complete: bool = False) -> bool:
         """Query the ready event (never waits; not at all when `known_complete`: a later copy on the same
@@ -118,8 +104,7 @@ class TransferEngine:
             stream.wait_event(after)
         timing = self.timing
         start = self._event(True) if timing else None  # untimed: one event record fewer per copy
-        free = self._free_events[timing]
-        ready = free.pop() if free else self.device.new_event(timing=timing)
+        ready = self._event(timing)
         enqueued = time.monotonic_ns()
         if start is not None:
             start.record(stream)
