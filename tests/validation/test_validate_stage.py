@@ -164,6 +164,36 @@ def test_a_warm_up_first_leaves_every_run_as_it_was(done, tmp_path, monkeypatch)
             assert r[key] == before[key], (r["strategy"], key)
 
 
+def test_an_all_resident_reference_is_warmed_up_before_it_runs(tmp_path, monkeypatch):
+    """validate.reference=all_resident: the reference is the first timed run, so its warm-up comes before
+    it (the process's first-call costs fell on it: on the H200 its prefill measured 48 ms per token against
+    1 ms predicted); every other strategy is warmed up once, after it."""
+    from moecache.validation import pipeline
+    from moecache.validation import runs as runs_module
+
+    calls = []  # (warm-up or timed run, strategy) in call order
+    real_measure = runs_module.measure
+
+    def measure(*a, **kw):
+        calls.append(("warm" if "moecache-warmup-" in str(kw["trace_dir"]) else "run", a[1].label))
+        return real_measure(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "measure", measure)
+    decision(tmp_path)
+    strategies = ["all_resident", "all_cpu", "selected"]
+    res = validate(
+        tmp_path, f"validate.strategies=[{','.join(strategies)}]", "validate.reference=all_resident",
+        "validate.warmup=on", "validate.capacities=[25%]",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    runs = pq.read_table(Path(res.stdout.strip().splitlines()[-1]) / "runs.parquet").to_pylist()
+    assert [r["strategy"] for r in runs] == strategies and runs[0]["reference"]
+    assert calls == [
+        ("warm", "all_resident"), ("run", "all_resident"),  # its warm-up, then the reference run
+        ("warm", "all_cpu"), ("warm", "selected"), ("run", "all_cpu"), ("run", "selected"),
+    ]  # fmt: skip
+
+
 def test_auto_warms_up_where_times_are_predicted(tmp_path, monkeypatch):
     """validate.warmup=auto on the CPU: no warm-up without a cost profile, one per strategy with one (the
     predicted times are held against the measured: first-call costs must fall on no run)."""
