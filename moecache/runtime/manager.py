@@ -258,7 +258,6 @@ class CacheManager:
         self._stats = ManagerStats()
         self._tally_X = np.zeros(len(TALLY), np.int64)  # the compiled visit's share of the stats
         self._copies = 0  # copies started by visits (stats.copies)
-        self._routing_ok = None  # the last routing array found fit as it is (the fast loop's view)
         self.last_visit: VisitResult | None = None  # the latest visit's result (the routing logger's)
         self.time_gpu = False
         self._init_session()
@@ -744,16 +743,13 @@ class CacheManager:
     def _read_routing(self, topk_ids_TK) -> np.ndarray:
         """The routing as host int64 [T, K], C-contiguous (the compiled visit's argument type): the one
         device-to-host read of the hot path (into a reused pinned buffer for a CUDA tensor)."""
-        if topk_ids_TK is self._routing_ok:  # the same array again: its type and layout cannot change
-            return topk_ids_TK
         if (
             type(topk_ids_TK) is np.ndarray
             and topk_ids_TK.dtype == np.int64
             and topk_ids_TK.ndim == 2
             and topk_ids_TK.flags.c_contiguous
         ):
-            self._routing_ok = topk_ids_TK  # the fast loop's read-back view
-            return topk_ids_TK
+            return topk_ids_TK  # the fast loop's read-back view
         if isinstance(topk_ids_TK, np.ndarray):
             return np.ascontiguousarray(topk_ids_TK, np.int64).reshape(topk_ids_TK.shape[0], -1)
         if topk_ids_TK.device.type == "cpu":

@@ -176,8 +176,6 @@ class ExpertsTaps:
         self.host_ids_TK, self.host_weights_TK, self.host_x_TH = views(self.host_B)
         # The routing the host point hands the manager and the CPU path: the read-back's, or forced rows.
         self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
-        # their numpy views, made once: the manager recognises an array it has checked by identity
-        self._host_ids_np = self._ids_src_np = self.host_ids_TK.numpy()
         self.y_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the resident experts' part
         self.cpu_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the CPU misses' part
         self.wait_TH = torch.zeros((T, H), dtype=dtype, device=where)  # on_miss="split": the waited part
@@ -212,7 +210,6 @@ class ExpertsTaps:
             (buf[:ids_bytes].view(torch.int64).view(T, K), buf[w_at:].view(torch.float32).view(T, K))
             for buf in self._forced_B
         ]
-        self._forced_np = [ids_TK.numpy() for ids_TK, _ in self._forced_views]
         self._forced_turn = 0
         # on_miss="split" on CUDA: per MoE layer, the wait call (operator over the layer's wait row, added
         # into y_TH) as a CUDA graph of its own pool (capture_waits), replayed instead of launched eagerly
@@ -304,7 +301,6 @@ class ExpertsTaps:
         self.flush()
         self._expected += 1  # A(l), just run, bumped the device counter
         self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
-        self._ids_src_np = self._host_ids_np
         if self.forced is not None:
             self._substitute(layer)
         if self.manager.on_miss != "wait":
@@ -335,7 +331,7 @@ class ExpertsTaps:
         or a deferred visit's copy of it)."""
         if ids_TK is None:
             self._wait_readback()
-            ids_TK = self._ids_src_np
+            ids_TK = self._ids_src_TK.numpy()
         started = time.perf_counter_ns()
         visit = self.manager.visit(layer, ids_TK, compute_done=self.is_cuda)  # the read-back waited for A
         self.host_ns["manager"] += time.perf_counter_ns() - started
@@ -366,14 +362,13 @@ class ExpertsTaps:
         forced_w_TK.copy_(torch.as_tensor(np.array(w_TK)).to(dtype))
         self.tap_B[: self._routing_bytes].copy_(self._forced_B[turn], non_blocking=self.is_cuda)
         self._ids_src_TK, self._weights_src_TK = forced_ids_TK, forced_w_TK
-        self._ids_src_np = self._forced_np[turn]
 
     def _combine(self, layer: int) -> None:
         """Segment B is enqueued: the visit (if `_route` only prepared it), commit, then the CPU misses
         (computed while B runs) into `cpu_TH`, added into B's `y_TH` on the compute stream (with slots)."""
         if self.manager.prepared == layer:  # `_route` left the visit to here
             self._wait_readback()
-            ids_TK = self._ids_src_np
+            ids_TK = self._ids_src_TK.numpy()
             if self.is_cuda and self.manager.covers(layer, ids_TK):
                 # nothing for the CPU: the next segment is replayed first, the visit (policy, copies)
                 # runs at the next host point while the GPU computes it (flush), on a copy of the routing
@@ -387,7 +382,7 @@ class ExpertsTaps:
         if not hit_TK.all():
             started_ns = time.perf_counter_ns()
             keys_M, token_t, weights_M = miss_entries(
-                layer, self.num_experts, self._ids_src_np, self._weights_src_TK, hit_TK
+                layer, self.num_experts, self._ids_src_TK.numpy(), self._weights_src_TK, hit_TK
             )
             if self.is_cuda:
                 self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self._staging_TH)

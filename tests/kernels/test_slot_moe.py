@@ -150,8 +150,8 @@ def _interpret(cases: list[dict], folder: Path) -> list:
         command = [sys.executable, str(HERE / "interpret_slot_moe.py"), str(folder / f"cases{w}.pt"),
                    str(folder / f"out{w}.pt")]  # fmt: skip
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=600)
+    errors = [proc.communicate(timeout=600)[1] for proc in procs]  # every process waited for
+    for proc, err in zip(procs, errors, strict=True):
         assert proc.returncode == 0, f"interpreted slot_moe failed:\n{err[-4000:]}"
     chunks = [torch.load(folder / f"out{w}.pt") for w in range(n)]
     return [chunks[i % n][i // n] for i in range(len(cases))]
