@@ -191,6 +191,49 @@ def _down_decode(
 
 
 @triton.jit
+def _down_tile_load(
+    ids_ptr, slot_ptr, wts_ptr, w2_ptr, token, offs_h, mask_h,
+    I: tl.constexpr, E, S, K: tl.constexpr, stride_ws, stride_wh,
+    BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
+):  # fmt: skip
+    """The down rows offs_h of all of the token's K experts as ONE tile [BLOCK_K, BLOCK_H, BLOCK_I]
+    (BLOCK_K >= K, BLOCK_I >= I; a non-resident entry loads nothing), with (router weights, resident) of
+    its K entries: everything `_down_tile_sum` needs but the activations."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_i = tl.arange(0, BLOCK_I)
+    pair_k = token * K + offs_k
+    slot, resident = _slots_of(ids_ptr, slot_ptr, pair_k, offs_k < K, E, S)
+    weight = tl.load(wts_ptr + pair_k, mask=resident, other=0.0).to(tl.float32)
+    w_ptrs = (
+        w2_ptr
+        + tl.where(resident, slot, 0).to(tl.int64)[:, None, None] * stride_ws
+        + offs_h[None, :, None] * stride_wh
+        + offs_i[None, None, :]
+    )
+    w_mask = resident[:, None, None] & mask_h[None, :, None] & (offs_i < I)[None, None, :]
+    return tl.load(w_ptrs, mask=w_mask, other=0.0), weight, resident
+
+
+@triton.jit
+def _down_tile_sum(
+    act_ptr, y_ptr, w, weight, resident, token, offs_h, mask_h, stride_yt,
+    I: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
+):  # fmt: skip
+    """y[token, offs_h] = sum over the resident k of weight[k] * w[k] . act[token*K + k] (the tile of
+    `_down_tile_load`); the activations are read past L1 (another program of this launch may have written
+    them)."""
+    offs_i = tl.arange(0, BLOCK_I)
+    pair_k = token * K + tl.arange(0, BLOCK_K)
+    act_mask = resident[:, None] & (offs_i < I)[None, :]
+    act = tl.load(
+        act_ptr + pair_k[:, None] * I + offs_i[None, :], mask=act_mask, other=0.0, cache_modifier=".cg"
+    )
+    act = act * weight[:, None]  # [BLOCK_K, BLOCK_I]
+    y = tl.sum(tl.sum(w.to(tl.float32) * act[:, None, :], axis=2), axis=0)
+    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
 def _down_decode_early(
     act_ptr, ids_ptr, slot_ptr, wts_ptr, w2_ptr, y_ptr,
     H, I: tl.constexpr, E, S, K: tl.constexpr,
@@ -205,28 +248,15 @@ def _down_decode_early(
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_i = tl.arange(0, BLOCK_I)
-    mask_i = offs_i < I
-    in_k = offs_k < K
-    pair_k = token * K + offs_k
-    slot, resident = _slots_of(ids_ptr, slot_ptr, pair_k, in_k, E, S)
-    weight = tl.load(wts_ptr + pair_k, mask=resident, other=0.0).to(tl.float32)
-    w_ptrs = (
-        w2_ptr
-        + tl.where(resident, slot, 0).to(tl.int64)[:, None, None] * stride_ws
-        + offs_h[None, :, None] * stride_wh
-        + offs_i[None, None, :]
-    )
-    w_mask = resident[:, None, None] & mask_h[None, :, None] & mask_i[None, None, :]
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # a non-resident entry loads nothing
+    w, weight, resident = _down_tile_load(
+        ids_ptr, slot_ptr, wts_ptr, w2_ptr, token, offs_h, mask_h, I, E, S, K, stride_ws, stride_wh,
+        BLOCK_K, BLOCK_I,
+    )  # fmt: skip
     if WAIT:
         tl.extra.cuda.gdc_wait()
-    act_mask = resident[:, None] & mask_i[None, :]
-    act = tl.load(act_ptr + pair_k[:, None] * I + offs_i[None, :], mask=act_mask, other=0.0)
-    act = act * weight[:, None]  # [BLOCK_K, BLOCK_I]
-    y = tl.sum(tl.sum(w.to(tl.float32) * act[:, None, :], axis=2), axis=0)
-    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+    _down_tile_sum(
+        act_ptr, y_ptr, w, weight, resident, token, offs_h, mask_h, stride_yt, I, K, BLOCK_K, BLOCK_I
+    )
 
 
 @triton.jit
@@ -280,35 +310,20 @@ def _persistent_decode(
                 tl.store(act_ptr + pair * I + offs_i, gate_i / (1.0 + tl.exp(-gate_i)) * up_i, mask=mask_i)
     if PHASES & 2:
         blocks_h = tl.cdiv(H, DOWN_H)
-        offs_k = tl.arange(0, BLOCK_K)
-        in_k = offs_k < K
-        offs_i = tl.arange(0, BLOCK_II)
-        mask_i = offs_i < I
         for unit in range(pid, T * blocks_h, programs):
             token = unit // blocks_h
             offs_h = (unit % blocks_h) * DOWN_H + tl.arange(0, DOWN_H)
             mask_h = offs_h < H
-            pair_k = token * K + offs_k
-            slot, resident = _slots_of(ids_ptr, slot_ptr, pair_k, in_k, E, S)
-            weight = tl.load(wts_ptr + pair_k, mask=resident, other=0.0).to(tl.float32)
-            w_ptrs = (
-                w2_ptr
-                + tl.where(resident, slot, 0).to(tl.int64)[:, None, None] * stride_w2s
-                + offs_h[None, :, None] * stride_w2h
-                + offs_i[None, None, :]
-            )
-            w_mask = resident[:, None, None] & mask_h[None, :, None] & mask_i[None, None, :]
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # a non-resident entry loads nothing
+            w, weight, resident = _down_tile_load(
+                ids_ptr, slot_ptr, wts_ptr, w2_ptr, token, offs_h, mask_h, I, E, S, K, stride_w2s, stride_w2h,
+                BLOCK_K, BLOCK_II,
+            )  # fmt: skip
             if PHASES == 3:
                 if unit == pid:  # the first unit: its weights are in flight; now wait for every act
                     _grid_barrier(sync_ptr)
-            act_mask = resident[:, None] & mask_i[None, :]
-            act = tl.load(
-                act_ptr + pair_k[:, None] * I + offs_i[None, :], mask=act_mask, other=0.0, cache_modifier=".cg"
+            _down_tile_sum(
+                act_ptr, y_ptr, w, weight, resident, token, offs_h, mask_h, stride_yt, I, K, BLOCK_K, BLOCK_II
             )  # fmt: skip
-            act = act * weight[:, None]
-            y = tl.sum(tl.sum(w.to(tl.float32) * act[:, None, :], axis=2), axis=0)
-            tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
         if PHASES == 3:
             if pid >= T * blocks_h:  # no down unit: it must still arrive
                 _grid_barrier(sync_ptr)
