@@ -305,7 +305,7 @@ def _persistent_decode(
                 mask_i = offs_i < I
                 gate_i, up_i = _gate_up_rows(
                     x_ptr + (pair // K) * stride_xt, w13_ptr + slot.to(tl.int64) * stride_w13s, stride_w13n,
-                    offs_i, mask_i, H, I, BLOCK_I, BLOCK_H,
+                    offs_i, mask_i, H, I, BLOCK_I, BLOCK_H, "",
                 )  # fmt: skip
                 tl.store(act_ptr + pair * I + offs_i, gate_i / (1.0 + tl.exp(-gate_i)) * up_i, mask=mask_i)
     if PHASES & 2:
@@ -349,7 +349,7 @@ def _fused_decode(
     mask_i = offs_i < I
     gate_i, up_i = _gate_up_rows(
         x_ptr + token * stride_xt, w13_ptr + slot.to(tl.int64) * stride_w13s, stride_w13n, offs_i, mask_i,
-        H, I, BLOCK_I, BLOCK_H,
+        H, I, BLOCK_I, BLOCK_H, "",
     )  # fmt: skip
     weight = tl.load(wts_ptr + pair).to(tl.float32)
     act = tl.where(mask_i, gate_i / (1.0 + tl.exp(-gate_i)) * up_i * weight, 0.0)
