@@ -21,6 +21,7 @@
 #   path instead of calibrating; TAG= a suffix for the output files; VAL_ENV="K=V ..." validate's environment,
 #   e.g. MOECACHE_CPU_HOST_THREAD=idle; FORCE=1 validate with force=true (a new run though the config is
 #   unchanged, as it is under another environment)).
+# prefill_all: bench_slot_moe at T = PREFILL_TOKENS (default 512 4096) for every shape, as shipped.
 # profile: profile_slot_moe (each launch's device time; PROFILE_SHAPES=, PROFILE_TOKENS=).
 # gputests: `pytest -m gpu $TESTS -k $TESTS_K` (TESTS_S limit). prefill: tune the Qwen3.6 prefill (T = 512,
 #   4096; TUNE_S budget), bench_slot_moe at T = 512, 4096.
@@ -76,6 +77,10 @@ for section in "$@"; do
     mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
     PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/profile_slot_moe.py --shapes ${PROFILE_SHAPES:-qwen3.6 qwen3-30b} \
       --tokens ${PROFILE_TOKENS:-1 4096} 2>&1 | tail -40 | tee "$OUT/profile_slot_moe.txt" ;;
+  prefill_all)
+    echo "== bench_slot_moe T = ${PREFILL_TOKENS:-512 4096}, every shape (the shipped configs)"
+    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
+    PYTHONPATH=/tmp/mk:$PWD timeout 240 python3 benchmarks/bench_slot_moe.py --quick --tokens ${PREFILL_TOKENS:-512 4096} 2>&1 | tail -80 | tee "$OUT/bench_slot_moe_prefill_all.txt" ;;
   gputests)
     echo "== GPU tests: ${TESTS} -k ${TESTS_K:-.}"
     mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels

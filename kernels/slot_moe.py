@@ -5,7 +5,7 @@ for each token, the router-weighted sum over its RESIDENT experts (`slot_of_E[e]
 slot pool; non-resident entries add nothing (the runtime computes them on the CPU). `slot_moe_reference`
 is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
 
-- decode (T <= DECODE_MAX_T), three variants chosen by the config entry's "variant" (no buffer depends on
+- decode (T <= DECODE_MAX_T), five variants chosen by the config entry's "variant" (no buffer depends on
   E, nothing is sorted or padded, a non-resident entry's programs exit at once and add nothing):
   "two_stage": launch 1, one program per (token, k, block of I), a GEMV of x[t] with the slot's gate and
   up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch. Launch 2, one program per (token,

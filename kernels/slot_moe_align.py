@@ -3,8 +3,9 @@
 bound fixed by P, E and BLOCK_M, and blocks past the padded total get slot -1 (they exit).
 
 Two implementations of one result (`Alignment`), equal element for element: `align_by_expert` in torch
-ops (the definition, and the tests' oracle; some 40 small launches) and `align_by_expert_triton`, three
-Triton launches (count per chunk of pairs, prefix sums in one program, scatter), which the kernel runs.
+ops (the definition, and the tests' oracle; some 40 small launches) and `align_by_expert_triton`, four
+Triton launches (count per chunk of pairs, prefix sums per expert column, blocks, scatter), which the
+kernel runs.
 Both are stable (an expert's pairs keep their pair order) and deterministic (no atomics).
 
 Legend: P = T*K pairs, E experts, B blocks of BLOCK_M sorted pairs, R = B * BLOCK_M padded rows, C
@@ -20,6 +21,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+# On CUDA, the count and scatter launches' programs: pairs per program about P / CHUNKS_CUDA (at T = 4096,
+# top-8: 64 pairs, 512 programs). 32 programs of 1024 pairs took 82-84 us each on the H200 at Qwen3.6 /
+# Qwen3-30B T = 4096, with one program's 37 us of prefix sums between (benchmarks/profile_slot_moe.py).
+CHUNKS_CUDA = 512
 
 
 class Alignment(NamedTuple):
@@ -121,29 +127,17 @@ def _align_count(
 
 
 @triton.jit
-def _align_offsets(
-    counts_ptr, slot_ptr, padding_ptr, slot_of_block_ptr, rank_of_block_ptr,
-    P, E, C, B,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, TILE_C: tl.constexpr, TILE_B: tl.constexpr,
+def _align_columns(
+    counts_ptr, totals_ptr,
+    E, C,
+    E_PAD: tl.constexpr, TILE_C: tl.constexpr, TILE_E: tl.constexpr,
 ):  # fmt: skip
-    """One program. Turns counts[c, e] in place into the rank of chunk c's first pair of expert e; writes
-    padding[e], the padding rows before expert e's run (a pair's padded row = its rank + padding[e]); and
-    each block's slot (-1 past the total) and first rank (P past the total)."""
-    offs_e = tl.arange(0, E_PAD)
+    """Program j, experts j*TILE_E .. + TILE_E - 1: turns their columns counts[c, e] in place into how many
+    of expert e's pairs lie in chunks before c (an exclusive prefix sum down the column), and writes
+    totals[e], the expert's kept pairs."""
+    offs_e = tl.program_id(0) * TILE_E + tl.arange(0, TILE_E)
     real_e = offs_e < E
-    total = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, C, TILE_C):
-        offs_c = c0 + tl.arange(0, TILE_C)
-        mask = (offs_c < C)[:, None] & real_e[None, :]
-        total += tl.sum(
-            tl.load(counts_ptr + offs_c[:, None] * E_PAD + offs_e[None, :], mask=mask, other=0), 0
-        )
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end_row = tl.cumsum(padded, 0)
-    first_rank = tl.cumsum(total, 0) - total
-    padding = end_row - padded - first_rank
-    tl.store(padding_ptr + offs_e, padding)
-    before = first_rank  # ranks of chunks c0 .. onwards start here, per expert
+    before = tl.zeros([TILE_E], dtype=tl.int32)
     for c0 in range(0, C, TILE_C):
         offs_c = c0 + tl.arange(0, TILE_C)
         ptrs = counts_ptr + offs_c[:, None] * E_PAD + offs_e[None, :]
@@ -151,29 +145,51 @@ def _align_offsets(
         tile = tl.load(ptrs, mask=mask, other=0)
         tl.store(ptrs, before[None, :] + tl.cumsum(tile, 0) - tile, mask=mask)
         before += tl.sum(tile, 0)
+    tl.store(totals_ptr + offs_e, before, mask=real_e)
+
+
+@triton.jit
+def _align_blocks(
+    totals_ptr, slot_ptr, first_rank_ptr, padding_ptr, slot_of_block_ptr, rank_of_block_ptr,
+    P, E, B,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, TILE_B: tl.constexpr,
+):  # fmt: skip
+    """Program j, blocks j*TILE_B .. + TILE_B - 1: from the experts' totals (each program recomputes their
+    prefix sums, E_PAD values), each block's slot (-1 past the total) and first rank (P past the total);
+    program 0 also writes first_rank[e], the rank of expert e's first pair, and padding[e], the padding
+    rows before its run (a pair's padded row = its rank + padding[e])."""
+    offs_e = tl.arange(0, E_PAD)
+    real_e = offs_e < E
+    total = tl.load(totals_ptr + offs_e, mask=real_e, other=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end_row = tl.cumsum(padded, 0)
+    first_rank = tl.cumsum(total, 0) - total
+    padding = end_row - padded - first_rank
+    if tl.program_id(0) == 0:
+        tl.store(first_rank_ptr + offs_e, first_rank)
+        tl.store(padding_ptr + offs_e, padding)
     end_row = tl.where(real_e, end_row, 2**30)  # columns past E own no rows
-    for b0 in range(0, B, TILE_B):
-        offs_b = b0 + tl.arange(0, TILE_B)
-        start = offs_b * BLOCK_M
-        owner = end_row[None, :] <= start[:, None]  # experts whose run ends at or before the block
-        expert = tl.sum(owner.to(tl.int32), 1)  # the first expert whose run ends after it (searchsorted)
-        inside = expert < E
-        mine = offs_e[None, :] == expert[:, None]
-        rank = start - tl.sum(tl.where(mine, padding[None, :], 0), 1)
-        slot = tl.load(slot_ptr + tl.where(inside, expert, 0), mask=inside, other=-1).to(tl.int32)
-        tl.store(slot_of_block_ptr + offs_b, slot, mask=offs_b < B)
-        tl.store(rank_of_block_ptr + offs_b, tl.where(inside, rank, P), mask=offs_b < B)
+    offs_b = tl.program_id(0) * TILE_B + tl.arange(0, TILE_B)
+    start = offs_b * BLOCK_M
+    owner = end_row[None, :] <= start[:, None]  # experts whose run ends at or before the block
+    expert = tl.sum(owner.to(tl.int32), 1)  # the first expert whose run ends after it (searchsorted)
+    inside = expert < E
+    mine = offs_e[None, :] == expert[:, None]
+    rank = start - tl.sum(tl.where(mine, padding[None, :], 0), 1)
+    slot = tl.load(slot_ptr + tl.where(inside, expert, 0), mask=inside, other=-1).to(tl.int32)
+    tl.store(slot_of_block_ptr + offs_b, slot, mask=offs_b < B)
+    tl.store(rank_of_block_ptr + offs_b, tl.where(inside, rank, P), mask=offs_b < B)
 
 
 @triton.jit
 def _align_scatter(
-    ids_ptr, slot_ptr, base_ptr, padding_ptr, pair_of_row_ptr, rank_of_pair_ptr,
+    ids_ptr, slot_ptr, base_ptr, first_rank_ptr, padding_ptr, pair_of_row_ptr, rank_of_pair_ptr,
     P, E, S,
     CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Program c: each of its pairs' rank (the chunk's first rank of its expert, base[c, e], plus how many
-    of the chunk's earlier pairs share the expert), into rank_of_pair (-1 when left out), and the pair
-    into pair_of_row at its padded row."""
+    """Program c: each of its pairs' rank (its expert's first rank, plus the expert's pairs in earlier
+    chunks, base[c, e], plus how many of the chunk's earlier pairs share the expert), into rank_of_pair
+    (-1 when left out), and the pair into pair_of_row at its padded row."""
     chunk = tl.program_id(0)
     offs_e = tl.arange(0, E_PAD)
     seen = tl.zeros([E_PAD], dtype=tl.int32)  # the chunk's pairs so far, per expert
@@ -187,7 +203,11 @@ def _align_scatter(
         within = tl.sum(tl.where(hot, earlier, 0), 1)
         seen += tl.sum(hot.to(tl.int32), 0)
         key_c = tl.where(kept, key, 0)
-        rank = tl.load(base_ptr + chunk * E_PAD + key_c, mask=kept, other=0) + within
+        rank = (
+            tl.load(first_rank_ptr + key_c, mask=kept, other=0)
+            + tl.load(base_ptr + chunk * E_PAD + key_c, mask=kept, other=0)
+            + within
+        )
         row = rank + tl.load(padding_ptr + key_c, mask=kept, other=0)
         tl.store(rank_of_pair_ptr + pairs, tl.where(kept, rank, -1), mask=valid)
         tl.store(pair_of_row_ptr + row, pairs, mask=kept)
@@ -196,21 +216,26 @@ def _align_scatter(
 def align_by_expert_triton(
     topk_ids_TK: torch.Tensor, slot_of_E: torch.Tensor, num_slots: int, block_m: int, chunk: int = 0
 ) -> Alignment:
-    """`align_by_expert` in three Triton launches, no host sync, every buffer sized by P, E and BLOCK_M.
-    `topk_ids_TK` and `slot_of_E` contiguous. `chunk`: pairs per program (a power of two; 0 picks: 1024
-    on CUDA, so that the middle launch's single program reads few rows, 8 in the interpreter, to cut the
-    tests' tiny cases into several chunks)."""
+    """`align_by_expert` in four Triton launches, no host sync, every buffer sized by P, E and BLOCK_M:
+    count each chunk's pairs per expert (a program per chunk), prefix sums down each expert's column (a
+    program per TILE_E experts), each block's slot and first rank (a program per TILE_B blocks), scatter
+    (a program per chunk). `topk_ids_TK` and `slot_of_E` contiguous. `chunk`: pairs per program (a power
+    of two; 0 picks: on CUDA about P / CHUNKS_CUDA, within 32..1024, so the grids fill the device; 8 in the
+    interpreter, to cut the tests' tiny cases into several chunks)."""
     device = topk_ids_TK.device
     num_experts = slot_of_E.shape[0]
     num_pairs = topk_ids_TK.numel()
     cuda = device.type == "cuda"
-    chunk = chunk or (1024 if cuda else 8)
+    if not chunk:
+        chunk = min(1024, max(32, triton.next_power_of_2(triton.cdiv(num_pairs, CHUNKS_CUDA)))) if cuda else 8
     sub = min(chunk, 32 if cuda else 4)  # pairs per one-hot tile [SUB, E_PAD]
     e_pad = triton.next_power_of_2(num_experts)
     num_chunks = triton.cdiv(num_pairs, chunk)
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
     num_rows = num_blocks * block_m
     counts_CE = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)
+    totals_E = torch.empty((e_pad,), dtype=torch.int32, device=device)
+    first_rank_E = torch.empty((e_pad,), dtype=torch.int32, device=device)
     padding_E = torch.empty((e_pad,), dtype=torch.int32, device=device)
     pair_of_row = torch.empty((num_rows,), dtype=torch.int32, device=device)
     slot_of_block = torch.empty((num_blocks,), dtype=torch.int32, device=device)
@@ -222,14 +247,20 @@ def align_by_expert_triton(
         num_pairs, num_experts, num_slots, num_rows, triton.cdiv(num_rows, num_chunks),
         CHUNK=chunk, SUB=sub, E_PAD=e_pad, num_warps=warps,
     )  # fmt: skip
-    _align_offsets[(1,)](
-        counts_CE, slot_of_E, padding_E, slot_of_block, rank_of_block,
-        num_pairs, num_experts, num_chunks, num_blocks,
-        BLOCK_M=block_m, E_PAD=e_pad, TILE_C=max(1, min(32, 8192 // e_pad)), TILE_B=max(1, min(64, 8192 // e_pad)),
-        num_warps=8 if cuda else 4,
+    tile_e = min(e_pad, 16)
+    _align_columns[(e_pad // tile_e,)](
+        counts_CE, totals_E,
+        num_experts, num_chunks,
+        E_PAD=e_pad, TILE_E=tile_e, TILE_C=min(128, triton.next_power_of_2(num_chunks)), num_warps=4,
+    )  # fmt: skip
+    tile_b = max(1, min(64, 8192 // e_pad))
+    _align_blocks[(triton.cdiv(num_blocks, tile_b),)](
+        totals_E, slot_of_E, first_rank_E, padding_E, slot_of_block, rank_of_block,
+        num_pairs, num_experts, num_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, TILE_B=tile_b, num_warps=4,
     )  # fmt: skip
     _align_scatter[(num_chunks,)](
-        topk_ids_TK, slot_of_E, counts_CE, padding_E, pair_of_row, rank_of_pair,
+        topk_ids_TK, slot_of_E, counts_CE, first_rank_E, padding_E, pair_of_row, rank_of_pair,
         num_pairs, num_experts, num_slots,
         CHUNK=chunk, SUB=sub, E_PAD=e_pad, num_warps=warps,
     )  # fmt: skip
