@@ -8,8 +8,10 @@ is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T,
 - decode (T <= DECODE_MAX_T), five variants chosen by the config entry's "variant" (no buffer depends on
   E, nothing is sorted or padded, a non-resident entry's programs exit at once and add nothing):
   "two_stage": launch 1, one program per (token, k, block of I), a GEMV of x[t] with the slot's gate and
-  up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch. Launch 2, one program per (token,
-  block of H), sums the down projections of the token's resident experts times their router weights.
+  up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch (and each pair's slot, -1 where it
+  does not run here, to a [T*K] scratch). Launch 2, one program per (token, block of H), sums the down
+  projections of the token's resident experts times their router weights, reading each pair's slot from
+  that scratch (one read, where the id and then the mapping would be two in a row).
   "pdl": the two launches of "two_stage", the second a programmatic dependent launch (Hopper): its
   programs, one per (token, block of H), load the down rows of all K experts in one tile first, then
   wait for the gate/up launch (`gdc_wait`) and read its activations, so the down weights stream while
@@ -130,8 +132,11 @@ def _gate_up_decode(
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LAUNCH_DOWN_EARLY: tl.constexpr = False,
     w2_ptr=None, sink_ptr=None, stride_w2s=0,
     PREFETCH_PROGRAMS: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1024, EVICT: tl.constexpr = "",
+    slot_out_ptr=None, WRITE_SLOTS: tl.constexpr = False,
 ):  # fmt: skip
     """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i]).
+    WRITE_SLOTS: the pair's first program also writes its slot (-1 when it does not run here) to
+    slot_out[p], so the down launch reads one value instead of the id and then the mapping.
     LAUNCH_DOWN_EARLY ("pdl" variant): let the down launch start its programs now (they load their
     weights, then wait for this whole launch: programmatic dependent launch).
     PREFETCH_PROGRAMS > 0 ("l2" variant): the grid's last PREFETCH_PROGRAMS blocks of each pair stream the
@@ -140,10 +145,13 @@ def _gate_up_decode(
     if LAUNCH_DOWN_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
-    expert, slot, _ = _slot_of(ids_ptr, slot_ptr, pair, E, S)
+    expert, slot, resident = _slot_of(ids_ptr, slot_ptr, pair, E, S)
+    block = tl.program_id(1)
+    if WRITE_SLOTS:
+        if block == 0:
+            tl.store(slot_out_ptr + pair, tl.where(resident, slot, -1))
     if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):  # not resident, as timed on the H200
         return
-    block = tl.program_id(1)
     if PREFETCH_PROGRAMS > 0:
         if block >= tl.cdiv(I, BLOCK_I):
             _prefetch_down(
@@ -164,19 +172,21 @@ def _gate_up_decode(
 
 @triton.jit
 def _down_decode(
-    act_ptr, ids_ptr, slot_ptr, wts_ptr, w2_ptr, y_ptr,
-    H, I: tl.constexpr, E, S, K: tl.constexpr,
+    act_ptr, slot_P_ptr, wts_ptr, w2_ptr, y_ptr,
+    H, I: tl.constexpr, K: tl.constexpr,
     stride_ws, stride_wh, stride_yt,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
 ):  # fmt: skip
-    """Program (token t, block of H): y[t, h] = sum over resident k of w[t, k] * down[h] . act[t*K + k]."""
+    """Program (token t, block of H): y[t, h] = sum over resident k of w[t, k] * down[h] . act[t*K + k];
+    slot_P: each pair's slot as the gate/up launch wrote it (-1: not run here)."""
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
     for k in tl.static_range(K):  # unrolled, so the K experts' loads need not wait on each other
         pair = token * K + k
-        expert, slot, resident = _slot_of(ids_ptr, slot_ptr, pair, E, S)
+        slot = tl.load(slot_P_ptr + pair)
+        resident = slot >= 0
         weight = tl.load(wts_ptr + pair).to(tl.float32)
         w_ptrs = w2_ptr + tl.where(resident, slot, 0).to(tl.int64) * stride_ws + offs_h[:, None] * stride_wh
         i_end = tl.where(resident, I, 0)  # a non-resident entry loads nothing
@@ -753,11 +763,13 @@ def _resident_programs(args, blocks: dict, device: torch.device, wanted: int) ->
 
 
 def _gate_up(
-    x_TH, ids_TK, slot_of_E, w13_SIH, inter, gate_up, launch_down_early=False, w2_SHI=None, prefetch=None
-) -> torch.Tensor:
+    x_TH, ids_TK, slot_of_E, w13_SIH, inter, gate_up, launch_down_early=False, w2_SHI=None, prefetch=None,
+    slot_P=None,
+) -> torch.Tensor:  # fmt: skip
     """The decode's gate/up launch: SiLU(gate) * up of every (token, k) pair into a float32 [P, I].
     `prefetch` ("l2" variant, with `w2_SHI`): {"programs", "BLOCK_P"}, that many more programs per pair
-    stream the pair's down weights into L2 for the down launch."""
+    stream the pair's down weights into L2 for the down launch. `slot_P` (int32 [P]): written with each
+    pair's slot, -1 where it does not run here (for `_down_decode`)."""
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
     num_pairs = num_tokens * top_k
@@ -771,6 +783,8 @@ def _gate_up(
             w2_ptr=w2_SHI, sink_ptr=sink, stride_w2s=w2_SHI.stride(0), PREFETCH_PROGRAMS=programs,
             BLOCK_P=prefetch["BLOCK_P"], EVICT="evict_first",
         )  # fmt: skip
+    if slot_P is not None:
+        extra |= dict(slot_out_ptr=slot_P, WRITE_SLOTS=True)
     _gate_up_decode[(num_pairs, triton.cdiv(inter, gate_up["BLOCK_I"]) + programs)](
         x_TH, ids_TK, slot_of_E, w13_SIH, act_PI,
         hidden, inter, slot_of_E.shape[0], w13_SIH.shape[0], top_k,
@@ -787,21 +801,16 @@ def _decode_two_stage(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH
     weights into L2."""
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
-    num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
+    inter = w2_SHI.shape[2]
+    slot_P = torch.empty((num_tokens * top_k,), dtype=torch.int32, device=x_TH.device)
     act_PI = _gate_up(
-        x_TH,
-        ids_TK,
-        slot_of_E,
-        w13_SIH,
-        inter,
-        config["gate_up"],
-        w2_SHI=w2_SHI,
-        prefetch=config.get("prefetch"),
-    )
+        x_TH, ids_TK, slot_of_E, w13_SIH, inter, config["gate_up"], w2_SHI=w2_SHI,
+        prefetch=config.get("prefetch"), slot_P=slot_P,
+    )  # fmt: skip
     down = config["down"]
     _down_decode[(num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))](
-        act_PI, ids_TK, slot_of_E, weights_TK, w2_SHI, y_TH,
-        hidden, inter, num_experts, num_slots, top_k,
+        act_PI, slot_P, weights_TK, w2_SHI, y_TH,
+        hidden, inter, top_k,
         w2_SHI.stride(0), w2_SHI.stride(1), y_TH.stride(0),
         BLOCK_H=down["BLOCK_H"], BLOCK_I=down["BLOCK_I"], num_warps=down["num_warps"],
     )  # fmt: skip
