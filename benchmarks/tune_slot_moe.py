@@ -4,8 +4,7 @@ For each token count T, times candidate block sizes (triton.testing.do_bench ove
 flushed, routings rotating over the whole expert pool so weights are cold) and keeps the fastest, checking each result
 against the default config's. For T > 16 (prefill) the layout and TMA keys, BLOCK_M and the two stages'
 tiles are searched likeliest first (PREFILL_LAYOUT below), the stages in turns; for T <= 16
-the named decode variants (--decode-variants: "two_stage" and "pdl" by default, "fused", "l2" and
-"persistent" when named, see
+the named decode variants (--decode-variants: "two_stage" and "pdl" by default, see
 kernels/slot_moe_config.py) are searched, their
 candidates taken in turns so that a short budget tries both, and the faster variant's best is kept. The
 search stops at --budget-s (the best found so far is kept), and the file is written atomically:
@@ -39,17 +38,6 @@ PDL_DOWN = [{"BLOCK_H": h, "num_warps": w} for h, w in itertools.product((1, 2, 
 # the "l2" decode: prefetch programs per pair and their load width first, then the down tile (it reads L2
 # now), then the gate/up tile
 L2_PREFETCH = [{"programs": p} for p in (8, 32, 4, 64, 2)] + [{"BLOCK_P": b} for b in (1024, 4096, 512, 8192)]
-# the "persistent" decode: programs per SM with their warps (how many programs hold HBM busy), then the
-# down tile's rows of H (how many down units, and how much of them loads before the barrier), then the
-# gate/up tile
-PERSISTENT = (
-    [("launch", {"programs_per_sm": p, "num_warps": w}) for p, w in ((1, 16), (4, 4), (1, 8), (3, 4), (2, 4))]
-    + [("down", {"BLOCK_H": h}) for h in (8, 2, 16, 1)]
-    + [
-        ("gate_up", {"BLOCK_I": i, "BLOCK_H": h})
-        for i, h in itertools.product((8, 32, 16, 4), (128, 256, 512))
-    ]
-)
 # prefill, likeliest first, so that a short --budget-s spends itself on these: each item is merged into the
 # best entry so far (with_choice). The layout and TMA first (kernels/slot_moe_config.py), then BLOCK_M, then
 # each stage's tile with its warps, its pipeline depth and its GROUP_M (the two stages in turns), then
@@ -107,9 +95,6 @@ def candidates(
             yield from (("prefetch", c) for c in L2_PREFETCH)
             yield from (("down", c) for c in DECODE_DOWN)
             yield from (("gate_up", c) for c in DECODE_GATE_UP)
-            return
-        if variant == "persistent":
-            yield from PERSISTENT
             return
         if variant == "pdl":  # the down tile's rows of H first (it decides how many programs start early)
             yield from (("down", c) for c in PDL_DOWN)
@@ -278,7 +263,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--budget-s", type=float, default=600.0, help="stop searching after this long")
     parser.add_argument(
-        "--decode-variants", nargs="+", choices=("two_stage", "fused", "pdl", "l2", "persistent"),
+        "--decode-variants", nargs="+", choices=("two_stage", "fused", "pdl", "l2"),
         default=["two_stage", "pdl"],
         help="decode variants searched for T <= 16 (default two_stage and pdl: the H200 timed pdl 0.2 us"
         " and l2 5.6 us slower than two_stage at Qwen3.6 T=1)",

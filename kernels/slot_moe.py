@@ -5,7 +5,7 @@ for each token, the router-weighted sum over its RESIDENT experts (`slot_of_E[e]
 slot pool; non-resident entries add nothing (the runtime computes them on the CPU). `slot_moe_reference`
 is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
 
-- decode (T <= DECODE_MAX_T), five variants chosen by the config entry's "variant" (no buffer depends on
+- decode (T <= DECODE_MAX_T), four variants chosen by the config entry's "variant" (no buffer depends on
   E, nothing is sorted or padded, a non-resident entry's programs exit at once and add nothing):
   "two_stage": launch 1, one program per (token, k, block of I), a GEMV of x[t] with the slot's gate and
   up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch (and each pair's slot, -1 where it
@@ -132,11 +132,11 @@ def _gate_up_decode(
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LAUNCH_DOWN_EARLY: tl.constexpr = False,
     w2_ptr=None, sink_ptr=None, stride_w2s=0,
     PREFETCH_PROGRAMS: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1024, EVICT: tl.constexpr = "",
-    slot_out_ptr=None, WRITE_SLOTS: tl.constexpr = False,
+    slot_out_ptr=None,
 ):  # fmt: skip
     """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i]).
-    WRITE_SLOTS: the pair's first program also writes its slot (-1 when it does not run here) to
-    slot_out[p], so the down launch reads one value instead of the id and then the mapping.
+    slot_out_ptr (two_stage, l2): the pair's first program also writes its slot (-1 when it does not run
+    here) to slot_out[p], so the down launch reads one value instead of the id and then the mapping.
     LAUNCH_DOWN_EARLY ("pdl" variant): let the down launch start its programs now (they load their
     weights, then wait for this whole launch: programmatic dependent launch).
     PREFETCH_PROGRAMS > 0 ("l2" variant): the grid's last PREFETCH_PROGRAMS blocks of each pair stream the
@@ -147,7 +147,7 @@ def _gate_up_decode(
     pair = tl.program_id(0)
     expert, slot, resident = _slot_of(ids_ptr, slot_ptr, pair, E, S)
     block = tl.program_id(1)
-    if WRITE_SLOTS:
+    if slot_out_ptr is not None:
         if block == 0:
             tl.store(slot_out_ptr + pair, tl.where(resident, slot, -1))
     if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):  # not resident, as timed on the H200
@@ -201,49 +201,6 @@ def _down_decode(
 
 
 @triton.jit
-def _down_tile_load(
-    ids_ptr, slot_ptr, wts_ptr, w2_ptr, token, offs_h, mask_h,
-    I: tl.constexpr, E, S, K: tl.constexpr, stride_ws, stride_wh,
-    BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
-):  # fmt: skip
-    """The down rows offs_h of all of the token's K experts as ONE tile [BLOCK_K, BLOCK_H, BLOCK_I]
-    (BLOCK_K >= K, BLOCK_I >= I; a non-resident entry loads nothing), with (router weights, resident) of
-    its K entries: everything `_down_tile_sum` needs but the activations."""
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_i = tl.arange(0, BLOCK_I)
-    pair_k = token * K + offs_k
-    slot, resident = _slots_of(ids_ptr, slot_ptr, pair_k, offs_k < K, E, S)
-    weight = tl.load(wts_ptr + pair_k, mask=resident, other=0.0).to(tl.float32)
-    w_ptrs = (
-        w2_ptr
-        + tl.where(resident, slot, 0).to(tl.int64)[:, None, None] * stride_ws
-        + offs_h[None, :, None] * stride_wh
-        + offs_i[None, None, :]
-    )
-    w_mask = resident[:, None, None] & mask_h[None, :, None] & (offs_i < I)[None, None, :]
-    return tl.load(w_ptrs, mask=w_mask, other=0.0), weight, resident
-
-
-@triton.jit
-def _down_tile_sum(
-    act_ptr, y_ptr, w, weight, resident, token, offs_h, mask_h, stride_yt,
-    I: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
-):  # fmt: skip
-    """y[token, offs_h] = sum over the resident k of weight[k] * w[k] . act[token*K + k] (the tile of
-    `_down_tile_load`); the activations are read past L1 (another program of this launch may have written
-    them)."""
-    offs_i = tl.arange(0, BLOCK_I)
-    pair_k = token * K + tl.arange(0, BLOCK_K)
-    act_mask = resident[:, None] & (offs_i < I)[None, :]
-    act = tl.load(
-        act_ptr + pair_k[:, None] * I + offs_i[None, :], mask=act_mask, other=0.0, cache_modifier=".cg"
-    )
-    act = act * weight[:, None]  # [BLOCK_K, BLOCK_I]
-    y = tl.sum(tl.sum(w.to(tl.float32) * act[:, None, :], axis=2), axis=0)
-    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
-
-
-@triton.jit
 def _down_decode_early(
     act_ptr, ids_ptr, slot_ptr, wts_ptr, w2_ptr, y_ptr,
     H, I: tl.constexpr, E, S, K: tl.constexpr,
@@ -258,85 +215,28 @@ def _down_decode_early(
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    w, weight, resident = _down_tile_load(
-        ids_ptr, slot_ptr, wts_ptr, w2_ptr, token, offs_h, mask_h, I, E, S, K, stride_ws, stride_wh,
-        BLOCK_K, BLOCK_I,
-    )  # fmt: skip
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_i = tl.arange(0, BLOCK_I)
+    mask_i = offs_i < I
+    in_k = offs_k < K
+    pair_k = token * K + offs_k
+    slot, resident = _slots_of(ids_ptr, slot_ptr, pair_k, in_k, E, S)
+    weight = tl.load(wts_ptr + pair_k, mask=resident, other=0.0).to(tl.float32)
+    w_ptrs = (
+        w2_ptr
+        + tl.where(resident, slot, 0).to(tl.int64)[:, None, None] * stride_ws
+        + offs_h[None, :, None] * stride_wh
+        + offs_i[None, None, :]
+    )
+    w_mask = resident[:, None, None] & mask_h[None, :, None] & mask_i[None, None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # a non-resident entry loads nothing
     if WAIT:
         tl.extra.cuda.gdc_wait()
-    _down_tile_sum(
-        act_ptr, y_ptr, w, weight, resident, token, offs_h, mask_h, stride_yt, I, K, BLOCK_K, BLOCK_I
-    )
-
-
-@triton.jit
-def _grid_barrier(sync_ptr):
-    """Wait until every program of this launch has arrived (all must be resident at once: the launcher
-    sizes the grid to the device, `_resident_programs`). sync_ptr: two int32, [arrivals, generation];
-    at rest arrivals is 0: the last program to arrive sets it back to 0 and then bumps the generation the
-    others spin on, so launches of any grid size can share the pair (a sense-reversing barrier)."""
-    tl.debug_barrier()  # every thread's stores of this program come before its arrival
-    generation = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) - 1:
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-        tl.atomic_add(sync_ptr + 1, 1, sem="release")
-    else:
-        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") == generation:
-            pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def _persistent_decode(
-    x_ptr, ids_ptr, slot_ptr, wts_ptr, w13_ptr, w2_ptr, act_ptr, y_ptr, sync_ptr,
-    T, H: tl.constexpr, I: tl.constexpr, E, S, K: tl.constexpr,
-    stride_xt, stride_w13s, stride_w13n, stride_w2s, stride_w2h, stride_yt,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, DOWN_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_II: tl.constexpr, PHASES: tl.constexpr,
-):  # fmt: skip
-    """The "persistent" decode: one launch of a fixed grid (every program resident at once) whose
-    programs take, in turn, first gate/up units (pair, block of I: two_stage's first launch), then down
-    units (token, block of DOWN_H rows of H: the pdl down tile, all K experts' rows [BLOCK_K, DOWN_H,
-    BLOCK_II] in one load). Between the phases a grid-wide barrier (`_grid_barrier`): a program loads its
-    first down unit's weights before it arrives, so the down weights stream while other programs finish
-    gate/up, with no second launch's ramp-up. PHASES: 3 = both phases and the barrier (CUDA); 1 or 2 =
-    that phase only, two launches one after the other (the interpreter, which runs programs one at a
-    time and so cannot wait at a barrier)."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    if PHASES & 1:
-        blocks_i = tl.cdiv(I, BLOCK_I)
-        for unit in range(pid, T * K * blocks_i, programs):
-            pair = unit // blocks_i
-            expert, slot, resident = _slot_of(ids_ptr, slot_ptr, pair, E, S)
-            if resident:
-                offs_i = (unit % blocks_i) * BLOCK_I + tl.arange(0, BLOCK_I)
-                mask_i = offs_i < I
-                gate_i, up_i = _gate_up_rows(
-                    x_ptr + (pair // K) * stride_xt, w13_ptr + slot.to(tl.int64) * stride_w13s, stride_w13n,
-                    offs_i, mask_i, H, I, BLOCK_I, BLOCK_H, "",
-                )  # fmt: skip
-                tl.store(act_ptr + pair * I + offs_i, gate_i / (1.0 + tl.exp(-gate_i)) * up_i, mask=mask_i)
-    if PHASES & 2:
-        blocks_h = tl.cdiv(H, DOWN_H)
-        for unit in range(pid, T * blocks_h, programs):
-            token = unit // blocks_h
-            offs_h = (unit % blocks_h) * DOWN_H + tl.arange(0, DOWN_H)
-            mask_h = offs_h < H
-            w, weight, resident = _down_tile_load(
-                ids_ptr, slot_ptr, wts_ptr, w2_ptr, token, offs_h, mask_h, I, E, S, K, stride_w2s, stride_w2h,
-                BLOCK_K, BLOCK_II,
-            )  # fmt: skip
-            if PHASES == 3:
-                if unit == pid:  # the first unit: its weights are in flight; now wait for every act
-                    _grid_barrier(sync_ptr)
-            _down_tile_sum(
-                act_ptr, y_ptr, w, weight, resident, token, offs_h, mask_h, stride_yt, I, K, BLOCK_K, BLOCK_II
-            )  # fmt: skip
-        if PHASES == 3:
-            if pid >= T * blocks_h:  # no down unit: it must still arrive
-                _grid_barrier(sync_ptr)
+    act_mask = resident[:, None] & mask_i[None, :]
+    act = tl.load(act_ptr + pair_k[:, None] * I + offs_i[None, :], mask=act_mask, other=0.0)
+    act = act * weight[:, None]  # [BLOCK_K, BLOCK_I]
+    y = tl.sum(tl.sum(w.to(tl.float32) * act[:, None, :], axis=2), axis=0)
+    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
 
 
 @triton.jit
@@ -663,15 +563,12 @@ def launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH,
 
 
 def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """The decode entry's variant: "two_stage" (the default; "l2" is it with a prefetch stage), "pdl",
-    "fused" or "persistent"."""
+    """The decode entry's variant: "two_stage" (the default; "l2" is it with a prefetch stage), "pdl" or
+    "fused"."""
     variant = decode_variant(config)
-    run = {
-        "fused": _decode_fused,
-        "pdl": _decode_pdl,
-        "l2": _decode_two_stage,
-        "persistent": _decode_persistent,
-    }.get(variant, _decode_two_stage)
+    run = {"fused": _decode_fused, "pdl": _decode_pdl, "l2": _decode_two_stage}.get(
+        variant, _decode_two_stage
+    )
     run(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
 
 
@@ -692,74 +589,6 @@ def _decode_pdl(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, conf
         BLOCK_H=down["BLOCK_H"], BLOCK_K=triton.next_power_of_2(top_k), BLOCK_I=triton.next_power_of_2(inter),
         WAIT=early, num_warps=down["num_warps"], **({"launch_pdl": True} if early else {}),
     )  # fmt: skip
-
-
-_SYNC: dict[torch.device, torch.Tensor] = {}  # per device: the persistent decode's barrier words
-_RESIDENT: dict[tuple, int] = {}  # (device, config) -> programs of `_persistent_decode` resident per SM
-
-
-def _decode_persistent(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """One launch (`_persistent_decode`) of as many programs as the device holds at once, up to
-    "programs_per_sm" per SM: gate/up units, a grid-wide barrier, down units. In the interpreter (which
-    cannot wait at a barrier) the two phases run as two launches of the same kernel."""
-    num_tokens, hidden = x_TH.shape
-    top_k = ids_TK.shape[1]
-    num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
-    act_PI = torch.empty((num_tokens * top_k, inter), dtype=torch.float32, device=x_TH.device)
-    gate_up, down, grid = config["gate_up"], config["down"], config["launch"]
-    args = (
-        x_TH, ids_TK, slot_of_E, weights_TK, w13_SIH, w2_SHI, act_PI, y_TH, _sync_words(x_TH.device),
-        num_tokens, hidden, inter, num_experts, num_slots, top_k,
-        x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1), w2_SHI.stride(0), w2_SHI.stride(1),
-        y_TH.stride(0),
-    )  # fmt: skip
-    blocks = dict(
-        BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], DOWN_H=down["BLOCK_H"],
-        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_II=triton.next_power_of_2(inter),
-        num_warps=grid["num_warps"],
-    )  # fmt: skip
-    if x_TH.device.type != "cuda":
-        units = max(num_tokens * top_k * triton.cdiv(inter, gate_up["BLOCK_I"]), 1)
-        programs = min(units, grid["programs_per_sm"] * 2)  # a few programs, each taking several units
-        _persistent_decode[(programs,)](*args, PHASES=1, **blocks)
-        _persistent_decode[(programs,)](*args, PHASES=2, **blocks)
-        return
-    per_sm = _resident_programs(args, blocks, x_TH.device, grid["programs_per_sm"])
-    sms = torch.cuda.get_device_properties(x_TH.device).multi_processor_count
-    _persistent_decode[(sms * per_sm,)](*args, PHASES=3, **blocks)
-
-
-def _sync_words(device: torch.device) -> torch.Tensor:
-    """The device's two barrier words (zeros at rest), made on its first use."""
-    if device not in _SYNC:
-        _SYNC[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return _SYNC[device]
-
-
-def _resident_programs(args, blocks: dict, device: torch.device, wanted: int) -> int:
-    """How many programs of `_persistent_decode` per SM to launch: `wanted`, lowered to what one SM holds
-    at once given the compiled kernel's registers, shared memory and warps (a program the device cannot
-    hold beside the others would never reach the barrier they wait at). Compiled without launching."""
-    x_TH, hidden, inter, top_k = args[0], args[10], args[11], args[14]
-    key = (device, x_TH.dtype, hidden, inter, top_k, wanted, tuple(sorted(blocks.items())))
-    if key not in _RESIDENT:
-        kernel = _persistent_decode.warmup(*args, PHASES=3, grid=(1,), **blocks)
-        if hasattr(kernel, "_init_handles"):
-            kernel._init_handles()
-        props = torch.cuda.get_device_properties(device)
-        warps = blocks["num_warps"]
-        regs_per_warp = -(-max(int(kernel.n_regs), 1) * 32 // 256) * 256  # allocated per warp in 256s
-        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
-        threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
-        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
-        shared = int(getattr(kernel.metadata, "shared", 0)) + 1024  # the runtime reserves 1 KiB per block
-        fits = min(
-            regs_sm // (regs_per_warp * warps), threads_sm // (32 * warps), smem_sm // shared, 32
-        )  # fmt: skip
-        if fits < 1:
-            raise ValueError(f"slot_moe: the persistent decode with {blocks} does not fit one SM")
-        _RESIDENT[key] = min(wanted, fits)
-    return _RESIDENT[key]
 
 
 def _gate_up(
@@ -784,7 +613,7 @@ def _gate_up(
             BLOCK_P=prefetch["BLOCK_P"], EVICT="evict_first",
         )  # fmt: skip
     if slot_P is not None:
-        extra |= dict(slot_out_ptr=slot_P, WRITE_SLOTS=True)
+        extra |= dict(slot_out_ptr=slot_P)
     _gate_up_decode[(num_pairs, triton.cdiv(inter, gate_up["BLOCK_I"]) + programs)](
         x_TH, ids_TK, slot_of_E, w13_SIH, act_PI,
         hidden, inter, slot_of_E.shape[0], w13_SIH.shape[0], top_k,

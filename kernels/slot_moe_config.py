@@ -6,7 +6,7 @@ token count T (a JSON string key) to the block sizes measured fastest for it by
 NEAREST_MAX_RATIO of the call's T. With no file for the device and shape,
 `default_config` gives a sane one. Two kinds of entry, one per path of the kernel:
 
-- decode (T <= DECODE_MAX_T), one of five variants, named by the optional "variant" key:
+- decode (T <= DECODE_MAX_T), one of four variants, named by the optional "variant" key:
     "two_stage" (the default when the key is absent): {"gate_up": {"BLOCK_I", "BLOCK_H", "num_warps"},
                                                        "down": {"BLOCK_H", "BLOCK_I", "num_warps"}}
     "fused": {"variant": "fused", "fused": {"BLOCK_I", "BLOCK_H", "BLOCK_HD", "num_warps"},
@@ -16,10 +16,6 @@ NEAREST_MAX_RATIO of the call's T. With no file for the device and shape,
           weights into L2 in loads of BLOCK_P elements)
     "pdl": {"variant": "pdl", "gate_up": {as two_stage's}, "down": {"BLOCK_H", "num_warps"}} (the down
            launch's tile holds all K experts' rows of its block of H, the whole of I)
-    "persistent": {"variant": "persistent", "gate_up": {"BLOCK_I", "BLOCK_H"}, "down": {"BLOCK_H"},
-                  "launch": {"programs_per_sm", "num_warps"}} (one launch of up to programs_per_sm programs
-                  per SM, all resident at once: gate/up units as two_stage's, a grid-wide barrier, down
-                  tiles as pdl's)
 - prefill (T > DECODE_MAX_T): {"BLOCK_M", "gate_up": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
                                "num_stages"}, "down": {the same keys}, "layout"?, "tma"?}, two optional keys:
     "layout": where the activations and the per-pair float32 down results live. "pairs" (the default when
@@ -71,12 +67,6 @@ DECODE_VARIANTS = {
         "gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"),
         "down": ("BLOCK_H", "BLOCK_I", "num_warps"),
         "prefetch": ("programs", "BLOCK_P"),
-    },
-    # one launch: gate/up units, a grid-wide barrier, pdl's down tiles; every program resident at once
-    "persistent": {
-        "gate_up": ("BLOCK_I", "BLOCK_H"),
-        "down": ("BLOCK_H",),
-        "launch": ("programs_per_sm", "num_warps"),
     },
 }
 DEFAULT_DECODE_VARIANT = "two_stage"
@@ -202,16 +192,6 @@ def default_config(num_tokens: int, variant: str = DEFAULT_DECODE_VARIANT) -> di
             "variant": "pdl",
             "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128, "num_warps": 8},
             "down": {"BLOCK_H": 4, "num_warps": 8},
-        }
-    if num_tokens <= DECODE_MAX_T and variant == "persistent":
-        # The tuner's starting point: two_stage's gate/up tile, pdl's 4-row down tile; 2 programs of 8
-        # warps per SM (264 on an H200: at the Qwen3.6 shape, T = 1, one gate/up unit and about two down
-        # units each), lowered by the launcher to what an SM holds.
-        return {
-            "variant": "persistent",
-            "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128},
-            "down": {"BLOCK_H": 4},
-            "launch": {"programs_per_sm": 2, "num_warps": 8},
         }
     if num_tokens <= DECODE_MAX_T and variant == "l2":
         # The tuner's starting point: two_stage's default, and 16 programs per pair streaming the down

@@ -55,15 +55,6 @@ L2_CPU = {
     "down": {"BLOCK_H": 16, "BLOCK_I": 16, "num_warps": 4},
     "prefetch": {"programs": 3, "BLOCK_P": 128},
 }
-# The "persistent" decode in the interpreter (its two phases as two launches of 4 programs, each taking
-# several units in turn): 3 blocks of I (40 = 16 + 16 + 8), 2 of H for gate/up, 4 down units of 16 rows
-# of H per token.
-PERSISTENT_CPU = {
-    "variant": "persistent",
-    "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32},
-    "down": {"BLOCK_H": 16},
-    "launch": {"programs_per_sm": 2, "num_warps": 4},
-}
 # The prefill path's layouts and TMA (kernels/slot_moe_config.py), pinned like the decode variants. Blocks
 # that cut every dimension unevenly: gate/up BLOCK_N 16 over I = 40 (the last block 8 wide, its boxes past
 # row I), down BLOCK_N 32 over H = 64 and BLOCK_K 16 over I = 40 (a tail step); BLOCK_M 16, so an expert's
@@ -99,12 +90,6 @@ CPU_CASES = (
     ]
     + [(5, torch.float32, p, "l2") for p in PATTERNS]
     + [(1, torch.float32, "some", "l2"), (16, torch.float32, "all", "l2"), (5, torch.bfloat16, "some", "l2")]
-    + [(5, torch.float32, p, "persistent") for p in PATTERNS]
-    + [
-        (1, torch.float32, "some", "persistent"),
-        (16, torch.float32, "all", "persistent"),
-        (5, torch.bfloat16, "some", "persistent"),
-    ]
     + [(37, torch.float32, p, c) for c in ("sorted", "sorted_tma") for p in PATTERNS]
     + [
         (17, torch.float32, "all", "sorted"),
@@ -118,12 +103,9 @@ CPU_CASES = (
 )
 # ids -1 and E and a slot S count as not resident: (T, config), run on out_of_range_case
 OUT_OF_RANGE_CASES = [
-    (5, None), (5, "fused"), (5, "pdl"), (5, "l2"), (5, "persistent"), (37, None), (37, "sorted"),
-    (37, "sorted_tma"),
+    (5, None), (5, "fused"), (5, "pdl"), (5, "l2"), (37, None), (37, "sorted"), (37, "sorted_tma")
 ]  # fmt: skip
-CONFIGS = {
-    None: None, "fused": FUSED_CPU, "pdl": PDL_CPU, "l2": L2_CPU, "persistent": PERSISTENT_CPU,
-} | PREFILL_CPU_CONFIGS  # fmt: skip
+CONFIGS = {None: None, "fused": FUSED_CPU, "pdl": PDL_CPU, "l2": L2_CPU} | PREFILL_CPU_CONFIGS
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -279,13 +261,21 @@ def test_align_by_expert_ranks_invert_the_rows(pattern: str, block_m: int) -> No
 
 # The Triton align (`align_by_expert_triton`) against the torch one under the interpreter, in a process of
 # its own: cases (T, E, pattern, BLOCK_M, pairs per program; 0 = its own pick, 8 in the interpreter),
-# including E = 10 (not a power of two: the key E of left-out pairs is a real column of the padded 16).
+# including E = 10 (not a power of two: the key E of left-out pairs is a real column of the padded 16) and
+# E = 40 (padded 64: four programs of 16 expert columns; at T = 400, 150 chunks of 8 pairs, so each column
+# is summed in two tiles of 128 chunks, and up to 330 blocks of 4 rows in six programs).
 ALIGN_CASES = [
     (t, e, p, m, c)
     for t, e in ((1, 8), (23, 8), (37, 10))
     for p in PATTERNS
     for m, c in ((1, 0), (4, 4), (16, 0), (16, 64))
-] + [(100, 8, "all", 16, 0), (100, 8, "one_expert", 4, 32)]
+] + [
+    (100, 8, "all", 16, 0),
+    (100, 8, "one_expert", 4, 32),
+    (37, 40, "some", 4, 0),
+    (400, 40, "some", 4, 0),
+    (400, 40, "all", 16, 0),
+]
 ALIGN_SCRIPT = """
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
@@ -379,7 +369,7 @@ def test_config_picks_a_fused_decode_entry(tmp_path) -> None:
     [
         (
             default_config(4) | {"variant": "unrolled"},
-            r"\[4\]\.variant: want one of \['fused', 'l2', 'pdl', 'persistent', 'two_stage'\], got 'unrolled'",
+            r"\[4\]\.variant: want one of \['fused', 'l2', 'pdl', 'two_stage'\], got 'unrolled'",
         ),
         (default_config(4) | {"variant": "fused"}, r"\[4\]\.fused: want an object"),
         (
@@ -529,21 +519,6 @@ def test_tuner_skips_prefill_tiles_over_the_shared_memory_limit() -> None:
     assert tune.prefill_smem_floor(default_config(1)) == 0  # a decode entry
 
 
-def test_tuner_persistent_candidates_are_valid_entries_and_reach_every_option() -> None:
-    """Every "persistent" search step, merged into the default, is an entry the loader accepts."""
-    import importlib.util
-
-    path = HERE.parents[1] / "benchmarks" / "tune_slot_moe.py"
-    spec = importlib.util.spec_from_file_location("tune_slot_moe", path)
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
-    start = default_config(1, "persistent")
-    items = list(tune.candidates(1, start, "persistent"))
-    assert {stage for stage, _ in items} == {"launch", "down", "gate_up"}
-    for stage, choice in items:
-        validate_entry(tune.with_choice(start, stage, choice), f"persistent {stage}={choice}")
-
-
 def test_shipped_configs_are_valid() -> None:
     from moecache_kernels.slot_moe_config import CONFIG_DIR
 
@@ -654,12 +629,7 @@ PREFILL_GPU = {
 }  # fmt: skip
 PINNED = {
     "picked": None, "two_stage": default_config(1), "fused": FUSED_GPU["default"], "pdl": default_config(1, "pdl"),
-    "l2": default_config(1, "l2"), "persistent": default_config(1, "persistent"),
-    # one program per SM of 16 warps, 8-row down tiles (at T = 1 fewer down units than programs)
-    "persistent_one": {
-        "variant": "persistent", "gate_up": {"BLOCK_I": 8, "BLOCK_H": 256}, "down": {"BLOCK_H": 8},
-        "launch": {"programs_per_sm": 1, "num_warps": 16},
-    },
+    "l2": default_config(1, "l2"),
 } | PREFILL_GPU  # fmt: skip
 
 
@@ -699,7 +669,7 @@ def test_cuda_fused_decode_matches_reference(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["pdl", "l2", "persistent", "persistent_one"])
+@pytest.mark.parametrize("variant", ["pdl", "l2"])
 @pytest.mark.parametrize(
     "shape", [QWEN36, QWEN3_30B, DSV2, LARGE], ids=["qwen3.6", "qwen3-30b", "dsv2-lite", "large"]
 )
@@ -709,15 +679,14 @@ def test_cuda_decode_variant_matches_reference(
     monkeypatch, shape: dict, num_tokens: int, pattern: str, variant: str
 ) -> None:
     """pdl: the down launch started early (programmatic dependent launch) waits for gate/up's activations;
-    l2: the prefetch programs read the down weights and write nothing the result depends on;
-    persistent: every program waits at the grid barrier before it reads another program's activations."""
+    l2: the prefetch programs read the down weights and write nothing the result depends on."""
     _pin_config(monkeypatch, variant)
     _cuda_run_matches(num_tokens, shape, pattern, f"{variant} T={num_tokens} {pattern}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "l2", "persistent"])
+@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "l2"])
 def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch, variant: str) -> None:
     from moecache_kernels.slot_moe import slot_moe
 
@@ -730,7 +699,7 @@ def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch, variant: str) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "l2", "persistent"])
+@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "l2"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_tokens: int) -> None:
     """Many programs add into each output element; their order must not depend on scheduling."""
@@ -760,9 +729,6 @@ def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_
         (16, "pdl"),
         (1, "l2"),
         (16, "l2"),
-        (1, "persistent"),
-        (16, "persistent"),
-        (1, "persistent_one"),
         (600, "sorted"),
         (600, "sorted_tma"),
         (600, "pairs_tma"),
@@ -790,44 +756,6 @@ def test_cuda_kernel_replays_in_a_graph(monkeypatch, num_tokens: int, variant: s
     out.fill_(float("nan"))
     graph.replay()
     _assert_matches(out, static, f"graph replay T={num_tokens} {variant}")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_persistent_barrier_rests_between_calls_of_other_grids(monkeypatch) -> None:
-    """The persistent decode's barrier words are shared by every launch on the device: calls of two grid
-    sizes in turn, eagerly and then as one captured graph replayed twice, each equal to the reference
-    (a barrier left half-counted would let a later call read activations not yet written, or hang)."""
-    import importlib
-
-    kernel = importlib.import_module("moecache_kernels.slot_moe")
-    configs = [PINNED["persistent"], PINNED["persistent_one"]] * 3
-    cases = [
-        make_case(t, **QWEN36, pattern="some", dtype=torch.bfloat16, seed=SEED + i, device="cuda")
-        for i, t in enumerate([1, 3, 16, 1, 8, 2])
-    ]
-    outs = [torch.empty_like(case["x_TH"]) for case in cases]
-
-    def run_all() -> None:
-        for case, out, config in zip(cases, outs, configs, strict=True):
-            monkeypatch.setattr(kernel, "get_config", lambda *_, config=config: config)
-            kernel.slot_moe(*(case[name] for name in ARGS), out=out)
-
-    run_all()
-    for i, (case, out) in enumerate(zip(cases, outs, strict=True)):
-        _assert_matches(out, case, f"eager call {i}")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
-    for replay in range(2):
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (case, out) in enumerate(zip(cases, outs, strict=True)):
-            _assert_matches(out, case, f"replay {replay} call {i}")
-    assert int(kernel._SYNC[torch.device("cuda", torch.cuda.current_device())][0]) == 0
 
 
 @pytest.mark.gpu
