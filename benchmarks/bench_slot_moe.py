@@ -5,7 +5,7 @@ every run; routings rotate over the whole expert pool, so weights come cold from
 the touched expert weights against the measured device copy bandwidth (the HBM floor), and TFLOP/s
 against a measured bf16 matmul rate. The baselines know nothing of residency: they run every routed
 expert (their rows are the same for both residency columns). slot_moe runs the launch config it picks
-itself (kernels/configs/ for this device and shape, else default_config); the "config" column names it:
+itself (kernels/moecache_kernels/configs/ for this device and shape, else default_config); the "config" column names it:
 the path or decode variant, and "tuned" (from a file) or "default". Three slot_moe rows: "slot_moe" (eager
 calls from Python), "slot_moe graph" (one CUDA graph per call: its launch latency included) and "slot_moe
 in-graph" (one graph of all ROUTINGS calls in turn, per call: a MoE layer inside the captured decode step;

@@ -62,52 +62,46 @@ for section in "$@"; do
     echo "== bench_copy_enqueue (DeepSeek-V2-Lite expert)"
     timeout 60 python3 benchmarks/bench_copy_enqueue.py 2>&1 | tail -8 | tee "$OUT/bench_copy_enqueue.txt" ;;
   kernels)
-    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
     echo "== kernel GPU tests"
-    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 -m pytest tests/kernels -q -p no:cacheprovider -m gpu -k "${KERNEL_TESTS:-pdl or determin or graph}" 2>&1 | tail -8 | tee "$OUT/kernel_tests.txt"
+    PYTHONPATH=$PWD/kernels:$PWD timeout 150 python3 -m pytest tests/kernels -q -p no:cacheprovider -m gpu -k "${KERNEL_TESTS:-pdl or determin or graph}" 2>&1 | tail -8 | tee "$OUT/kernel_tests.txt"
     echo "== tune the Qwen3.6 decode"
-    PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-100} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 \
+    PYTHONPATH=$PWD/kernels:$PWD timeout $(( ${TUNE_S:-100} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 \
       --tokens ${TUNE_TOKENS:-1 4 16} ${DECODE_VARIANTS:+--decode-variants $DECODE_VARIANTS} --budget-s "${TUNE_S:-100}" \
-      --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune.txt"
-    for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-qwen3_6.json"; done
+      --merge-from kernels/moecache_kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune.txt"
+    for f in "$OUT"/configs/*.json; do cp "$f" kernels/moecache_kernels/configs/; cp "$f" "$OUT/tuned-qwen3_6.json"; done
     echo "== bench_slot_moe T = 1, 4, 16"
-    PYTHONPATH=/tmp/mk:$PWD timeout 120 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16 2>&1 | tail -40 | tee "$OUT/bench_slot_moe.txt" ;;
+    PYTHONPATH=$PWD/kernels:$PWD timeout 120 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16 2>&1 | tail -40 | tee "$OUT/bench_slot_moe.txt" ;;
   profile)
     echo "== profile_slot_moe: each launch's device time (PROFILE_SHAPES, PROFILE_TOKENS)"
-    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
-    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/profile_slot_moe.py --shapes ${PROFILE_SHAPES:-qwen3.6 qwen3-30b} \
+    PYTHONPATH=$PWD/kernels:$PWD timeout 150 python3 benchmarks/profile_slot_moe.py --shapes ${PROFILE_SHAPES:-qwen3.6 qwen3-30b} \
       --tokens ${PROFILE_TOKENS:-1 4096} 2>&1 | tail -40 | tee "$OUT/profile_slot_moe.txt" ;;
   prefill_all)
     echo "== bench_slot_moe T = ${PREFILL_TOKENS:-512 4096}, every shape (the shipped configs)"
-    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
-    PYTHONPATH=/tmp/mk:$PWD timeout 240 python3 benchmarks/bench_slot_moe.py --quick --tokens ${PREFILL_TOKENS:-512 4096} 2>&1 | tail -80 | tee "$OUT/bench_slot_moe_prefill_all.txt" ;;
+    PYTHONPATH=$PWD/kernels:$PWD timeout 240 python3 benchmarks/bench_slot_moe.py --quick --tokens ${PREFILL_TOKENS:-512 4096} 2>&1 | tail -80 | tee "$OUT/bench_slot_moe_prefill_all.txt" ;;
   gputests)
     echo "== GPU tests: ${TESTS} -k ${TESTS_K:-.}"
-    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
-    PYTHONPATH=/tmp/mk:$PWD:${PYTHONPATH:-} timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS ${TESTS_K:+-k "$TESTS_K"} \
+    PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-} timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS ${TESTS_K:+-k "$TESTS_K"} \
       2>&1 | tail -12 | tee "$OUT/gpu_tests.txt" ;;
   prefill)
-    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
     echo "== tune the Qwen3.6 prefill (T = 512, 4096)"
-    PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-200} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 \
-      --top-k 8 --tokens 512 4096 --budget-s "${TUNE_S:-200}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune_prefill.txt"
-    for f in "$OUT"/configs/*.json; do cp "$f" kernels/configs/; cp "$f" "$OUT/tuned-prefill-qwen3_6.json"; done
+    PYTHONPATH=$PWD/kernels:$PWD timeout $(( ${TUNE_S:-200} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 \
+      --top-k 8 --tokens 512 4096 --budget-s "${TUNE_S:-200}" --merge-from kernels/moecache_kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune_prefill.txt"
+    for f in "$OUT"/configs/*.json; do cp "$f" kernels/moecache_kernels/configs/; cp "$f" "$OUT/tuned-prefill-qwen3_6.json"; done
     echo "== bench_slot_moe T = 512, 4096"
-    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 512 4096 2>&1 | tail -40 | tee "$OUT/bench_slot_moe_prefill.txt" ;;
+    PYTHONPATH=$PWD/kernels:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 512 4096 2>&1 | tail -40 | tee "$OUT/bench_slot_moe_prefill.txt" ;;
   prefill_shape)
     # tune the prefill (T = 4096) of one more shape of bench_slot_moe's (SHAPE=dsv2-lite, qwen3-30b, large),
     # then bench_slot_moe at T = 4096 for it and Qwen3.6
-    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/moecache_kernels
     read -r H I E K <<<"$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from bench_slot_moe import SHAPES; print(*SHAPES['${SHAPE:-dsv2-lite}'])")"
     echo "== tune the ${SHAPE:-dsv2-lite} prefill (H $H, I $I, E $E, K $K; T = ${PREFILL_TOKENS:-4096})"
-    PYTHONPATH=/tmp/mk:$PWD timeout $(( ${TUNE_S:-90} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden $H --inter $I --experts $E \
-      --top-k $K --tokens ${PREFILL_TOKENS:-4096} --budget-s "${TUNE_S:-90}" --merge-from kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune_prefill_${SHAPE:-dsv2-lite}.txt"
+    PYTHONPATH=$PWD/kernels:$PWD timeout $(( ${TUNE_S:-90} + 40 )) python3 benchmarks/tune_slot_moe.py --hidden $H --inter $I --experts $E \
+      --top-k $K --tokens ${PREFILL_TOKENS:-4096} --budget-s "${TUNE_S:-90}" --merge-from kernels/moecache_kernels/configs --out-dir "$OUT/configs" 2>&1 | tail -20 | tee "$OUT/tune_prefill_${SHAPE:-dsv2-lite}.txt"
     for f in "$OUT"/configs/E=$E,N=$I,device_name=*,dtype=bfloat16.json; do
-      cp "$f" kernels/configs/ && cp "$f" "$OUT/tuned-prefill-${SHAPE:-dsv2-lite}.json"
+      cp "$f" kernels/moecache_kernels/configs/ && cp "$f" "$OUT/tuned-prefill-${SHAPE:-dsv2-lite}.json"
     done
     [ "${PREFILL_BENCH:-1}" = 0 ] && continue
     echo "== bench_slot_moe T = 4096, ${SHAPE:-dsv2-lite} and qwen3.6"
-    PYTHONPATH=/tmp/mk:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 4096 --shapes qwen3.6 ${SHAPE:-dsv2-lite} 2>&1 | tail -20 | tee "$OUT/bench_slot_moe_4096.txt" ;;
+    PYTHONPATH=$PWD/kernels:$PWD timeout 150 python3 benchmarks/bench_slot_moe.py --quick --tokens 4096 --shapes qwen3.6 ${SHAPE:-dsv2-lite} 2>&1 | tail -20 | tee "$OUT/bench_slot_moe_4096.txt" ;;
   decode)
     echo "== bench_decode Qwen3.6, all resident, fused vs split"
     timeout ${DECODE_S:-420} python3 benchmarks/bench_decode.py --model $QWEN --capacities 100% --prompt-tokens 512 \

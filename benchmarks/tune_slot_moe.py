@@ -1,11 +1,11 @@
-"""Tune slot_moe's launch configs on this CUDA device and write them as kernels/configs/ JSON.
+"""Tune slot_moe's launch configs on this CUDA device and write them as kernels/moecache_kernels/configs/ JSON.
 
 For each token count T, times candidate block sizes (triton.testing.do_bench over CUDA-graph replays, L2
 flushed, routings rotating over the whole expert pool so weights are cold) and keeps the fastest, checking each result
 against the default config's. For T > 16 (prefill) the layout and TMA keys, BLOCK_M and the two stages'
 tiles are searched likeliest first (PREFILL_LAYOUT below), the stages in turns; for T <= 16
 the named decode variants (--decode-variants: "two_stage" and "pdl" by default, see
-kernels/slot_moe_config.py) are searched, their
+kernels/moecache_kernels/slot_moe_config.py) are searched, their
 candidates taken in turns so that a short budget tries both, and the faster variant's best is kept. The
 search stops at --budget-s (the best found so far is kept), and the file is written atomically:
 `E=..,N=..,device_name=..,dtype=bfloat16.json`, which `slot_moe` then loads for this device and shape.
@@ -13,7 +13,7 @@ With --merge-from DIR, entries of DIR's file for this shape whose T is not tuned
 
     python benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 --budget-s 150
     python benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 --tokens 1 4 16 \
-        --decode-variants fused --budget-s 120 --merge-from kernels/configs
+        --decode-variants fused --budget-s 120 --merge-from kernels/moecache_kernels/configs
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ PDL_DOWN = [{"BLOCK_H": h, "num_warps": w} for h, w in itertools.product((1, 2, 
 # now), then the gate/up tile
 L2_PREFETCH = [{"programs": p} for p in (8, 32, 4, 64, 2)] + [{"BLOCK_P": b} for b in (1024, 4096, 512, 8192)]
 # prefill, likeliest first, so that a short --budget-s spends itself on these: each item is merged into the
-# best entry so far (with_choice). The layout and TMA first (kernels/slot_moe_config.py), then BLOCK_M, then
+# best entry so far (with_choice). The layout and TMA first (kernels/moecache_kernels/slot_moe_config.py), then BLOCK_M, then
 # each stage's tile with its warps, its pipeline depth and its GROUP_M (the two stages in turns), then
 # BLOCK_M and the layout again (the tiles may have moved them), then the rest of the full space
 # PREFILL_STAGE (BLOCK_N 64/128/256 x BLOCK_K 32/64/128 x warps 4/8 x stages 2-5 x GROUP_M 1/8/16).
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         " and l2 5.6 us slower than two_stage at Qwen3.6 T=1)",
     )  # fmt: skip
     parser.add_argument(
-        "--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "kernels" / "configs"
+        "--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "kernels" / "moecache_kernels" / "configs"
     )
     parser.add_argument(
         "--merge-from", type=Path, default=None,

@@ -8,10 +8,10 @@ trace's metadata and is refused before the first replay.
 from pathlib import Path
 
 import pytest
-from conftest import write_trace
 from typer.testing import CliRunner
 
 from moecache.cli import app
+from tests.conftest import write_trace
 
 LAYERS, EXPERTS = 3, 8  # 24 expert keys
 

@@ -281,9 +281,8 @@ def test_schema_1_has_no_runtime_and_schema_2_reads_it() -> None:
 
 def _decode_trace(make_trace=None):
     """One request, 4 decode steps of one token over 2 layers x 8 experts, top-2, 1 MB experts."""
-    from conftest import trace_table
-
     from moecache.sim.trace_arrays import from_table
+    from tests.conftest import trace_table
 
     tokens = [[[0, 1]], [[0, 2]], [[0, 1]], [[3, 1]]]
     steps = [(0, i, layer, tok) for i, tok in enumerate(tokens) for layer in range(2)]
@@ -320,10 +319,9 @@ def test_timed_replay_prices_the_runtime_step(make_trace, overlap) -> None:
 def test_prefill_cost_interpolates_the_measured_prompt_lengths() -> None:
     """A profile timed at two prompt lengths prices a prefill layer step by the curve through them (not
     per token x tokens from the shortest: a prefill's cost is not linear); an override still wins."""
-    from conftest import trace_table
-
     from moecache.sim.cost_model import CostModel
     from moecache.sim.trace_arrays import from_table
+    from tests.conftest import trace_table
 
     data = _runtime_profile()
     timing = {"p10_us": 0.0, "p90_us": 0.0, "repeats": 1}
@@ -479,12 +477,11 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     """cost.runtime.step=fast: the non-expert time is the all-resident fast loop's step less what the
     simulator adds back to it, so the timed replay of an all-resident decode gives back exactly the
     measured step (the algebra of the profile's own numbers, not a timing comparison)."""
-    from conftest import trace_table
-
     from moecache.sim.cost_model import CostModel
     from moecache.sim.policy import make_policy
     from moecache.sim.timed import replay_timed
     from moecache.sim.trace_arrays import from_table
+    from tests.conftest import trace_table
 
     result = calibrate.run(compose(["model=tiny", f"output_root={tmp_path}", *FAST, *FAST_RUNTIME]))
     rt = json.loads((result.artifact / PROFILE_FILE).read_text())["runtime"]
@@ -694,13 +691,12 @@ def test_the_split_pays_its_host_time_where_the_profile_has_it(make_trace) -> No
 def test_the_cpu_step_excess_is_paid_by_decode_steps_with_cpu_work(make_trace) -> None:
     """runtime.cpu_step_excess: a decode step with a miss on the CPU pays decode_us more, in both replays;
     a step of hits only and a prefill step do not; a bad value is refused, an absent row is 0."""
-    from conftest import trace_table
-
     from moecache.sim.cost_model import CostModel, instant_step_us
     from moecache.sim.policy import make_policy
     from moecache.sim.replay import replay_instant
     from moecache.sim.timed import replay_timed
     from moecache.sim.trace_arrays import DECODE, from_table
+    from tests.conftest import trace_table
 
     # a 2-token prefill, then decode steps: hits only (twice: the second once the copies have landed),
     # then misses; 2 layers x 8 experts at 16 slots: nothing is evicted

@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from token_traces import token_trace
 
 from moecache.analysis.drift import (
     average_ranks,
@@ -19,6 +18,7 @@ from moecache.analysis.drift import (
 )
 from moecache.analysis.tokens import TokenTrace
 from moecache.errors import MoecacheError
+from tests.analysis.token_traces import token_trace
 
 # JS([1,1,0,0], [1,1,1,1]) = JS([1,1], [1,0]) after grouping: p = [1/2,1/2,0,0], q = [1/4]*4,
 # m = [3/8,3/8,1/8,1/8]; KL(p||m) = log2(4/3); KL(q||m) = 1/2 log2(2/3) + 1/2 log2(2);

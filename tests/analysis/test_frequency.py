@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from token_traces import token_trace
 
 from moecache.analysis.frequency import (
     concentration_table,
@@ -17,6 +16,7 @@ from moecache.analysis.frequency import (
 )
 from moecache.analysis.tokens import TokenTrace
 from moecache.errors import MoecacheError
+from tests.analysis.token_traces import token_trace
 
 
 # L=2 layers, E=4 experts, K=2, 4 tokens (request 0: tokens 0-2, request 1: token 3).

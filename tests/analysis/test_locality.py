@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from token_traces import from_requests as make_trace
 
 from moecache.analysis.locality import reuse_table, run_lengths, run_table
+from tests.analysis.token_traces import from_requests as make_trace
 
 # 2 layers, 4 experts, top-2; request a = tokens 0..2, request b = tokens 3..4.
 #          layer 0   layer 1

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from token_traces import from_requests as make_trace
 
 from moecache.analysis.router_weight import average_ranks, router_weight_table
 from moecache.errors import MoecacheError
+from tests.analysis.token_traces import from_requests as make_trace
 
 # 1 layer, 4 experts, top-2; request a = t0..t3, request b = t4..t6. (expert: weight), router order:
 # t0 (0: .95, 1: .05)  t1 (0: .85, 2: .15)  t2 (1: .75, 3: .25)  t3 (1: .6, 0: .4)

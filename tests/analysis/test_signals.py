@@ -7,11 +7,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from token_traces import from_requests, token_trace
 
 from moecache.analysis.signals import cmi_bits, lead_table, mi_bits, token_signal_table
 from moecache.analysis.tokens import TokenTrace, load_token_trace
 from moecache.errors import MoecacheError
+from tests.analysis.token_traces import from_requests, token_trace
 
 # ------------------------------------------------------------------------------ reference (slow)
 

@@ -11,13 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import trace_table
 
 from moecache.analysis import locality, router_weight, transitions
 from moecache.analysis.tokens import TokenTrace, from_table, load_token_trace
 from moecache.config import compose
 from moecache.errors import MoecacheError
 from moecache.stages import analyze, import_trace, simulate, sweep
+from tests.conftest import trace_table
 
 L, E, K = 2, 4, 2
 LENGTHS = {"q0": 5, "q1": 4}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from token_traces import from_requests as make_trace
 
 from moecache.analysis.transitions import (
     layer_mi_table,
@@ -17,6 +16,7 @@ from moecache.analysis.transitions import (
     token_transition_table,
     token_transitions,
 )
+from tests.analysis.token_traces import from_requests as make_trace
 
 
 def dense(counts: dict, num_layers: int = 2, num_experts: int = 4) -> np.ndarray:

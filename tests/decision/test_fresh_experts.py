@@ -15,10 +15,10 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import trace_table
 
 from moecache.config import compose
 from moecache.stages import decide, sweep
+from tests.conftest import trace_table
 
 LAYERS, EXPERTS, TOP_K, REQUESTS, TOKENS = 2, 16, 2, 16, 24
 EXPERT_BYTES = 6 * 2**20  # a DeepSeek-V2-Lite-sized expert: copies take about as long as a few tokens

@@ -21,7 +21,8 @@ from moecache_kernels.slot_moe_config import (
     load_configs,
     validate_entry,
 )
-from slot_moe_cases import PATTERNS, make_case, out_of_range_case
+
+from tests.kernels.slot_moe_cases import PATTERNS, make_case, out_of_range_case
 
 HERE = Path(__file__).resolve().parent
 ARGS = ("x_TH", "topk_ids_TK", "topk_weights_TK", "slot_of_E", "w13_SIH", "w2_SHI")
@@ -55,7 +56,7 @@ L2_CPU = {
     "down": {"BLOCK_H": 16, "BLOCK_I": 16, "num_warps": 4},
     "prefetch": {"programs": 3, "BLOCK_P": 128},
 }
-# The prefill path's layouts and TMA (kernels/slot_moe_config.py), pinned like the decode variants. Blocks
+# The prefill path's layouts and TMA (kernels/moecache_kernels/slot_moe_config.py), pinned like the decode variants. Blocks
 # that cut every dimension unevenly: gate/up BLOCK_N 16 over I = 40 (the last block 8 wide, its boxes past
 # row I), down BLOCK_N 32 over H = 64 and BLOCK_K 16 over I = 40 (a tail step); BLOCK_M 16, so an expert's
 # run spans several blocks at T = 100 or with one expert chosen by every token. "sorted_tma" also reads

@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from report_artifacts import CAPACITIES, TRACES, sweep_rows, write_all, write_sweep
 
 from moecache.errors import MoecacheError
 from moecache.report import decision_text, figures, render_report, sections
 from moecache.report.roles import label_roles, label_specs
 from moecache.report.tables import unique_slugs
 from moecache.sim.policy_spec import PolicySpec
+from tests.report.report_artifacts import CAPACITIES, TRACES, sweep_rows, write_all, write_sweep
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUFFIXES = ("hit_rate", "ms_per_token", "per_layer", "frequency_cdf", "reuse_runs", "layer_transitions")

@@ -9,7 +9,6 @@ import functools
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import assert_matches_reference, skewed_trace, small_traces
 
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel
@@ -17,6 +16,7 @@ from moecache.sim.policy import make_policy
 from moecache.sim.reference import reference_run
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
+from tests.sim.strategies import assert_matches_reference, skewed_trace, small_traces
 
 NAME = "activation_match"
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import assert_matches_reference, hand_cost, skewed_trace, small_traces
 
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.errors import MoecacheError
@@ -22,6 +21,7 @@ from moecache.sim.policy import make_policy
 from moecache.sim.reference import reference_run
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
+from tests.sim.strategies import assert_matches_reference, hand_cost, skewed_trace, small_traces
 
 PROFILE = (
     Path(__file__).resolve().parents[2] / "moecache/data/cost_profiles/h200_qwen3_6_35b_a3b_2026-11-30.json"

@@ -7,13 +7,13 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_trace
 
 from moecache.artifacts import ArtifactStore
 from moecache.config import compose
 from moecache.errors import MoecacheError
 from moecache.sim.inputs import file_ref, is_trace_ref, resolve_traces, unique_names
 from moecache.stages import import_trace, simulate
+from tests.conftest import write_trace
 
 LAYERS, EXPERTS = 2, 4
 

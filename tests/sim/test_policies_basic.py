@@ -9,12 +9,12 @@ from itertools import pairwise
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import assert_matches_reference, small_traces
 
 from moecache.errors import MoecacheError
 from moecache.sim.policy import make_policy
 from moecache.sim.reference import per_key_uses, reference_run
 from moecache.sim.replay import replay_instant
+from tests.sim.strategies import assert_matches_reference, small_traces
 
 # (policy, params) of every variant tested here
 VARIANTS = [

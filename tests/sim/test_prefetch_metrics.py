@@ -14,7 +14,6 @@ import math
 import numba as nb
 import numpy as np
 import pytest
-from strategies import hand_cost as shared_hand_cost
 
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.sim.cost_model import CostModel
@@ -22,6 +21,7 @@ from moecache.sim.metrics import per_request, summarize
 from moecache.sim.policy import Policy, make_policy
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
+from tests.sim.strategies import hand_cost as shared_hand_cost
 
 
 @nb.njit(_nrt=False)

@@ -11,7 +11,6 @@ import math
 
 import numpy as np
 import pytest
-from strategies import hand_cost
 
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.cost_profile import CostProfile
@@ -22,6 +21,7 @@ from moecache.sim.metrics import per_layer, per_request, summarize
 from moecache.sim.policy import POLICIES, make_policy
 from moecache.sim.replay import initial_resident_mask, replay_instant
 from moecache.sim.timed import TimedResult, replay_timed
+from tests.sim.strategies import hand_cost
 
 PROFILE = REPO_ROOT / "moecache/data/cost_profiles/h200_qwen3_6_35b_a3b_2026-11-30.json"
 

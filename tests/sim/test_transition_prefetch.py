@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
-from strategies import assert_matches_reference, small_traces
 
 from moecache.env_info import REPO_ROOT
 from moecache.errors import MoecacheError
@@ -17,6 +16,7 @@ from moecache.sim.policy import make_policy
 from moecache.sim.reference import reference_run
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
+from tests.sim.strategies import assert_matches_reference, small_traces
 
 NAME = "transition_prefetch"
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

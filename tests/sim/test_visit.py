@@ -13,7 +13,6 @@ from collections import namedtuple
 import numba as nb
 import numpy as np
 import pytest
-from strategies import hand_cost, skewed_trace
 
 import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.sim.cost_model import forward_index, instant_step_us
@@ -24,6 +23,7 @@ from moecache.sim.replay import initial_resident_mask, replay_instant
 from moecache.sim.shape import ModelShape
 from moecache.sim.trace_arrays import DECODE
 from moecache.sim.visit import bind_step, visit_entry
+from tests.sim.strategies import hand_cost, skewed_trace
 
 ONLINE = sorted(name for name, cls in POLICIES.items() if not cls.offline)
 

@@ -9,7 +9,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from conftest import ESFT_LAW, trace_table
 from typer.testing import CliRunner
 
 from moecache.cli import app
@@ -17,6 +16,7 @@ from moecache.errors import MoecacheError
 from moecache.sim.trace_arrays import load_trace
 from moecache.trace.schema import read_trace
 from moecache.trace.validity import canonical_order, check_row_order
+from tests.conftest import ESFT_LAW, trace_table
 
 LAYERS, EXPERTS = 2, 8
 SIM_COLUMNS = ["request_id", "step_index", "token_index", "layer_id", "phase", "expert_ids"]
