@@ -134,11 +134,20 @@ def _capacity(required: bool) -> Check:
 
 
 def _one_capacity(key: str, value) -> None:
-    """`moecache generate` runs one cache: one capacity or none (then runtime.enabled=false)."""
+    """`moecache generate` runs one cache: one capacity, `auto` (the slots that fit the device's free
+    memory, moecache/models/memory_fit.py) or none (then runtime.enabled=false)."""
     if isinstance(value, list | tuple):
         _fail(key, value, "one capacity (moecache generate runs one cache), e.g. capacity=25%")
-    if value is not None:
+    if value is not None and value != "auto":
         capacity_specs(value, key=key)
+
+
+def _memory_size(key: str, value) -> None:
+    """A memory size in the capacity syntax's units ("3GiB", "512MiB")."""
+    from moecache.capacity import capacity_spec
+
+    if not isinstance(value, str) or capacity_spec(value, key=key).kind != "bytes":
+        _fail(key, value, "a memory size such as 3GiB")
 
 
 def _logging_enabled(key: str, value) -> None:
@@ -150,6 +159,34 @@ def _logging_enabled(key: str, value) -> None:
             f"{key}=false: `moecache collect` always logs routing (that is its output); "
             "drop the override (logging.enabled is for the runtime's inference path)"
         )
+
+
+def _coverage(key: str, value) -> None:
+    """analyze.coverage: fractions in (0, 1], each naming its own concentration column (cover_<percent>,
+    moecache/analysis/frequency.py), so no two may round to the same percent."""
+    list_of(number(0, 1, low_open=True))(key, value)
+    seen: dict[int, float] = {}
+    for f in value:
+        percent = int(round(f * 100))
+        if percent in seen:
+            raise MoecacheError(
+                f"{key}={_show(value)}: {seen[percent]} and {f} both name the column cover_{percent}"
+            )
+        seen[percent] = f
+
+
+def _candidate_sets(key: str, value) -> None:
+    """analyze.history.candidates: policy name -> list of parameter mappings (an empty list leaves the
+    policy out), at least one set in all (the names and parameters are checked by the policy registry)."""
+    if not isinstance(value, dict):
+        _fail(key, value, "a mapping of policy name to a list of parameter sets")
+    for name, sets in value.items():
+        if sets is not None and (
+            not isinstance(sets, list) or not all(isinstance(p, dict | None) for p in sets)
+        ):
+            _fail(f"{key}.{name}", sets, "a list of parameter mappings, e.g. [{}]")
+    if not any(value.values()):
+        raise MoecacheError(f"{key}: no parameter set in any policy; nothing to compare")
 
 
 COMMON = {"force": boolean, "output_root": string}
@@ -179,6 +216,18 @@ RULES: dict[str, dict[str, Check]] = {
         "sweep.targets": list_of(number(0, 1, low_open=True), nonempty=False),
         "sweep.workers": optional(integer(1)),
     },
+    "analyze": {
+        "analyze.coverage": _coverage,
+        "analyze.window_tokens": integer(1),
+        "analyze.convergence_per_token_multiples": list_of(number(0, low_open=True)),
+        "analyze.max_lead_layers": integer(1),
+        "analyze.capacities.dense_multiple": number(0, low_open=True),
+        "analyze.capacities.dense_step": optional(integer(1)),
+        "analyze.capacities.fractions": list_of(number(0, 1, low_open=True), nonempty=False),
+        "analyze.history.prefix_fraction": number(0, 1, low_open=True, high_open=True),
+        "analyze.history.per_token_multiples": list_of(number(0, low_open=True)),
+        "analyze.history.candidates": _candidate_sets,
+    },
     "logging": {
         "logging.enabled": _logging_enabled,
         "logging.formats": list_of(one_of("parquet", "jsonl")),
@@ -202,6 +251,7 @@ RULES: dict[str, dict[str, Check]] = {
         "runtime.cost_profile": optional(string),
         "runtime.device": one_of("auto", "cuda", "standin"),
         "runtime.compile": boolean,
+        "runtime.headroom": _memory_size,
     },
     "prompt": {"prompt": optional(string)},
     "cost": {

@@ -9,10 +9,12 @@ them cached on the compute device, run by the runtime (docs/runtime.md, "Using i
 
 What happens: every sparse MoE block's `.experts` is replaced by an `OffloadedExperts` module
 (moecache/runtime/experts_module.py) with the same call signature; the router, the shared expert and
-everything else stay the model's and go to the compute device. The dense expert parameters are freed:
-from a checkpoint path they are dropped before the store is filled straight from the safetensors
-(`ExpertStore.from_checkpoint`), so they never reach the device; from a model already in memory they are
-copied into the store, then dropped.
+everything else stay the model's and go to the compute device. From a checkpoint path the model is
+streamed (moecache/models/streaming.py): every tensor read once, the routed experts straight into the
+pinned host store and the rest straight onto the compute device, after the memory each needs is checked
+(moecache/models/memory_fit.py; `capacity="auto"` sizes the pool to the free device memory after the rest
+of the model and `headroom`). From a model already in memory the experts are copied into the store, then
+dropped.
 
 `capacity` takes the one capacity syntax (moecache/capacity.py): a slot count, `"25%"` of all experts or a
 memory budget `"12GiB"`. `policy` + `params` name an online placement policy (conf/policy/), or
@@ -187,24 +189,37 @@ def offload(
     output_root: str | Path | None = None,
     on_miss: str = "cpu",
     cost_profile: str | Path | None = None,
+    headroom: str = "3GiB",
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
-    local checkpoint folder (loaded through moecache/models/loading.py, `dtype` as model.dtype there;
-    `output_root` holds its revision cache, default $MOECACHE_OUTPUT_ROOT or outputs). `on_miss`: "cpu"
+    local checkpoint folder (streamed through moecache/models/loading.py, `dtype` as model.dtype there;
+    `output_root` holds its revision cache, default $MOECACHE_OUTPUT_ROOT or outputs; `headroom` the
+    device memory kept free for the KV cache and activations). `on_miss`: "cpu"
     (a miss runs on the CPU while its copy flies), "wait" (the visit waits for its admissions' copies)
     or "split" (the misses whose copies land before the CPU would finish wait for them, the others run on
     the CPU, weighed with `cost_profile`, a profile of moecache calibrate; moecache/runtime/manager.py)."""
-    capacity_spec(capacity, key="capacity")  # the syntax, before anything is loaded
     if isinstance(model_or_path, str | Path):
-        from moecache.models.loading import load_model
+        from moecache.models.loading import OffloadRequest, load_model
+        from moecache.models.memory_fit import AUTO, headroom_bytes
 
+        if capacity != AUTO:
+            capacity_spec(capacity, key="capacity")  # the syntax, before anything is loaded
+        from moecache.runtime.manager import ON_MISS
+
+        made = _policy_of(policy, params, decision, "moecache.offload")
+        if on_miss not in ON_MISS:
+            raise MoecacheError(f"moecache.offload: on_miss={on_miss!r}: expected one of {list(ON_MISS)}")
+        runtime_cost(cost_profile, on_miss, made, 1, "moecache.offload")
+        target = _target_device(device)
+        request = OffloadRequest(capacity, headroom_bytes(headroom), _pin_mode(target))
         root = output_root or os.environ.get("MOECACHE_OUTPUT_ROOT", "outputs")
-        loaded = load_model({"path": str(model_or_path), "dtype": dtype}, root, "cpu")
+        loaded = load_model({"path": str(model_or_path), "dtype": dtype}, root, str(target), offload=request)
         return offload_model(
-            loaded.model, capacity=capacity, policy=policy, params=params, decision=decision,
-            device=device, checkpoint=loaded.path, standin_mode=standin_mode,
+            loaded.model, capacity=loaded.fit.slots, policy=policy, params=params, decision=decision,
+            device=str(target), store=loaded.store, standin_mode=standin_mode,
             cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss, cost_profile=cost_profile,
         )  # fmt: skip
+    capacity_spec(capacity, key="capacity")
     if not isinstance(model_or_path, nn.Module):
         raise MoecacheError(
             f"moecache.offload: expected a Hugging Face model or a checkpoint folder, got "
@@ -225,15 +240,16 @@ def offload_model(
     params: dict | None = None,
     decision: str | Path | None = None,
     device: str = "auto",
-    checkpoint: Path | None = None,
+    store=None,
     standin_mode: str = "before_visit",
     cpu_backend: str = "auto",
     cpu_threads: int | None = None,
     on_miss: str = "cpu",
     cost_profile: str | Path | None = None,
 ) -> nn.Module:
-    """`offload` of a model in memory; with `checkpoint` (the folder it was loaded from) the store is
-    filled from the safetensors after the model's dense experts are dropped."""
+    """`offload` of a model in memory; with `store` (an ExpertStore that `load_model(..., offload=...)`
+    filled, the model's routed experts left on the meta device) that store is used and the model's
+    expert modules are dropped."""
     from moecache.models.adapter import adapter_for
     from moecache.runtime.cpu_experts import CpuExperts
     from moecache.runtime.device import CudaDevice, StandinDevice
@@ -253,16 +269,16 @@ def offload_model(
     adapter = adapter_for(model)
     architecture = adapter.describe()
     blocks = [layer.block for layer in adapter.moe_layers()]
-    top_k, dtype = adapter.top_k, adapter.dtype
+    top_k = adapter.top_k
     slots = parse_capacity(
         capacity, key="capacity", num_keys=adapter.num_layers * adapter.num_experts,
         expert_bytes=adapter.expert_bytes,
     )  # fmt: skip
     cost = runtime_cost(cost_profile, on_miss, made, adapter.expert_bytes, "moecache.offload")
-    if checkpoint is not None:  # a model loaded for this call: drop its experts before the store fills
+    if store is not None:  # streamed for this call: the experts are in the store, the model's are meta
+        _check_store(store, architecture)
         del adapter
         _drop_experts(blocks)
-        store = _checkpoint_store(checkpoint, dtype, architecture, target)
         manager = CacheManager(store, runtime_device, slots, made, top_k=top_k, on_miss=on_miss, cost=cost)
         cpu = CpuExperts(store.w13_GIH, store.w2_GHI, threads=cpu_threads, backend=cpu_backend)
     else:  # the caller's model: nothing of it changes until the store and the manager exist
@@ -335,20 +351,15 @@ def _store_from_model(adapter, target: torch.device):
     return store
 
 
-def _checkpoint_store(checkpoint: Path, dtype, architecture: dict, target: torch.device):
-    from moecache.runtime.expert_store import ExpertStore
-
-    store = ExpertStore.from_checkpoint(checkpoint, dtype=dtype, pin=_pin_mode(target))
+def _check_store(store, architecture: dict) -> None:
     shape = (store.num_layers, store.num_experts, store.hidden_size, store.intermediate_size)
     want = tuple(
         architecture[k] for k in ("num_layers", "num_experts", "hidden_size", "moe_intermediate_size")
     )
     if shape != want:
         raise MoecacheError(
-            f"model.path={checkpoint}: the safetensors' experts are (layers, experts, hidden, inter) = "
-            f"{shape}, the loaded model has {want}"
+            f"moecache.offload: the expert store is (layers, experts, hidden, inter) = {shape}, the model has {want}"
         )
-    return store
 
 
 def _drop_experts(blocks: list[nn.Module]) -> None:

@@ -56,7 +56,12 @@ class LoadedModel:
     tokenizer: transformers.PreTrainedTokenizerBase
     adapter: MoEAdapter
     path: Path
-    revision: str  # "git:<commit>" or "sha256:<hash of the safetensors files>"
+    # "git:<commit>", "files:<hash of the files' names, sizes, times and headers>", "sha256:<hash of the
+    # safetensors files>" (model.hash_weights=true) or "random:<hash of the random model's config>"
+    revision: str
+    store: object = None  # the ExpertStore holding the routed experts (an offloaded load), else None
+    fit: object = None  # its memory_fit.OffloadFit: the slot count and what goes where
+    times: object = None  # load_progress.LoadTimes
 
 
 def _one_line(exc: BaseException) -> str:
@@ -308,13 +313,78 @@ def _generation_config(path: Path, model: PreTrainedModel, tokenizer) -> Generat
     return generation
 
 
-def load_model(model_cfg: DictConfig | dict, output_root: str | Path, device: str) -> LoadedModel:
-    """Load the model that `model_cfg` (the `model` config group) names, in eval mode on `device`."""
+@dataclass(frozen=True)
+class OffloadRequest:
+    """Load for the offloaded runtime: the routed experts go to a host expert store, not the model.
+    `capacity` (the one syntax, or "auto") and `headroom` (bytes kept free on the device) size the slot
+    pool before anything is read (moecache/models/memory_fit.py); `pin` is the store's pin mode."""
+
+    capacity: object
+    headroom: int
+    pin: str = "auto"
+
+
+def _keep_fp32(cls, dtype: torch.dtype):
+    """The parameter-name test for modules the model class keeps in float32 under a half dtype, as
+    `from_pretrained` keeps them (`_keep_in_fp32_modules`, `_keep_in_fp32_modules_strict`)."""
+    modules = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    if dtype in (torch.float16, torch.bfloat16):
+        modules += list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
+    if not modules:
+        return lambda name: False
+    pattern = re.compile("|".join(rf"((^|\.){re.escape(m)}($|\.))" for m in modules))
+    return lambda name: pattern.search(name) is not None
+
+
+def _dense_bytes(model: PreTrainedModel, skip_experts: bool, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights at `dtype` (without the routed experts with `skip_experts`)."""
+    from moecache.models.skeleton import routed_experts
+
+    total, seen = 0, set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen or (skip_experts and routed_experts(module, name, param)):
+                continue
+            seen.add(id(param))
+            total += param.numel() * dtype.itemsize
+    return total
+
+
+def _files_revision(headers) -> str:
+    """The checkpoint's identity from its files' names, sizes, modification times and headers (the
+    tensors' names, dtypes, shapes and offsets): no pass over the data."""
+    digest = hashlib.sha256()
+    for header in headers:
+        stat = header.file.stat()
+        digest.update(canonical_json([header.file.name, header.size, stat.st_mtime_ns]).encode())
+        digest.update(header.header)
+    return digest.hexdigest()
+
+
+def load_model(
+    model_cfg: DictConfig | dict,
+    output_root: str | Path,
+    device: str,
+    offload: OffloadRequest | None = None,
+    progress: bool | None = None,
+) -> LoadedModel:
+    """Load the model that `model_cfg` (the `model` config group) names, in eval mode on `device`.
+
+    Every weight is read once, straight to where it is used (moecache/models/streaming.py): with
+    `offload`, the routed experts into a host expert store (`LoadedModel.store`, its slot count checked
+    and resolved in `LoadedModel.fit`), else into the model on `device`. `progress`: draw progress bars
+    (None: on a terminal)."""
+    from moecache.models.load_progress import LoadProgress
+
     cfg = _model_dict(model_cfg)
     from moecache.models import random_full
 
-    if random_full.is_random(cfg):  # random weights in memory, no checkpoint (random_full.py)
-        return random_full.load_random(cfg, _resolve_device(device))
+    target = torch.device(_resolve_device(device))
+    if random_full.is_random(cfg):  # random weights, no checkpoint (random_full.py)
+        with LoadProgress(f"random {cfg.get('name', '')}".strip(), progress) as bars:
+            loaded = random_full.load_random(cfg, str(target), offload, bars)
+        loaded.times = bars.times
+        return loaded
     if cfg.get("path") is None:
         if not cfg.get("build"):
             raise MoecacheError(
@@ -331,41 +401,76 @@ def load_model(model_cfg: DictConfig | dict, output_root: str | Path, device: st
     dtype_name = str(cfg.get("dtype", "auto"))
     if dtype_name not in DTYPES:
         raise MoecacheError(f"model.dtype={dtype_name} is not one of {', '.join(DTYPES)}")
-    device = _resolve_device(device)
-    # The per-expert loop ("eager") on the CPU; transformers' default (grouped_mm) elsewhere.
-    experts_impl = cfg.get("experts_implementation") or ("eager" if device == "cpu" else None)
-    extra = {"experts_implementation": experts_impl} if experts_impl else {}
-
+    dtype = DTYPES[dtype_name]
+    if not isinstance(dtype, torch.dtype):
+        dtype = _checkpoint_dtype(raw_config) or torch.float32
+    files = weight_files(path)
     try:
-        AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as exc:
         raise MoecacheError(f"{path / 'config.json'}: {_one_line(exc)}") from exc
+
+    from moecache.models.memory_fit import fit_dense, fit_offload
+    from moecache.models.skeleton import build_skeleton, everything
+    from moecache.models.streaming import stream_checkpoint
+
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path,
-            local_files_only=True,
-            dtype=DTYPES[dtype_name],
-            output_loading_info=True,
-            **extra,
+        model = build_skeleton(
+            lambda: AutoModelForCausalLM.from_config(config, dtype=dtype), dtype, target, everything
         )
-    except (OSError, ValueError, RuntimeError, KeyError, StrictDataclassError) as exc:
-        raise MoecacheError(f"model.path={path}: cannot load the weights: {_one_line(exc)}") from exc
-    for kind in ("missing_keys", "mismatched_keys"):
-        if info.get(kind):
-            names = sorted(str(k) for k in info[kind])
-            raise MoecacheError(
-                f"model.path={path}: {len(names)} {kind.replace('_', ' ')} in the weights, e.g. {names[0]}"
-            )
-    # No device_map: that needs `accelerate`, which is not a dependency. Load on the CPU, then move.
-    model = model.to(device).eval()
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+        raise MoecacheError(f"{path / 'config.json'}: cannot build the model: {_one_line(exc)}") from exc
+    # The per-expert loop ("eager") on the CPU; transformers' default (grouped_mm) elsewhere.
+    experts_impl = cfg.get("experts_implementation") or ("eager" if target.type == "cpu" else None)
+    if experts_impl:
+        model.set_experts_implementation(experts_impl)
+    adapter = adapter_for(model)
+    if cfg.get("architecture"):
+        check_architecture(adapter, dict(cfg["architecture"]), path, _checkpoint_dtype(raw_config))
+
+    store = fit = None
+    if offload is not None:
+        from moecache.runtime.expert_store import ExpertStore
+
+        fit = fit_offload(
+            offload.capacity, num_keys=adapter.num_layers * adapter.num_experts,
+            expert_bytes=adapter.expert_bytes, dense_bytes=_dense_bytes(model, True, dtype), device=target,
+            headroom=offload.headroom,
+        )  # fmt: skip
+        E, H, inter = adapter.num_experts, adapter.hidden_size, adapter.moe_intermediate_size
+        store = ExpertStore.allocate(adapter.num_layers, E, H, inter, adapter.dtype)
+    else:
+        fit_dense(_dense_bytes(model, False, dtype), target)
+
+    keep_fp32 = _keep_fp32(type(model), dtype)
+    buffers = dict(model.named_buffers())
+
+    def dtype_of(name: str) -> torch.dtype:
+        if name in buffers:
+            return buffers[name].dtype
+        return torch.float32 if keep_fp32(name) else dtype
+
+    total = sum(f.stat().st_size for f in files)
+    with LoadProgress(path.name, progress) as bars:
+        with bars.phase("read", total) as advance:
+            _, headers = stream_checkpoint(path, files, model, adapter, store, target, dtype_of, advance)
+        if store is not None and target.type == "cuda":
+            with bars.phase("pin", store.nbytes):
+                store.pin(offload.pin)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise MoecacheError(f"model.path={path}: cannot load the tokenizer: {_one_line(exc)}") from exc
     model.generation_config = _generation_config(path, model, tokenizer)
-
     adapter = adapter_for(model)
-    if cfg.get("architecture"):
-        check_architecture(adapter, dict(cfg["architecture"]), path, _checkpoint_dtype(raw_config))
-    revision = weights_revision(path, Path(output_root) / "models" / ".revisions")
-    return LoadedModel(model=model, tokenizer=tokenizer, adapter=adapter, path=path, revision=revision)
+    commit = _git_revision(path)
+    if commit:
+        revision = f"git:{commit}"
+    elif cfg.get("hash_weights"):
+        revision = f"sha256:{weights_sha256(path, Path(output_root) / 'models' / '.revisions')}"
+    else:
+        revision = f"files:{_files_revision(headers)}"
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, adapter=adapter, path=path, revision=revision, store=store, fit=fit,
+        times=bars.times,
+    )  # fmt: skip

@@ -193,26 +193,61 @@ def _from_json(path: Path, model_type: str | None) -> tuple[dict, type]:
 
 
 def instantiate(cls, text: transformers.PretrainedConfig, device, dtype: torch.dtype, seed: int):
-    """`cls(text)` in eval mode with its random weights made directly on `device` in `dtype` from
-    `seed` (the caller's random state and default dtype are left as they were)."""
+    """`cls(text)` in eval mode, every weight but the routed experts made directly on `device` in
+    `dtype` from `seed`; the routed experts left on the meta device for `fill_experts` (the caller's
+    random state and default dtype are left as they were)."""
+    from moecache.models.skeleton import build_skeleton, routed_experts
+
     target = torch.device(device)
     rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if (
         target.type == "cuda"
     ) else []  # fmt: skip
-    default = torch.get_default_dtype()
     with torch.random.fork_rng(devices=rng_devices, device_type="cuda"):
         torch.manual_seed(seed)
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(target):
-                return cls(text).eval()
-        finally:
-            torch.set_default_dtype(default)
+        return build_skeleton(lambda: cls(text), dtype, target, routed_experts)
 
 
-def build_random_model(model_cfg: dict, device: str | torch.device, dtype: torch.dtype | None = None):
+def random_experts(
+    adapter, layer_id: int, seed: int, std: float, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up_EIH, down_EHI) of one MoE layer: normal(0, std) from a generator seeded by (seed,
+    layer), made on `device` in the model's dtype. The same seed, layer and device give the same
+    weights, whether they go to the model or to the expert store."""
+    E, H, inter = adapter.num_experts, adapter.hidden_size, adapter.moe_intermediate_size
+    generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer_id)
+    gate_up_EIH = torch.empty((E, 2 * inter, H), dtype=adapter.dtype, device=device)
+    down_EHI = torch.empty((E, H, inter), dtype=adapter.dtype, device=device)
+    gate_up_EIH.normal_(0.0, std, generator=generator)
+    down_EHI.normal_(0.0, std, generator=generator)
+    return gate_up_EIH, down_EHI
+
+
+def fill_experts(model, adapter, seed: int, device, store=None, advance=None) -> None:
+    """Generate every MoE layer's routed experts (`random_experts`, one layer at a time) into the
+    model's own expert parameters on `device`, or into `store` (an ExpertStore: no full model is ever
+    materialised, on the host or the device). `advance(nbytes)` reports progress."""
+    std = float(getattr(model.config.get_text_config(), "initializer_range", 0.02))
+    E = adapter.num_experts
+    for layer in adapter.moe_layers():
+        gate_up_EIH, down_EHI = random_experts(adapter, layer.layer_id, seed, std, device)
+        if store is None:
+            layer.experts._parameters["gate_up_proj"] = torch.nn.Parameter(gate_up_EIH, requires_grad=False)
+            layer.experts._parameters["down_proj"] = torch.nn.Parameter(down_EHI, requires_grad=False)
+        else:
+            rows = slice(layer.layer_id * E, (layer.layer_id + 1) * E)
+            store.w13_GIH[rows].copy_(gate_up_EIH)
+            store.w2_GHI[rows].copy_(down_EHI)
+            del gate_up_EIH, down_EHI
+        if advance is not None:
+            advance(E * adapter.expert_bytes)
+
+
+def build_random_model(
+    model_cfg: dict, device: str | torch.device, dtype: torch.dtype | None = None, experts: bool = True
+):
     """(model, options): the random model of `model_cfg` (module docstring) on `device` ("meta" gives
-    the shapes without memory), in `dtype` (default: model.dtype), eval mode, architecture checked."""
+    the shapes without memory), in `dtype` (default: model.dtype), eval mode, architecture checked.
+    `experts=False` leaves the routed experts on the meta device (`fill_experts` puts them in a store)."""
     from moecache.models.adapter import adapter_for
     from moecache.models.loading import DTYPES
 
@@ -231,8 +266,10 @@ def build_random_model(model_cfg: dict, device: str | torch.device, dtype: torch
         else transformers.AutoModelForCausalLM.from_config
     )
     model = instantiate(cls, text, device, dtype, int(options["seed"]))
-    model.requires_grad_(False)
-    check_built(model_cfg, adapter_for(model).describe(), dtype, options)
+    adapter = adapter_for(model)
+    check_built(model_cfg, adapter.describe(), dtype, options)
+    if experts and torch.device(device).type != "meta":
+        fill_experts(model, adapter, int(options["seed"]), device)
     return model, options
 
 
@@ -261,15 +298,49 @@ def check_built(model_cfg: dict, arch: dict, dtype: torch.dtype, options: dict) 
         )
 
 
-def load_random(model_cfg: dict, device: str):
-    """The LoadedModel of a random model (moecache/models/loading.py's `load_model` branch)."""
+def load_random(model_cfg: dict, device: str, offload=None, bars=None):
+    """The LoadedModel of a random model (moecache/models/loading.py's `load_model` branch); with
+    `offload` (a loading.OffloadRequest) its routed experts are generated into an expert store, checked
+    against the machine's memory first, and the rest of the model is made on `device`."""
     from transformers import GenerationConfig
 
     from moecache.models.adapter import adapter_for
-    from moecache.models.loading import LoadedModel
+    from moecache.models.loading import LoadedModel, _dense_bytes
+    from moecache.models.memory_fit import fit_dense, fit_offload
     from moecache.models.tokenizer import build_byte_tokenizer
 
-    model, options = build_random_model(model_cfg, device)
+    meta, options = build_random_model(model_cfg, "meta")
+    adapter = adapter_for(meta)
+    dtype = adapter.dtype
+    if offload is not None:
+        fit = fit_offload(
+            offload.capacity, num_keys=adapter.num_layers * adapter.num_experts, expert_bytes=adapter.expert_bytes,
+            dense_bytes=_dense_bytes(meta, True, dtype), device=torch.device(device), headroom=offload.headroom,
+        )  # fmt: skip
+    else:
+        fit = None
+        fit_dense(_dense_bytes(meta, False, dtype), torch.device(device))
+    del meta, adapter
+    model, options = build_random_model(model_cfg, device, experts=False)
+    adapter = adapter_for(model)
+    store = None
+    if offload is not None:
+        from moecache.runtime.expert_store import ExpertStore
+
+        E, H, inter = adapter.num_experts, adapter.hidden_size, adapter.moe_intermediate_size
+        store = ExpertStore.allocate(adapter.num_layers, E, H, inter, adapter.dtype)
+    total = adapter.num_layers * adapter.num_experts * adapter.expert_bytes
+    seed = int(options["seed"])
+    if bars is not None:
+        with bars.phase("generate", total) as advance:
+            fill_experts(model, adapter, seed, device, store, advance)
+        if store is not None and torch.device(device).type == "cuda":
+            with bars.phase("pin", store.nbytes):
+                store.pin(offload.pin)
+    else:
+        fill_experts(model, adapter, seed, device, store)
+        if store is not None:
+            store.pin(offload.pin if torch.device(device).type == "cuda" else "off")
     impl = model_cfg.get("experts_implementation") or ("eager" if str(device) == "cpu" else None)
     if impl:
         model.set_experts_implementation(impl)
@@ -288,5 +359,5 @@ def load_random(model_cfg: dict, device: str):
     name = f"random-{model_cfg.get('name', model_cfg.get('model_type'))}-seed{options['seed']}"
     return LoadedModel(
         model=model, tokenizer=tokenizer, adapter=adapter_for(model), path=Path(name),
-        revision=f"random:{config_hash(key)[:16]}",
+        revision=f"random:{config_hash(key)[:16]}", store=store, fit=fit,
     )  # fmt: skip

@@ -12,10 +12,8 @@ Pinning: one `cudaHostRegister` of the whole allocation (its exact size), never 
 warns in one line and keeps pageable memory where registration is impossible (no CUDA, or the call
 fails); `pin="strict"` refuses instead; `pin="off"` skips it (tests, CPU-only runs).
 
-Loading from a checkpoint (`from_checkpoint`) reads the safetensors files tensor by tensor
-(`safe_open`, one expert slice at a time for fused layouts) straight into the store, so peak host memory
-stays ~1x the expert bytes. The MoE structure (which decoder layers are MoE layers, E, H, I) comes
-from the model adapters (moecache/models/) applied to the model built on the meta device.
+A checkpoint's experts are read straight into an allocated store by the streaming loader
+(moecache/models/streaming.py), so peak host memory stays ~1x the expert bytes.
 
 Legend: G global expert keys, L layers, E experts, H hidden, I intermediate.
 """
@@ -23,22 +21,15 @@ Legend: G global expert keys, L layers, E experts, H hidden, I intermediate.
 from __future__ import annotations
 
 import ctypes
-import re
 import time
 import warnings
 import weakref
-from pathlib import Path
 
 import torch
 
 from moecache.errors import MoecacheError
 
 PIN_MODES = ("auto", "strict", "off")
-_PER_EXPERT = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
-_EXPERT_KEY = re.compile(
-    r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
-    r"(?:(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight|(gate_up_proj|down_proj))$"
-)
 
 
 class PinWarning(UserWarning):
@@ -70,8 +61,8 @@ def _host_unregister(ptr: int) -> None:
 
 
 class ExpertStore:
-    """The pinned expert-major weight store (see the module docstring). Build it with `allocate`,
-    `from_tensors` or `from_checkpoint`."""
+    """The pinned expert-major weight store (see the module docstring). Build it with `allocate` (then
+    fill it) or `from_tensors`."""
 
     def __init__(
         self, flat_GB: torch.Tensor, num_layers: int, num_experts: int, hidden: int, inter: int, dtype
@@ -134,72 +125,6 @@ class ExpertStore:
         store.pin(pin)
         return store
 
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, *, dtype=None, pin: str = "auto") -> ExpertStore:
-        """Every routed expert of a Hugging Face checkpoint folder, read from its safetensors files."""
-        from safetensors import safe_open
-
-        from moecache.models.loading import check_checkpoint, weight_files
-
-        path = Path(path)
-        check_checkpoint(path)
-        adapter, prefix = _meta_adapter(path)
-        E, H, inter = adapter.num_experts, adapter.hidden_size, adapter.moe_intermediate_size
-        layer_of_index = {m.model_layer_index: m.layer_id for m in adapter.moe_layers()}
-        store_dtype = dtype or _checkpoint_expert_dtype(path, prefix) or adapter.dtype
-        store = cls.allocate(adapter.num_layers, E, H, inter, store_dtype)
-        filled_G3 = torch.zeros((store.num_keys, 3), dtype=torch.bool)
-        for file in weight_files(path):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if name.startswith(prefix) and (m := _EXPERT_KEY.search(name)) is not None:
-                        store._load_tensor(f, name, m, layer_of_index, filled_G3)
-        missing = (~filled_G3).nonzero()
-        if len(missing):
-            g, part = (int(v) for v in missing[0])
-            raise MoecacheError(
-                f"model.path={path}: the safetensors hold no {('gate', 'up', 'down')[part]} weights for "
-                f"layer {g // E} expert {g % E} ({len(missing)} expert weights missing in all)"
-            )
-        store.pin(pin)
-        return store
-
-    def _load_tensor(self, f, name: str, m: re.Match, layer_of_index: dict, filled_G3: torch.Tensor) -> None:
-        index, expert, part, fused = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if index not in layer_of_index:
-            raise MoecacheError(
-                f"checkpoint tensor {name}: decoder layer {index} is not an MoE layer of the model"
-            )
-        E, H, inter = self.num_experts, self.hidden_size, self.intermediate_size
-        base = layer_of_index[index] * E
-        if expert is not None:  # one expert's gate / up / down matrix
-            e, row = int(expert), _PER_EXPERT[part]
-            want = (H, inter) if row == 2 else (inter, H)
-            tensor = f.get_tensor(name)
-            if e >= E or tuple(tensor.shape) != want:
-                raise MoecacheError(
-                    f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, expected {want} (expert < {E})"
-                )
-            if row == 2:
-                self.w2_GHI[base + e].copy_(tensor)
-            else:
-                self.w13_GIH[base + e, row * inter : (row + 1) * inter].copy_(tensor)
-            filled_G3[base + e, row] = True
-            return
-        sliced = f.get_slice(name)  # fused [E, 2I, H] or [E, H, I]: one expert at a time
-        want = (E, 2 * inter, H) if fused == "gate_up_proj" else (E, H, inter)
-        if tuple(sliced.get_shape()) != want:
-            raise MoecacheError(
-                f"checkpoint tensor {name}: shape {tuple(sliced.get_shape())}, expected {want}"
-            )
-        target = self.w13_GIH if fused == "gate_up_proj" else self.w2_GHI
-        for e in range(E):
-            target[base + e].copy_(sliced[e])
-        if fused == "gate_up_proj":
-            filled_G3[base : base + E, :2] = True
-        else:
-            filled_G3[base : base + E, 2] = True
-
     # ---- pinning --------------------------------------------------------------------------------
 
     def pin(self, mode: str = "auto") -> bool:
@@ -229,41 +154,3 @@ class ExpertStore:
             self._finalizer()
             self._finalizer = None
         self.pinned = False
-
-
-def _meta_adapter(path: Path):
-    """The model adapter of the checkpoint's model built on the meta device (no weights read), and the
-    name prefix of its decoder layers' parameters (e.g. "model.language_model.")."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from moecache.models.adapter import adapter_for
-
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise MoecacheError(f"{path / 'config.json'}: {' '.join(str(exc).split())}") from exc
-    adapter = adapter_for(model)
-    first = adapter.moe_layers()[0]
-    experts_names = {id(p): n for n, p in model.named_parameters()}
-    name = experts_names[id(first.experts.gate_up_proj)]
-    prefix = name[: name.index(f"layers.{first.model_layer_index}.")]
-    return adapter, prefix
-
-
-def _checkpoint_expert_dtype(path: Path, prefix: str):
-    """The dtype of the checkpoint's first expert tensor (what the store keeps by default)."""
-    from safetensors import safe_open
-
-    from moecache.models.loading import weight_files
-
-    for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(prefix) and _EXPERT_KEY.search(name):
-                    return _DTYPES.get(f.get_slice(name).get_dtype())
-    return None
-
-
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

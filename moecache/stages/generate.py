@@ -7,12 +7,16 @@ on the compute device) on the same prompt, for comparison. `runtime.loop` picks 
 path's host points; `runtime.compile=true` runs its step through torch.compile) or `transformers`
 (`model.generate`, which also samples). No artifact is written.
 
-The model is loaded on the CPU and offloaded there (its dense experts dropped, the expert store filled
-from the checkpoint's safetensors) before the rest of it goes to `device`.
+The model is streamed from its checkpoint (moecache/models/streaming.py): every tensor read once, the
+routed experts straight into the pinned host store, the rest straight onto `device`, after checking that
+the store fits host memory and the slots (`capacity`, or `auto`) fit the device beside the rest of the
+model and `runtime.headroom`. stderr then reports the load (time, GB/s of each phase), the time to the
+first token, and prefill and decode tokens/s separately (llama-bench's pp and tg).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -76,6 +80,16 @@ def _check(c: dict, device: str) -> None:
         )
     if runtime["decision"] is not None and c.get("policy"):
         raise MoecacheError("runtime.decision and policy=... both name a policy: give one of them")
+    if runtime["decision"] is not None:
+        from moecache.sim.policy import make_policy
+        from moecache.sim.policy_spec import PolicySpec
+
+        spec = PolicySpec.selected_in(runtime["decision"])
+        if make_policy(spec.name, **spec.params).offline:
+            raise MoecacheError(
+                f"runtime.decision={runtime['decision']}: selects {spec.label()}, an offline policy (it reads "
+                "the whole future trace) that exists only in the simulator; the runtime takes an online one"
+            )
     if c.get("policy"):
         from moecache.sim.policy import make_policy
         from moecache.stages.simulate import check_policy
@@ -115,16 +129,15 @@ def _streamer(tokenizer, out):
     return _Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def _generate_fast(model, tokenizer, input_ids, gen: dict, out, compile: bool = False) -> int:
+def _generate_fast(model, tokenizer, input_ids, gen: dict, out, compile: bool = False):
     """Greedy, through moecache's fast decode loop (its step through torch.compile with `compile`), the
-    text streamed to `out`; returns the new tokens."""
+    text streamed to `out`; returns the loop's DecodeResult (its prefill and decode times)."""
     from moecache.runtime.decode_loop import FastDecoder
 
     new = int(gen["max_new_tokens"])
     eos = None if gen["ignore_eos"] else model.generation_config.eos_token_id
     decoder = FastDecoder(model, max_cache_len=int(input_ids.shape[1]) + new, compile=compile)
-    result = decoder.generate(input_ids, new, eos_token_id=eos, streamer=_streamer(tokenizer, out))
-    return result.new_tokens
+    return decoder.generate(input_ids, new, eos_token_id=eos, streamer=_streamer(tokenizer, out))
 
 
 def _generate(model, tokenizer, input_ids, gen: dict, seed: int, out) -> int:
@@ -149,10 +162,46 @@ def _generate(model, tokenizer, input_ids, gen: dict, seed: int, out) -> int:
     return int(output.shape[1] - input_ids.shape[1])
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), else None."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_gib() -> float | None:
+    """The process's peak resident memory (VmHWM) in GiB, else None."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
+def speed_lines(result, prompt_tokens: int, first_token_s: float) -> list[str]:
+    """The fast loop's speeds as llama-bench reports them: prefill (pp) and decode (tg) separately."""
+    lines = [
+        f"time to first token: {first_token_s:.3f} s after the process started (the load included)",
+        f"prefill: {prompt_tokens} tokens in {result.prefill_s:.3f} s "
+        f"({prompt_tokens / max(result.prefill_s, 1e-9):.2f} tokens/s, the first token included)",
+    ]
+    if result.timed_steps:
+        lines.append(
+            f"decode: {result.timed_steps} tokens in {result.decode_s:.3f} s "
+            f"({result.timed_steps / max(result.decode_s, 1e-9):.2f} tokens/s; {result.warmup_s:.3f} s of "
+            "warm-up and graph capture before them)"
+        )
+    return lines
+
+
 def _print_stats(stats: dict | None, tokens: int, seconds: float, err) -> None:
     print(
-        f"generated {tokens} tokens in {seconds:.3f} s ({tokens / max(seconds, 1e-9):.2f} tokens/s, prefill "
-        "included)",
+        f"generated {tokens} tokens in {seconds:.3f} s ({tokens / max(seconds, 1e-9):.2f} tokens/s end to end)",
         file=err,
     )
     if stats is None:
@@ -166,37 +215,57 @@ def _print_stats(stats: dict | None, tokens: int, seconds: float, err) -> None:
 def run(cfg: DictConfig, out=None, err=None) -> dict | None:
     """Generate (module docstring); returns the cache statistics (None with runtime.enabled=false)."""
     from moecache.models import load_model
+    from moecache.models.loading import OffloadRequest
+    from moecache.models.memory_fit import headroom_bytes
 
+    age = process_age_s()
+    command_start = time.perf_counter() - (age or 0.0)
     out, err = out or sys.stdout, err or sys.stderr
     c = prepare(cfg, STAGE)
     device = torch_device(cfg)
     _check(c, device)
     runtime = c["runtime"]
     enabled = runtime["enabled"]
-    loaded = load_model(cfg.model, cfg.output_root, "cpu" if enabled else device)
+    profile = None
+    if enabled and runtime["cost_profile"] is not None:
+        from moecache.sim.inputs import load_profile
+
+        profile = load_profile(store_for(cfg), runtime["cost_profile"], key="runtime.cost_profile")[1]
+    request = None
+    if enabled:
+        pin = "auto" if device.startswith("cuda") else "off"
+        request = OffloadRequest(c["capacity"], headroom_bytes(runtime["headroom"]), pin)
+    loaded = load_model(cfg.model, cfg.output_root, device, offload=request)
+    print(loaded.times.line(), file=err)
     model = loaded.model
     if enabled:
         from moecache.offloading import offload_model
-        from moecache.sim.inputs import load_profile
 
+        print(f"memory: {loaded.fit.describe()}", file=err)
         policy = c.get("policy") or {}
-        profile = None
-        if runtime["cost_profile"] is not None:
-            profile = load_profile(store_for(cfg), runtime["cost_profile"], key="runtime.cost_profile")[1]
         model = offload_model(
-            model, capacity=c["capacity"], policy=policy.get("name"), params=policy.get("params"),
-            decision=runtime["decision"], device=device, checkpoint=loaded.path, on_miss=runtime["on_miss"],
+            model, capacity=loaded.fit.slots, policy=policy.get("name"), params=policy.get("params"),
+            decision=runtime["decision"], device=device, store=loaded.store, on_miss=runtime["on_miss"],
             cost_profile=profile,
         )  # fmt: skip
     input_ids = _encode(loaded.tokenizer, c["prompt"], device)
     start = time.perf_counter()
     if runtime.get("loop", "fast") == "fast":
-        tokens = _generate_fast(
+        result = _generate_fast(
             model, loaded.tokenizer, input_ids, c["generation"], out, bool(runtime.get("compile"))
         )
+        tokens = result.new_tokens
+        first_token_s = start + result.prefill_s - command_start
+        speeds = speed_lines(result, int(input_ids.shape[1]), first_token_s)
     else:
         tokens = _generate(model, loaded.tokenizer, input_ids, c["generation"], int(c["seed"]), out)
+        speeds = []
     seconds = time.perf_counter() - start
     stats = model.moecache.stats() if enabled else None
+    for line in speeds:
+        print(line, file=err)
     _print_stats(stats, tokens, seconds, err)
+    peak = peak_rss_gib()
+    if peak is not None:
+        print(f"peak host RSS: {peak:.2f} GiB", file=err)
     return stats

@@ -1,5 +1,5 @@
-"""The expert store: one expert-major allocation, loaded straight from a checkpoint's safetensors,
-pinned once (or refused / warned in one line where it cannot be).
+"""The expert store: one expert-major allocation, filled straight from a checkpoint's safetensors by
+the streaming loader, pinned once (or refused / warned in one line where it cannot be).
 
 Legend: G global keys, E experts, H hidden, I intermediate.
 """
@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from moecache.config import compose
 from moecache.errors import MoecacheError
 from moecache.models import build_tiny, load_model
+from moecache.models.loading import OffloadRequest
 from moecache.runtime.expert_store import ExpertStore, PinWarning
 from tests.runtime.helpers import random_store
 
@@ -41,9 +42,14 @@ def test_layout_is_expert_major_views_of_one_allocation():
         assert store.w13_GIH[g].is_contiguous() and store.w2_GHI[g].is_contiguous()
 
 
-def test_from_checkpoint_equals_the_loaded_model(tiny):
+def _offloaded(folder, root, dtype="auto"):
+    request = OffloadRequest(capacity=0, headroom=0, pin="off")
+    return load_model({"path": str(folder), "dtype": dtype}, root, "cpu", offload=request)
+
+
+def test_the_streamed_store_equals_the_loaded_model(tiny, tmp_path):
     folder, loaded = tiny
-    store = ExpertStore.from_checkpoint(folder, pin="off")
+    store = _offloaded(folder, tmp_path).store
     adapter = loaded.adapter
     assert (store.num_layers, store.num_experts) == (adapter.num_layers, adapter.num_experts)
     assert (store.hidden_size, store.intermediate_size) == (
@@ -58,9 +64,9 @@ def test_from_checkpoint_equals_the_loaded_model(tiny):
         assert torch.equal(store.w2_GHI[layer * E : (layer + 1) * E], down_EHI)
 
 
-def test_from_checkpoint_converts_dtype(tiny):
+def test_the_streamed_store_converts_dtype(tiny, tmp_path):
     folder, loaded = tiny
-    store = ExpertStore.from_checkpoint(folder, dtype=torch.bfloat16, pin="off")
+    store = _offloaded(folder, tmp_path, "bfloat16").store
     gate_up_EIH, _ = loaded.adapter.expert_weights(0)
     assert store.dtype == torch.bfloat16 and store.expert_bytes == loaded.adapter.expert_params * 2
     assert torch.equal(store.w13_GIH[: store.num_experts], gate_up_EIH.to(torch.bfloat16))
@@ -76,7 +82,7 @@ def test_a_missing_expert_tensor_is_one_line(tiny, tmp_path):
     del tensors[name]
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(MoecacheError, match="no up weights for layer 1 expert 5") as info:
-        ExpertStore.from_checkpoint(broken, pin="off")
+        _offloaded(broken, tmp_path)
     assert "\n" not in str(info.value)
 
 
