@@ -252,6 +252,8 @@ RULES: dict[str, dict[str, Check]] = {
         "runtime.device": one_of("auto", "cuda", "standin"),
         "runtime.compile": boolean,
         "runtime.headroom": _memory_size,
+        "runtime.init": optional(string),
+        "runtime.save_state": optional(string),
     },
     "prompt": {"prompt": optional(string)},
     "cost": {

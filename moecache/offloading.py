@@ -167,6 +167,14 @@ class OffloadSession:
         model.moecache = session
         return session
 
+    def save_state(self, path: str | Path) -> Path:
+        """Write the cache manager's state (policy state and residents) to `path` atomically, for a later
+        run's `init=` (moecache/runtime/manager_state.py); returns the path."""
+        from moecache.runtime.manager_state import save_state
+
+        self._check_live("save_state")
+        return save_state(self.manager, path)
+
     def _check_live(self, what: str) -> None:
         if self._replaced:
             raise MoecacheError(
@@ -190,11 +198,13 @@ def offload(
     on_miss: str = "cpu",
     cost_profile: str | Path | None = None,
     headroom: str = "3GiB",
+    init: str | Path | None = None,
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
     local checkpoint folder (streamed through moecache/models/loading.py, `dtype` as model.dtype there;
     `output_root` holds its revision cache, default $MOECACHE_OUTPUT_ROOT or outputs; `headroom` the
-    device memory kept free for the KV cache and activations). `on_miss`: "cpu"
+    device memory kept free for the KV cache and activations; `init` a saved manager state or a routing
+    trace the cache starts from, moecache/runtime/manager_state.py). `on_miss`: "cpu"
     (a miss runs on the CPU while its copy flies), "wait" (the visit waits for its admissions' copies)
     or "split" (the misses whose copies land before the CPU would finish wait for them, the others run on
     the CPU, weighed with `cost_profile`, a profile of moecache calibrate; moecache/runtime/manager.py)."""
@@ -218,6 +228,7 @@ def offload(
             loaded.model, capacity=loaded.fit.slots, policy=policy, params=params, decision=decision,
             device=str(target), store=loaded.store, standin_mode=standin_mode,
             cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss, cost_profile=cost_profile,
+            init=init,
         )  # fmt: skip
     capacity_spec(capacity, key="capacity")
     if not isinstance(model_or_path, nn.Module):
@@ -228,7 +239,7 @@ def offload(
     return offload_model(
         model_or_path, capacity=capacity, policy=policy, params=params, decision=decision, device=device,
         standin_mode=standin_mode, cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss,
-        cost_profile=cost_profile,
+        cost_profile=cost_profile, init=init,
     )  # fmt: skip
 
 
@@ -246,6 +257,7 @@ def offload_model(
     cpu_threads: int | None = None,
     on_miss: str = "cpu",
     cost_profile: str | Path | None = None,
+    init: str | Path | None = None,
 ) -> nn.Module:
     """`offload` of a model in memory; with `store` (an ExpertStore that `load_model(..., offload=...)`
     filled, the model's routed experts left on the meta device) that store is used and the model's
@@ -290,6 +302,10 @@ def offload_model(
     model.to(target)  # no expert weights left in the model: only the rest goes to the device
     if target.type == "cuda":
         torch.cuda.empty_cache()
+    if init is not None:
+        from moecache.runtime.manager_state import init_manager
+
+        init_manager(manager, init)
     runtime = ExpertsRuntime(manager, cpu)
     for layer_id, block in enumerate(blocks):
         block.experts = OffloadedExperts(layer_id, runtime)

@@ -104,3 +104,34 @@ def test_a_policy_that_weighs_costs_runs_with_runtime_cost_profile(root, tmp_pat
     )
     assert res.exit_code == 0, res.output
     assert res.stdout == plain.stdout and stats_of(res.stderr)["policy"].startswith("impact")
+
+
+def test_a_saved_cache_state_starts_the_next_run_warm(root, tmp_path):
+    state = tmp_path / "state.npz"
+    cold = generate(root, "capacity=25%", "policy=lfu", f"runtime.save_state={state}")
+    assert cold.exit_code == 0, cold.output
+    assert state.is_file() and f"cache state: saved to {state}" in cold.stderr
+    warm = generate(root, "capacity=25%", "policy=lfu", f"runtime.init={state}")
+    assert warm.exit_code == 0, warm.output
+    assert f"cache: started from {state}" in warm.stderr
+    assert warm.stdout == cold.stdout  # the cache changes where experts run, not what they compute
+    # the same prompt again: the saved residents serve its first tokens, so fewer copies are needed
+    assert int(stats_of(warm.stderr)["copies"]) < int(stats_of(cold.stderr)["copies"])
+    other = generate(root, "capacity=25%", "policy=lru", f"runtime.init={state}")
+    assert other.exit_code == 2 and "\n" not in other.stderr.strip()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["runtime.enabled=false", "runtime.init=x.npz"], "runtime.init=x.npz is the cache's state"),
+        (
+            ["capacity=25%", "runtime.init=/nonexistent/state.npz"],
+            "runtime.init=/nonexistent/state.npz: no such",
+        ),
+        (["capacity=25%", "runtime.headroom=25%"], "runtime.headroom='25%': expected a memory size"),
+    ],
+)
+def test_cache_state_and_headroom_errors_are_one_line(root, overrides, message):
+    res = generate(root, *overrides)
+    assert res.exit_code == 2 and message in res.stderr and "\n" not in res.stderr.strip()

@@ -25,6 +25,7 @@ compiled, once per process, only when a driver is.
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 from functools import cache
 from pathlib import Path
@@ -78,12 +79,21 @@ _BOUND: dict[tuple, object] = {}
 
 
 def cache_tag(policy_cls: type) -> str | None:
-    """The disk-cache tag of a policy class: `<module>.<qualname>` for a registered policy (its state
-    class can be found again by name in another process), None otherwise (no disk cache)."""
+    """The disk-cache tag of a policy class: `<module>.<qualname>` for a registered policy, or a
+    subclass of one kept under that name in its module (an admission filter over another base,
+    policies/_wrap.py): its state class can be found again by name in another process. None otherwise
+    (no disk cache)."""
     from moecache.sim.policy import POLICIES
 
-    if POLICIES.get(getattr(policy_cls, "name", None)) is not policy_cls:
-        return None
+    registered = POLICIES.get(getattr(policy_cls, "name", None))
+    if registered is not policy_cls:
+        module = sys.modules.get(policy_cls.__module__)
+        if (
+            registered is None
+            or not issubclass(policy_cls, registered)
+            or getattr(module, policy_cls.__qualname__, None) is not policy_cls
+        ):
+            return None
     return f"{policy_cls.__module__}.{policy_cls.__qualname__}".replace("<", "").replace(">", "")
 
 

@@ -343,6 +343,133 @@ class RefLFUPerLayer(_RefPerLayer):
     inner = RefLFU
 
 
+class RefLFUHysteresis(RefLFUDecay):
+    """lfu_decay's scores; once full, the victim is the held key of the greatest (-score, key) among
+    those admitted at least `min_residency_tokens` tokens ago, replaced only when the miss's score
+    exceeds (1 + hysteresis) x its score; no such victim ends the step's admissions."""
+
+    def __init__(self, trace, capacity, half_life_tokens=256, hysteresis=0.25, min_residency_tokens=16):
+        super().__init__(trace, capacity, half_life_tokens)
+        self.margin = 1.0 + float(hysteresis)
+        self.young = min_residency_tokens
+        self.since: dict[int, int] = {}
+
+    def step(self, s, keys, uses, hits, clock, request, resident):
+        self.update(keys, uses, clock, request)
+        misses = sorted((k for k in keys if k not in self.held), key=lambda k: (-self.score_of(k), k))
+        admitted, evicted = [], []
+        for m in misses:
+            if len(self.held) < self.capacity:
+                self.held.add(m)
+                self.since[m] = clock
+                admitted.append(m)
+                continue
+            eligible = [k for k in self.held if clock - self.since[k] >= self.young]
+            if not eligible:
+                break
+            victim = max(eligible, key=lambda k: (-self.score_of(k), k))
+            if not self.score_of(m) > self.margin * self.score_of(victim):
+                break
+            self.held.remove(victim)
+            self.held.add(m)
+            self.since[m] = clock
+            cancel_or_evict(victim, admitted, evicted)
+            admitted.append(m)
+        return admitted, evicted
+
+
+class RefProfileStatic:
+    """The keys of the most uses in `profile` (a dict key -> count; the reference reads no files),
+    ranked by (-count, key): the `capacity` best (global), or capacity // layers best of every layer
+    and the remaining slots to the best keys left (per_layer)."""
+
+    def __init__(self, trace, capacity, profile=None, split="global"):
+        counts = dict(profile or {})
+        rank = lambda k: (-counts.get(k, 0), k)  # noqa: E731
+        if split == "global":
+            self.initial = set(sorted(range(trace.num_keys), key=rank)[:capacity])
+            return
+        E, L = trace.num_experts, trace.num_layers
+        chosen = set()
+        for layer in range(L):
+            chosen |= set(sorted(range(layer * E, (layer + 1) * E), key=rank)[: capacity // L])
+        rest = sorted((k for k in range(trace.num_keys) if k not in chosen), key=rank)
+        self.initial = chosen | set(rest[: capacity - (capacity // L) * L])
+
+    def step(self, s, keys, uses, hits, clock, request, resident):
+        return [], []
+
+
+class _RefFilter:
+    """An admission filter over a reference base (`base`, `base_params`): the base's step sees the
+    step's hits and the misses `lets_through` keeps, with the uses `weigh` gives them."""
+
+    def __init__(self, trace, capacity, base="lru", base_params=None):
+        self.base = REFERENCES[base](trace, capacity, **dict(base_params or {}))
+        self.initial = set(self.base.initial)
+        self.top_k = trace.top_k
+
+    def view(self, keys, uses, hits, clock):
+        raise NotImplementedError
+
+    def step(self, s, keys, uses, hits, clock, request, resident):
+        view = self.view(keys, uses, hits, clock)
+        return self.base.step(
+            s,
+            [k for k, _, _ in view],
+            [u for _, u, _ in view],
+            [h for _, _, h in view],
+            clock,
+            request,
+            resident,
+        )
+
+
+class RefSecondTouch(_RefFilter):
+    """A miss reaches the base only when the key's previous miss was at most `window_tokens` earlier;
+    every miss records its clock."""
+
+    def __init__(self, trace, capacity, base="lru", base_params=None, window_tokens=32):
+        super().__init__(trace, capacity, base, base_params)
+        self.window = window_tokens
+        self.touched: dict[int, int] = {}
+
+    def view(self, keys, uses, hits, clock):
+        out = []
+        for k, u, h in zip(keys, uses, hits, strict=True):
+            keep = h
+            if not h:
+                keep = k in self.touched and clock - self.touched[k] <= self.window
+                self.touched[k] = clock
+            if keep:
+                out.append((k, u, h))
+        return out
+
+
+class RefPrefillAdmit(_RefFilter):
+    """A step of more selections than top_k is a prefill step: its misses with the most uses (ties:
+    access order) reach the base, at most `prefill_max_admits` (-1: all), every use weighed by
+    `prefill_weight` (rounded half up); a decode step's misses reach it only with `decode_admits`."""
+
+    def __init__(
+        self, trace, capacity, base="lru", base_params=None, prefill_max_admits=0, prefill_weight=1.0,
+        decode_admits=True,
+    ):  # fmt: skip
+        super().__init__(trace, capacity, base, base_params)
+        self.cap, self.weight, self.decode_admits = prefill_max_admits, prefill_weight, decode_admits
+
+    def view(self, keys, uses, hits, clock):
+        if sum(uses) <= self.top_k:
+            return [(k, u, h) for k, u, h in zip(keys, uses, hits, strict=True) if h or self.decode_admits]
+        misses = sorted((i for i, h in enumerate(hits) if not h), key=lambda i: (-uses[i], i))
+        allowed = set(misses if self.cap < 0 else misses[: self.cap])
+        return [
+            (k, math.floor(u * self.weight + 0.5), h)
+            for i, (k, u, h) in enumerate(zip(keys, uses, hits, strict=True))
+            if h or i in allowed
+        ]
+
+
 REFERENCES: dict[str, type] = {
     "lru": RefLRU,
     "static_hindsight": RefStaticHindsight,
@@ -354,6 +481,10 @@ REFERENCES: dict[str, type] = {
     "lrfu": RefLRFU,
     "lru_per_layer": RefLRUPerLayer,
     "lfu_per_layer": RefLFUPerLayer,
+    "lfu_hysteresis": RefLFUHysteresis,
+    "profile_static": RefProfileStatic,
+    "second_touch": RefSecondTouch,
+    "prefill_admit": RefPrefillAdmit,
 }
 
 

@@ -72,7 +72,32 @@ def _check(c: dict, device: str) -> None:
     if runtime.get("compile") and loop != "fast":
         raise MoecacheError("runtime.compile=true compiles the fast loop's step: it needs runtime.loop=fast")
     if not runtime["enabled"]:
+        for key in ("init", "save_state"):
+            if runtime[key] is not None:
+                raise MoecacheError(
+                    f"runtime.{key}={runtime[key]} is the cache's state: the unmodified model "
+                    "(runtime.enabled=false) has no cache"
+                )
         return
+    if runtime["init"] is not None:
+        from pathlib import Path
+
+        from moecache.runtime.manager_state import is_state_file, read_state
+
+        init = Path(runtime["init"])
+        if not init.exists():
+            raise MoecacheError(f"runtime.init={init}: no such file or folder (a saved state or a trace)")
+        if is_state_file(init):  # the file, and that it is this policy's, checked before the model loads
+            saved = read_state(init)["policy"]
+            if runtime["decision"] is None:
+                from moecache.sim.policy import make_policy
+
+                policy = c.get("policy") or {"name": "lfu"}
+                label = make_policy(policy["name"], **(policy.get("params") or {})).label()
+                if saved != label:
+                    raise MoecacheError(
+                        f"runtime.init={init}: a state of policy {saved}; this run's policy is {label}"
+                    )
     if c["capacity"] is None:
         raise MoecacheError(
             "capacity is required: a slot count, a percentage ('25%') or a memory budget ('12GiB') "
@@ -246,8 +271,10 @@ def run(cfg: DictConfig, out=None, err=None) -> dict | None:
         model = offload_model(
             model, capacity=loaded.fit.slots, policy=policy.get("name"), params=policy.get("params"),
             decision=runtime["decision"], device=device, store=loaded.store, on_miss=runtime["on_miss"],
-            cost_profile=profile,
+            cost_profile=profile, init=runtime["init"],
         )  # fmt: skip
+        if runtime["init"] is not None:
+            print(f"cache: started from {runtime['init']}", file=err)
     input_ids = _encode(loaded.tokenizer, c["prompt"], device)
     start = time.perf_counter()
     if runtime.get("loop", "fast") == "fast":
@@ -262,6 +289,8 @@ def run(cfg: DictConfig, out=None, err=None) -> dict | None:
         speeds = []
     seconds = time.perf_counter() - start
     stats = model.moecache.stats() if enabled else None
+    if enabled and runtime["save_state"] is not None:
+        print(f"cache state: saved to {model.moecache.save_state(runtime['save_state'])}", file=err)
     for line in speeds:
         print(line, file=err)
     _print_stats(stats, tokens, seconds, err)

@@ -142,20 +142,20 @@ def key_counts(trace) -> np.ndarray:
     return count_G
 
 
-def load_init_counts(path, trace) -> np.ndarray:
+def load_init_counts(path, trace, what: str = "lfu init_counts") -> np.ndarray:
     """Per-key uses of the trace at `path` (a Parquet file or an artifact folder holding trace.parquet),
-    which must have the same layers and experts as `trace`."""
+    which must have the same layers and experts as `trace`; `what` names the parameter in errors."""
     from moecache.sim.trace_arrays import load_trace
 
     p = Path(path)
     if p.is_dir():
         p = p / "trace.parquet"
         if not p.is_file():
-            raise MoecacheError(f"lfu init_counts={path}: the folder holds no trace.parquet")
+            raise MoecacheError(f"{what}={path}: the folder holds no trace.parquet")
     prior = load_trace(p)
     if (prior.num_layers, prior.num_experts) != (trace.num_layers, trace.num_experts):
         raise MoecacheError(
-            f"lfu init_counts={p}: trace has {prior.num_layers} layers x {prior.num_experts} experts, "
+            f"{what}={p}: trace has {prior.num_layers} layers x {prior.num_experts} experts, "
             f"the replayed trace {trace.num_layers} x {trace.num_experts}"
         )
     return key_counts(prior)

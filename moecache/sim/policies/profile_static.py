@@ -1,0 +1,73 @@
+"""Profiled static placement: the experts most used by a *profile* trace (another run, another
+workload: a recorded routing profile, as llama.cpp forks and KTransformers load one), resident from
+the start free of charge, never changed. Online: it reads the profile, never the replayed trace.
+
+`profile`: a canonical trace (a Parquet file or a trace artifact folder) of the same layers and
+experts; its per-key uses (tokens selecting the key) rank the keys by (-count, layer_id, expert_id).
+`split`:
+- global: the `capacity` best keys of the whole model;
+- per_layer: floor(capacity / layers) best keys of every layer, then the remaining slots to the best
+  keys not yet chosen, ranked over the whole model.
+Without a profile (null) every count is zero and the tie rule alone places the keys: global is then
+static_cold's placement, per_layer the first experts of every layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from moecache.errors import MoecacheError
+from moecache.sim.policies.lfu import load_init_counts
+from moecache.sim.policies.static_hindsight import static_step, top_keys
+from moecache.sim.policy import Policy, register
+
+SPLITS = ("global", "per_layer")
+
+
+def profile_keys(count_G: np.ndarray, num_layers: int, capacity: int, split: str) -> np.ndarray:
+    """The resident keys (int64, sorted) of a profile's per-key counts."""
+    if split == "global":
+        return top_keys(count_G, capacity).astype(np.int64)
+    E = count_G.shape[0] // num_layers
+    per_layer = capacity // num_layers
+    chosen = np.zeros(count_G.shape[0], np.bool_)
+    for layer in range(num_layers):
+        chosen[layer * E + top_keys(count_G[layer * E : (layer + 1) * E], per_layer)] = True
+    rest = np.flatnonzero(~chosen)
+    chosen[rest[top_keys(count_G[rest], capacity - per_layer * num_layers)]] = True
+    return np.flatnonzero(chosen).astype(np.int64)
+
+
+@register
+class ProfileStatic(Policy):
+    name = "profile_static"
+    cold_start = False
+    step = static_step
+    state_fields = ("profile_keys",)
+    defaults = {"profile": None, "split": "global"}
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        profile, split = self.params["profile"], self.params["split"]
+        if profile is not None and not isinstance(profile, str | Path):
+            raise MoecacheError(f"policy profile_static: profile must be null or a path, got {profile!r}")
+        if split not in SPLITS:
+            raise MoecacheError(f"policy profile_static: split must be one of {list(SPLITS)}, got {split!r}")
+
+    def counts(self, trace) -> np.ndarray:
+        """The profile's per-key uses (zeros without a profile), loaded once per model shape."""
+        if self.params["profile"] is None:
+            return np.zeros(trace.num_keys, np.int64)
+        shape = (trace.num_layers, trace.num_experts)
+        cached = self.__dict__.setdefault("_counts", {})
+        if shape not in cached:
+            cached[shape] = load_init_counts(self.params["profile"], trace, "profile_static profile")
+        return cached[shape]
+
+    def init_state(self, trace, capacity: int) -> tuple:
+        return (profile_keys(self.counts(trace), trace.num_layers, capacity, self.params["split"]),)
+
+    def initial_residents(self, state: tuple, trace, capacity: int) -> np.ndarray:
+        return state[0].astype(np.int32)
