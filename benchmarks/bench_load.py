@@ -65,7 +65,7 @@ def disk_read_rate(folder: Path) -> dict:
     }
 
 
-def write_checkpoint(model: str, folder: Path, device: str, shard: str) -> None:
+def write_checkpoint(model: str, folder: Path, device: str, shard: str, layers: int | None) -> None:
     code = f"""
 import torch
 from omegaconf import OmegaConf
@@ -74,6 +74,7 @@ from moecache.models.tokenizer import build_byte_tokenizer
 cfg = OmegaConf.to_container(OmegaConf.load({str(REPO / "conf/model" / f"{model}.yaml")!r}), resolve=True)
 cfg["path"] = None
 cfg["random"]["seed"] = 0
+cfg["random"]["num_layers"] = {layers!r}
 model, _ = build_random_model(cfg, {device!r}, torch.bfloat16)
 model.save_pretrained({str(folder)!r}, max_shard_size={shard!r})
 build_byte_tokenizer().save_pretrained({str(folder)!r})
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--model", default="deepseek_v2_lite")
     ap.add_argument("--write", type=Path, help="write the random checkpoint here and stop")
     ap.add_argument("--shard", default="4GB")
+    ap.add_argument("--layers", type=int, default=None, help="with --write: decoder layers kept (default all)")
     ap.add_argument("--checkpoint", type=Path)
     ap.add_argument("--random", action="store_true")
     ap.add_argument("--device", default="cuda")
@@ -125,7 +127,7 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for generate")
     args = ap.parse_args()
     if args.write:
-        write_checkpoint(args.model, args.write, args.device, args.shard)
+        write_checkpoint(args.model, args.write, args.device, args.shard, args.layers)
         return
     common = [f"model={args.model}", f"device={args.device}", f"capacity={args.capacity}", f"prompt='{PROMPT}'",
               f"generation.max_new_tokens={args.new_tokens}", "generation.ignore_eos=true", *args.extra]  # fmt: skip

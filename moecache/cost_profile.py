@@ -32,6 +32,7 @@ measured points, flat below the first, extrapolated from the last two (slope >= 
 from __future__ import annotations
 
 import json
+import math
 from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,48 @@ def _require_rows(rows, keys: tuple[str, ...], where: str, source: str) -> None:
         raise MoecacheError(f"{source}: '{where}' must be a non-empty list")
     for n, row in enumerate(rows):
         _require(row, keys, f"{where}[{n}]", source)
+        _check_values(row, f"{where}[{n}]", source)
+
+
+def _is_number(value, low: float = 0.0, low_open: bool = False) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
+    )
+
+
+def _is_count(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+# The type of every value the cost model reads, by key (wherever the key appears in a section checked
+# here): a profile damaged or written by hand fails on load, naming the key, not later inside arithmetic.
+_VALUE_RULES = {
+    "median_us": (_is_number, "a finite number >= 0"),
+    "p10_us": (_is_number, "a finite number >= 0"),
+    "p90_us": (_is_number, "a finite number >= 0"),
+    "latency_us": (_is_number, "a finite number >= 0"),
+    "gbps": (lambda v: _is_number(v, low_open=True), "a finite number > 0"),
+    "tokens_per_call": (lambda v: _is_count(v, 1), "an integer >= 1"),
+    "bytes": (lambda v: _is_count(v, 1), "an integer >= 1"),
+    "expert_bytes": (lambda v: _is_count(v, 1), "an integer >= 1"),
+    "hidden_size": (lambda v: _is_count(v, 1), "an integer >= 1"),
+    "moe_intermediate_size": (lambda v: _is_count(v, 1), "an integer >= 1"),
+    "pool_experts": (lambda v: v is None or _is_count(v, 1), "an integer >= 1 or null"),
+    "threads": (lambda v: v is None or _is_count(v, 1), "an integer >= 1 or null"),
+    "repeats": (lambda v: _is_count(v, 1), "an integer >= 1"),
+    "dtype": (lambda v: isinstance(v, str) and bool(v), "a dtype name"),
+}
+
+
+def _check_values(obj: dict, where: str, source: str) -> None:
+    for key, (ok, want) in _VALUE_RULES.items():
+        if key in obj and not ok(obj[key]):
+            raise MoecacheError(
+                f"{source}: '{where + '.' if where else ''}{key}' must be {want}, got {obj[key]!r}"
+            )
 
 
 def _non_decreasing(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -125,7 +168,7 @@ class CostProfile:
             data = json.loads(path.read_text())
         except OSError as exc:
             raise MoecacheError(f"cannot read cost profile {path}: {exc.strerror or exc}") from exc
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise MoecacheError(f"{path}: not valid JSON ({exc})") from exc
         return cls.from_dict(data, source=str(path))
 
@@ -140,6 +183,12 @@ class CostProfile:
         if runtime is not None:
             _check_runtime(runtime, source)
         _require(data["shape"], _SHAPE_KEYS, "shape", source)
+        _check_values(data["shape"], "shape", source)
+        _check_values({"dtype": data["dtype"]}, "", source)
+        if not isinstance(data["machine"], dict):
+            raise MoecacheError(
+                f"{source}: 'machine' must be an object, got {type(data['machine']).__name__}"
+            )
         _require_rows(data["cpu"], _EXPERT_ROW_KEYS, "cpu", source)
         if data["cuda"] is not None:
             _require_rows(data["cuda"], _EXPERT_ROW_KEYS, "cuda", source)
@@ -148,6 +197,7 @@ class CostProfile:
             _require_rows(data["h2d"]["pinned"], _COPY_ROW_KEYS, "h2d.pinned", source)
             _require_rows(data["h2d"]["pageable"], _COPY_ROW_KEYS, "h2d.pageable", source)
             _require(data["h2d"]["fit"], _FIT_KEYS, "h2d.fit", source)
+            _check_values(data["h2d"]["fit"], "h2d.fit", source)
         return cls(
             shape=data["shape"],
             dtype=data["dtype"],

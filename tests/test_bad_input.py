@@ -75,6 +75,55 @@ CASES = [
     ("block-steps-zero", ["sweep", T, "sweep.block_forward_steps=0"], "sweep.block_forward_steps=0"),
     ("modes-empty", ["sweep", T, "sweep.modes=[]"], "sweep.modes=[]"),
     ("scale-key", ["sweep", T, "sweep.sensitivity.scales=[{bw:2}]"], "unknown key 'bw'"),
+    # analyze's own keys, each named with its value before any trace is read
+    (
+        "analyze-coverage",
+        ["analyze", T, "analyze.coverage=[1.5]"],
+        "analyze.coverage[0]=1.5: expected a number in (0, 1]",
+    ),
+    (
+        "analyze-coverage-column",
+        ["analyze", T, "analyze.coverage=[0.5,0.501]"],
+        "both name the column cover_50",
+    ),
+    ("analyze-window", ["analyze", T, "analyze.window_tokens=0"], "analyze.window_tokens=0"),
+    (
+        "analyze-convergence",
+        ["analyze", T, "analyze.convergence_per_token_multiples=[0]"],
+        "analyze.convergence_per_token_multiples[0]=0",
+    ),
+    ("analyze-lead", ["analyze", T, "analyze.max_lead_layers=0"], "analyze.max_lead_layers=0"),
+    (
+        "analyze-prefix",
+        ["analyze", T, "analyze.history.prefix_fraction=1"],
+        "analyze.history.prefix_fraction=1",
+    ),
+    (
+        "analyze-history-multiple",
+        ["analyze", T, "analyze.history.per_token_multiples=[-1]"],
+        "analyze.history.per_token_multiples[0]=-1",
+    ),
+    # a cost profile's errors name the key and the value given
+    (
+        "profile-absent",
+        ["simulate", T, "capacity=4", "sim.cost_profile=/nonexistent/profile.json"],
+        "sim.cost_profile=/nonexistent/profile.json: no such file",
+    ),
+    (
+        "profile-not-json",
+        ["simulate", T, "capacity=4", "sim.cost_profile={trace}"],
+        "sim.cost_profile={trace}: not valid JSON",
+    ),
+    (
+        "profile-bundled",
+        ["sweep", T, "sim.cost_profile=bundled:nope"],
+        "sim.cost_profile=bundled:nope: no such bundled",
+    ),
+    (
+        "profile-analyze",
+        ["analyze", T, "sim.cost_profile=calibrate-000000000000"],
+        "sim.cost_profile=calibrate-000000000000",
+    ),
     # force must be a real boolean; seed an integer
     ("force-no", ["simulate", T, "capacity=4", "force=no"], "force='no'"),
     ("force-one", ["simulate", T, "capacity=4", "force=1"], "force=1"),
@@ -131,6 +180,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, culprit, trace, t
     root = tmp_path / "out"
     monkeypatch.setenv("MOECACHE_OUTPUT_ROOT", str(root))
     argv = [a.replace("{trace}", str(trace)) for a in args]
+    culprit = culprit.replace("{trace}", str(trace))
     res = CliRunner().invoke(app, argv)
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2, (argv, res.output, res.exception)

@@ -56,7 +56,7 @@ class LoadedModel:
     tokenizer: transformers.PreTrainedTokenizerBase
     adapter: MoEAdapter
     path: Path
-    # "git:<commit>", "files:<hash of the files' names, sizes, times and headers>", "sha256:<hash of the
+    # "git:<commit>", "files:<hash of the files' names, sizes, headers and sampled bytes>", "sha256:<hash of the
     # safetensors files>" (model.hash_weights=true) or "random:<hash of the random model's config>"
     revision: str
     store: object = None  # the ExpertStore holding the routed experts (an offloaded load), else None
@@ -350,14 +350,25 @@ def _dense_bytes(model: PreTrainedModel, skip_experts: bool, dtype: torch.dtype)
     return total
 
 
+REVISION_SAMPLES = 8  # byte ranges of each file's data hashed into its revision
+REVISION_SAMPLE_BYTES = 256 << 10
+
+
 def _files_revision(headers) -> str:
-    """The checkpoint's identity from its files' names, sizes, modification times and headers (the
-    tensors' names, dtypes, shapes and offsets): no pass over the data."""
+    """The checkpoint's identity without a pass over its data: every file's name, size and header (the
+    tensors' names, dtypes, shapes and offsets) and `REVISION_SAMPLES` evenly spaced ranges of its data
+    (2 MiB a file). A copy of the same files has the same identity; new weights of the same shapes
+    differ in the sampled bytes."""
     digest = hashlib.sha256()
     for header in headers:
-        stat = header.file.stat()
-        digest.update(canonical_json([header.file.name, header.size, stat.st_mtime_ns]).encode())
+        digest.update(canonical_json([header.file.name, header.size]).encode())
         digest.update(header.header)
+        start = 8 + len(header.header)
+        span = max(header.size - start - REVISION_SAMPLE_BYTES, 0)
+        with open(header.file, "rb") as f:
+            for i in range(REVISION_SAMPLES):
+                f.seek(start + span * i // max(REVISION_SAMPLES - 1, 1))
+                digest.update(f.read(REVISION_SAMPLE_BYTES))
     return digest.hexdigest()
 
 

@@ -142,18 +142,24 @@ def load_traces(store: ArtifactStore, refs: list[str] | None) -> list[TraceInput
 
 
 def load_profile(store: ArtifactStore, ref: str, key: str = "sim.cost_profile") -> tuple[str, CostProfile]:
-    """A cost profile from `bundled:<stem>`, a calibrate artifact id/folder or a JSON file; `key` names
-    the setting in errors."""
-    if ref.startswith("bundled:"):
-        path = BUNDLED_PROFILES / f"{ref.split(':', 1)[1]}.json"
-        if not path.is_file():
-            have = sorted(p.stem for p in BUNDLED_PROFILES.glob("*.json"))
-            raise MoecacheError(f"{key}={ref}: no such bundled profile (have {have})")
-        return ref, CostProfile.load(path)
-    path = Path(ref)
-    if path.is_file():
-        return str(path), CostProfile.load(path)
-    art = store.resolve(ref)
-    if art.stage != "calibrate":
-        raise MoecacheError(f"{key}={ref}: a {art.stage} artifact is not a cost profile")
-    return art.id, CostProfile.load(art.path)
+    """A cost profile from `bundled:<stem>`, a calibrate artifact id/folder or a JSON file; every error
+    names `key` and the value given."""
+    try:
+        if ref.startswith("bundled:"):
+            path = BUNDLED_PROFILES / f"{ref.split(':', 1)[1]}.json"
+            if not path.is_file():
+                have = sorted(p.stem for p in BUNDLED_PROFILES.glob("*.json"))
+                raise MoecacheError(f"no such bundled profile (have {have})")
+            return ref, CostProfile.load(path)
+        path = Path(ref)
+        if path.is_file():
+            return str(path), CostProfile.load(path)
+        if not path.exists() and (path.suffix == ".json" or len(path.parts) > 1):
+            raise MoecacheError("no such file (expected a calibrate artifact id, its folder or a JSON file)")
+        art = store.resolve(ref)
+        if art.stage != "calibrate":
+            raise MoecacheError(f"a {art.stage} artifact is not a cost profile")
+        return art.id, CostProfile.load(art.path)
+    except MoecacheError as exc:
+        message = str(exc).removeprefix(f"{ref}: ").removeprefix(f"{Path(ref)}: ")
+        raise MoecacheError(f"{key}={ref}: {message}") from exc

@@ -67,14 +67,16 @@ def profile_digest(profile_ref: str) -> str | None:
 def reusable(
     cfg: DictConfig, stage: str, schema_version: int, config: dict, inputs: list[str]
 ) -> Path | None:
-    """The finished artifact with this exact id, unless `force=true` asks for a re-run."""
+    """The finished artifact with this exact id, unless `force=true` asks for a re-run. A damaged one
+    (`check_artifact`: its manifest, a file missing, truncated or changed) is an error, never reused:
+    `force=true` recomputes it."""
     force = cfg.get("force", False)
     if not isinstance(force, bool):
         raise MoecacheError(f"force={force!r}: expected true or false")
     if force:
         return None
-    found = store_for(cfg).find(artifact_id(stage, schema_version, config, inputs))
-    return found.path if found else None
+    aid = artifact_id(stage, schema_version, config, inputs)
+    return store_for(cfg).get(aid).path if store_for(cfg).find(aid) is not None else None
 
 
 def torch_device(cfg: DictConfig) -> str:

@@ -49,7 +49,7 @@ def _analysis_for(store: ArtifactStore, ref: str | None, sweep: Artifact) -> Art
     if ref:
         return _artifact(store, ref, "analyze", "decide.analysis")
     same = [a for a in store.list("analyze") if sorted(trace_inputs(a)) == sorted(trace_inputs(sweep))]
-    return same[-1] if same else None
+    return same[-1].checked() if same else None
 
 
 def rule_config(c: dict) -> dict:

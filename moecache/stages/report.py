@@ -50,4 +50,5 @@ def _validation_for(store, decision_id: str):
     another decision); None when there is none."""
     found = store.list("validate")
     own = [a for a in found if decision_id in a.manifest.get("inputs", [])]
-    return (own or found or [None])[-1]
+    newest = (own or found or [None])[-1]
+    return newest.checked() if newest is not None else None

@@ -140,35 +140,48 @@ def _decision(store: ArtifactStore, ref: str | None) -> Artifact:
     return art
 
 
-def _check_runnable(spec, shape, slots: int, profile: str | None) -> None:
-    """The selected policy must run in the runtime: online, and buildable from the model's shape (and the
-    cost profile, for a policy that weighs costs: the runtime binds it too)."""
-    from moecache.offloading import runtime_cost
+def _check_online(spec) -> None:
+    """The selected policy must run in the runtime: known, its parameters valid, and online. Needs no
+    model, so it runs before the model is loaded."""
     from moecache.sim.policy import make_policy
     from moecache.validation.baselines import HINDSIGHT
 
     if spec.name == HINDSIGHT:
         return  # runs as the hindsight placement (baselines.py)
-    policy = make_policy(spec.name, **spec.params)
-    if policy.offline:
+    if make_policy(spec.name, **spec.params).offline:
         raise MoecacheError(
             f"decision selects {spec.label()}: an offline policy (it reads the future) cannot run in the runtime"
         )
+
+
+def _check_runnable(spec, shape, slots: int, profile: str | None) -> None:
+    """The selected policy must be buildable from the model's shape (and the cost profile, for a policy
+    that weighs costs: the runtime binds it too); `_check_online` has passed."""
+    from moecache.offloading import runtime_cost
+    from moecache.sim.policy import make_policy
+    from moecache.validation.baselines import HINDSIGHT
+
+    if spec.name == HINDSIGHT:
+        return
+    policy = make_policy(spec.name, **spec.params)
     if policy.weighs_costs:  # as the runtime binds it (validate refused it without a profile before)
         policy.bind_cost(runtime_cost(profile, "cpu", policy, shape.expert_bytes, "validate.cost_profile"))
     policy.init_state(shape, slots)
 
 
 def _profile_path(store: ArtifactStore, ref: str | None) -> str | None:
+    """The cost_profile.json of validate.cost_profile (a bundled profile, a calibrate artifact or a JSON
+    file), read and checked (errors name the key) before the model is loaded."""
+    from moecache.sim.inputs import BUNDLED_PROFILES, load_profile
+
     if ref is None:
         return None
-    if Path(ref).is_file():
-        return str(Path(ref))
-    art = store.resolve(ref)
-    path = art.path / "cost_profile.json"
-    if not path.is_file():
-        raise MoecacheError(f"validate.cost_profile={ref}: {art.path} holds no cost_profile.json")
-    return str(path)
+    resolved, _ = load_profile(store, ref, key="validate.cost_profile")
+    if resolved.startswith("bundled:"):
+        return str(BUNDLED_PROFILES / f"{resolved.split(':', 1)[1]}.json")
+    if Path(resolved).is_file():
+        return resolved
+    return str(store.resolve(ref).path / "cost_profile.json")
 
 
 def run(cfg: DictConfig) -> StageResult:
@@ -188,12 +201,22 @@ def run(cfg: DictConfig) -> StageResult:
     forced_ref = None
     if v["forced_trace"] is not None:  # one trace-forced workload instead (moecache/validation/forcing.py)
         from moecache.sim.inputs import resolve_traces
+        from moecache.trace.schema import read_trace
 
-        forced_ref = resolve_traces(store, [str(v["forced_trace"])])[0].ref
+        (forced_trace,) = resolve_traces(store, [str(v["forced_trace"])])
+        table, _ = read_trace(forced_trace.path, columns=["request_id"])  # every rule, before the model loads
+        have = len(set(table["request_id"].to_pylist()))
+        if v["forced_requests"] is not None and have < v["forced_requests"]:
+            raise MoecacheError(
+                f"validate.forced_requests={v['forced_requests']}: the trace {forced_trace.path} has {have} requests"
+            )
+        forced_ref = forced_trace.ref
         workloads = []
     else:
         workloads = [Workload(n, wcfg=load_workload(n, CONF_DIR)) for n in v["workloads"]]
     strategies = build(v["strategies"], selected, _on_miss(v, decision.path / "decision.json"))
+    if any(s.name == "selected" for s in strategies):
+        _check_online(selected)
     if v["cost_profile"] is None:
         _check_no_reader(strategies, selected)
     profile = _profile_path(store, v["cost_profile"])

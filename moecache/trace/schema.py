@@ -50,6 +50,8 @@ SCHEMA = pa.schema(
 )
 REQUIRED_COLUMNS = ("request_id", "step_index", "token_index", "phase", "layer_id", "expert_ids")
 LENS_COLUMN = "lens_token"
+# The optional columns that validity rules check where they are present (`validate_table`).
+CHECKED_COLUMNS = ("router_weights", LENS_COLUMN)
 # Every nullable column is optional on input: a trace without it reads as if it were all null.
 NULLABLE_COLUMNS = tuple(f.name for f in SCHEMA if f.nullable)
 CACHE_COLUMNS = tuple(name for name in NULLABLE_COLUMNS if name != LENS_COLUMN)
@@ -76,12 +78,20 @@ class TraceMeta:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise MoecacheError(f"{where}: metadata '{METADATA_KEY.decode()}' is not JSON ({exc})") from exc
-        for key in ("num_layers", "num_experts", "top_k", "expert_bytes"):
+        for key, low in (("num_layers", 1), ("num_experts", 1), ("top_k", 1), ("expert_bytes", 0)):
             value = raw.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                what = "a positive" if low else "a non-negative"
                 raise MoecacheError(
-                    f"{where}: trace metadata key '{key}' must be a non-negative integer, got {value!r}"
+                    f"{where}: trace metadata key '{key}' must be {what} integer, got {value!r}"
                 )
+        for key, kind, name in (
+            ("model", str, "a string"),
+            ("source", str, "a string"),
+            ("run", dict, "an object"),
+        ):
+            if key in raw and not isinstance(raw[key], kind):
+                raise MoecacheError(f"{where}: trace metadata key '{key}' must be {name}, got {raw[key]!r}")
         version = raw.get("format_version", FORMAT_VERSION)
         if not isinstance(version, int) or isinstance(version, bool):
             raise MoecacheError(
@@ -126,16 +136,21 @@ def read_trace(
     if not path.is_file():
         raise MoecacheError(f"{path}: no such trace file")
     try:
-        strings = [f.name for f in SCHEMA if f.type == pa.string()] if dictionary_strings else None
-        pf = pq.ParquetFile(path, read_dictionary=strings)
+        present = pq.read_schema(path).names
+        absent = [c for c in REQUIRED_COLUMNS if c not in present]
+        if absent:
+            raise MoecacheError(f"{path}: missing trace column(s) {absent}; found {present}")
+        # Every column a rule checks is read, whichever of them the caller uses: a trace gets one verdict
+        # from every stage (docs/trace-format.md, "Validity"), and the checked ones are dropped after.
+        wanted = None
         if columns is not None:
-            absent = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
-            if absent:
-                raise MoecacheError(
-                    f"{path}: missing trace column(s) {absent}; found {pf.schema_arrow.names}"
-                )
-        table = pf.read(columns=columns, use_threads=use_threads)
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+            wanted = list(
+                dict.fromkeys([*columns, *REQUIRED_COLUMNS, *(c for c in CHECKED_COLUMNS if c in present)])
+            )
+        strings = [f.name for f in SCHEMA if f.type == pa.string() and f.name in present]
+        pf = pq.ParquetFile(path, read_dictionary=strings if dictionary_strings else None)
+        table = pf.read(columns=wanted, use_threads=use_threads)
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, KeyError) as exc:
         raise MoecacheError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from exc
     raw_meta = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
     try:
@@ -152,6 +167,8 @@ def read_trace(
         )
     meta = TraceMeta.from_json(json.dumps(meta_dict), str(path))
     validate_table(table, meta, str(path), require_order=require_order)
+    if columns is not None and table.column_names != list(columns):
+        table = table.select([c for c in columns if c in table.column_names])
     return table, meta
 
 
@@ -169,12 +186,20 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str, require_order: 
         if not (
             got == want
             or (pa.types.is_integer(want) and pa.types.is_integer(got))
-            or (pa.types.is_list(want) and pa.types.is_list(got))
+            or (_is_list(got) and pa.types.is_integer(got.value_type))
             or (pa.types.is_dictionary(got) and got.value_type == want)
         ):
             raise MoecacheError(f"{where}: column '{name}' has type {got}, expected {want}")
+    if "router_weights" in table.column_names:
+        got = table.schema.field("router_weights").type
+        if not (
+            _is_list(got) and (pa.types.is_floating(got.value_type) or pa.types.is_integer(got.value_type))
+        ):
+            raise MoecacheError(
+                f"{where}: column 'router_weights' has type {got}, expected a list of numbers"
+            )
     if table.num_rows == 0:
-        return
+        raise MoecacheError(f"{where}: the trace has no rows")
     validity.check_no_nulls(table, REQUIRED_COLUMNS, where)
     _check_ranges(table, meta, where)
     if not _holds_only(table["phase"], set(PHASES)):
@@ -194,6 +219,10 @@ def validate_table(table: pa.Table, meta: TraceMeta, where: str, require_order: 
 
 
 INT32_MAX = 2**31 - 1
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
 def _check_ranges(table: pa.Table, meta: TraceMeta, where: str) -> None:

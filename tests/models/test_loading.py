@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -156,11 +155,14 @@ def test_dtype_and_revision(tmp_path, tiny_dir):
     loaded = load_model(tiny_cfg(tmp_path, "model.dtype=bfloat16").model, output_root, "cpu")
     assert loaded.model.dtype == torch.bfloat16
     assert loaded.adapter.expert_bytes == 3 * 64 * 32 * 2
-    # by default the files' identity (names, sizes, times, headers): no pass over the data
+    # by default the files' identity (names, sizes, headers, sampled bytes): no pass over the data
     assert loaded.revision.startswith("files:")
     assert load_model(tiny_cfg(tmp_path).model, output_root, "cpu").revision == loaded.revision
-    copy = broken_copy(tiny_dir, tmp_path)
-    os.utime(copy / "model.safetensors", ns=(1, 1))
+    copy = broken_copy(tiny_dir, tmp_path)  # a copy is the same checkpoint
+    assert load_model(cfg_with_path(tmp_path, copy).model, tmp_path, "cpu").revision == loaded.revision
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-4:] = bytes(4 - i for i in range(4)) if data[-4:] != bytes([4, 3, 2, 1]) else b"\0\0\0\0"
+    (copy / "model.safetensors").write_bytes(bytes(data))  # the last weight changed, the same shapes
     assert load_model(cfg_with_path(tmp_path, copy).model, tmp_path, "cpu").revision != loaded.revision
     # model.hash_weights=true: the SHA-256 of every byte, cached
     hashed = load_model(tiny_cfg(tmp_path, "model.hash_weights=true").model, output_root, "cpu")
