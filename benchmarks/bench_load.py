@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPT = "The expert cache keeps the experts that the next token will use on the GPU and the rest in host memory"
+PROMPT = (
+    "The expert cache keeps the experts that the next token will use on the GPU and the rest in host memory"
+)
 
 
 def drop_page_cache() -> bool:
@@ -118,7 +120,9 @@ def main() -> None:
     ap.add_argument("--model", default="deepseek_v2_lite")
     ap.add_argument("--write", type=Path, help="write the random checkpoint here and stop")
     ap.add_argument("--shard", default="4GB")
-    ap.add_argument("--layers", type=int, default=None, help="with --write: decoder layers kept (default all)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="with --write: decoder layers kept (default all)"
+    )
     ap.add_argument("--checkpoint", type=Path)
     ap.add_argument("--random", action="store_true")
     ap.add_argument("--device", default="cuda")

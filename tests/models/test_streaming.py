@@ -83,7 +83,7 @@ def damaged(folder: Path, tmp_path: Path, change) -> tuple[Path, str]:
     for shard in sorted(copy.glob("*.safetensors")):  # the first shard holding such a tensor
         tensors = load_file(shard)
         try:
-            name = change(tensors)
+            change(tensors)
         except StopIteration:
             continue
         save_file(tensors, shard, metadata={"format": "pt"})
