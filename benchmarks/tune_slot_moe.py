@@ -269,7 +269,9 @@ def main(argv=None) -> int:
         " and l2 5.6 us slower than two_stage at Qwen3.6 T=1)",
     )  # fmt: skip
     parser.add_argument(
-        "--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "kernels" / "moecache_kernels" / "configs"
+        "--out-dir",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "kernels" / "moecache_kernels" / "configs",
     )
     parser.add_argument(
         "--merge-from", type=Path, default=None,

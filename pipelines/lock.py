@@ -37,8 +37,22 @@ def resolve(torch_spec: str) -> list[dict]:
     """pip's install report (its `install` entries) for the development environment, resolved afresh."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
-               "--report", str(report), "pip", "setuptools>=77", torch_spec, "-e", f"{ROOT}[dev]"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--dry-run",
+            "--ignore-installed",  # fmt: skip
+            "--report",
+            str(report),
+            "pip",
+            "setuptools>=77",
+            torch_spec,
+            "-e",
+            f"{ROOT}[dev]",
+        ]
         subprocess.run(cmd, check=True, cwd=ROOT)
         return json.loads(report.read_text())["install"]
 
@@ -52,7 +66,9 @@ def lock_lines(install: list[dict]) -> list[str]:
             continue
         digest = item["download_info"].get("archive_info", {}).get("hashes", {}).get("sha256")
         if digest is None:
-            raise SystemExit(f"lock: pip reported no sha256 for {name} {version} ({item['download_info']['url']})")
+            raise SystemExit(
+                f"lock: pip reported no sha256 for {name} {version} ({item['download_info']['url']})"
+            )
         lines.append(f"{canonical(name)}=={version} --hash=sha256:{digest}")
     return sorted(lines)
 
