@@ -142,7 +142,7 @@ def _raise_terminated(signum, frame) -> None:
 
 
 @contextmanager
-def _terminating_signals_raise() -> Iterator[None]:
+def terminating_signals_raise() -> Iterator[None]:
     """SIGTERM and SIGHUP raise `Terminated` inside the block, where they still have their default
     action (a handler someone installed is left alone). Only the main thread can install handlers; in
     another one the signals keep killing the process and the next run removes what it left."""
@@ -244,7 +244,7 @@ def remove_stale(stage_dir: Path) -> list[Path]:
     return removed
 
 
-def _tmp_name(aid: str, stale: bool = False) -> str:
+def tmp_name(aid: str, stale: bool = False) -> str:
     return (
         f"{TMP_PREFIX}{STALE_MARK if stale else ''}{aid}-{owner_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     )
@@ -464,8 +464,8 @@ class ArtifactStore:
         final = self.root / stage / aid
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(final.parent)
-        tmp = final.parent / _tmp_name(aid)
-        with _terminating_signals_raise():
+        tmp = final.parent / tmp_name(aid)
+        with terminating_signals_raise():
             try:
                 tmp.mkdir()
                 yield tmp
@@ -501,7 +501,7 @@ class ArtifactStore:
         write_json_atomic(tmp / MANIFEST, manifest)
         with _signals_deferred():  # both renames, or (on an error) neither
             if final.exists():  # a forced re-run replaces the old artifact
-                stale = final.parent / _tmp_name(aid, stale=True)
+                stale = final.parent / tmp_name(aid, stale=True)
                 os.rename(final, stale)
                 try:
                     os.rename(tmp, final)

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,14 @@ from huggingface_hub.errors import StrictDataclassError
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from moecache.artifacts import TMP_PREFIX, canonical_json, config_hash, write_json_atomic
+from moecache.artifacts import (
+    canonical_json,
+    config_hash,
+    remove_stale,
+    terminating_signals_raise,
+    tmp_name,
+    write_json_atomic,
+)
 from moecache.errors import MoecacheError
 from moecache.models.adapter import ADAPTERS, MoEAdapter, adapter_for, supported_model_types
 from moecache.models.tokenizer import build_byte_tokenizer
@@ -122,19 +128,22 @@ def build_tiny(model_cfg: DictConfig | dict, output_root: str | Path) -> Path:
         model = model_class(config).eval()
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        model.save_pretrained(tmp)
-        build_byte_tokenizer().save_pretrained(tmp)
-        write_json_atomic(tmp / "build.json", key)
-        os.rename(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():  # not a lost race with another builder: a real error
+    remove_stale(final.parent)  # what a killed builder left
+    tmp = final.parent / tmp_name(final.name)
+    # SIGTERM / SIGHUP raise here as SIGINT does, so the temporary folder is removed on every signal
+    with terminating_signals_raise():
+        try:
+            model.save_pretrained(tmp)
+            build_byte_tokenizer().save_pretrained(tmp)
+            write_json_atomic(tmp / "build.json", key)
+            os.rename(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not final.is_dir():  # not a lost race with another builder: a real error
+                raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

@@ -329,3 +329,20 @@ def test_truncated_weights_are_refused(tmp_path, tiny_dir):
     )
     with pytest.raises(MoecacheError, match=r"no tensor for model\.layers\.1\.mlp\.gate\.weight"):
         load_model(cfg_with_path(tmp_path, folder).model, tmp_path, "cpu")
+
+
+def test_build_removes_what_a_killed_builder_left(tmp_path):
+    import subprocess
+    import sys
+
+    from moecache.artifacts import TMP_PREFIX, owner_tag
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    models = tmp_path / "models"
+    models.mkdir()
+    left = models / f"{TMP_PREFIX}tiny-0123456789ab-{owner_tag()}-{dead.pid}-0badc0de"
+    (left / "sub").mkdir(parents=True)
+    build_tiny(tiny_cfg(tmp_path).model, tmp_path)
+    assert not left.exists()
+    assert not [p for p in models.iterdir() if p.name.startswith(TMP_PREFIX)]
