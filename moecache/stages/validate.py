@@ -38,7 +38,7 @@ EXECUTION = {
 SCHEMA_VERSION = 1
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
-    "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss",
+    "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss", "init",
 )  # fmt: skip
 WARMUPS = ("auto", "on", "off")  # validate.warmup: an untimed generation per strategy first (auto: on
 # CUDA, or where the runs' times are predicted: a cost profile given)
@@ -73,6 +73,9 @@ def _checked(c: dict) -> dict:
     optional(string)("validate.forced_trace", v["forced_trace"])
     optional(integer(1))("validate.forced_requests", v["forced_requests"])
     optional(integer(1))("validate.forced_max_tokens", v["forced_max_tokens"])
+    optional(string)("validate.init", v["init"])
+    if v["init"] is not None and not Path(v["init"]).exists():
+        raise MoecacheError(f"validate.init={v['init']}: no such file or folder (a saved state or a trace)")
     if v["loop"] == "fast" and v["forced_trace"] is None:
         raise MoecacheError(
             "validate.loop=fast: needs validate.forced_trace (a replayed CUDA graph runs no routing hook, so "
@@ -284,7 +287,7 @@ def run(cfg: DictConfig) -> StageResult:
         settings = Settings(
             device=device, seed=int(c["seed"]), loop=v["loop"], limit=v["requests"],
             max_new_tokens=v["max_new_tokens"], folder=tmp, run_id=run_id, profile=profile,
-            reference=v["reference"],
+            reference=v["reference"], init=v["init"],
             warmup=v["warmup"] == "on" or (v["warmup"] == "auto" and (device == "cuda" or profile is not None)),
         )  # fmt: skip
         costs = None if profile is None else CostProfile.load(profile)

@@ -52,6 +52,7 @@ class Settings:
     profile: str | None
     reference: str = "unmodified"
     warmup: bool = False  # _warm_up before each workload's timed runs
+    init: str | None = None  # validate.init: the selected strategy's cache starts from it
 
 
 def _meta(model_label: str, arch: dict, workload: str, spec: RunSpec, s: Settings) -> TraceMeta:
@@ -67,9 +68,13 @@ def _meta(model_label: str, arch: dict, workload: str, spec: RunSpec, s: Setting
     )  # fmt: skip
 
 
-def _configure(model, strategy: Strategy, slots: int, hindsight_G, profile: str | None = None) -> None:
+def _configure(
+    model, strategy: Strategy, slots: int, hindsight_G, profile: str | None = None, init: str | None = None
+) -> None:
     """A new cold cache for the run on the model's host store (module docstring, 2.); `profile`: the
-    cost profile an on_miss="split" strategy, or a policy that weighs costs, reads."""
+    cost profile an on_miss="split" strategy, or a policy that weighs costs, reads; `init`: a saved
+    manager state or a routing trace the selected strategy's cache starts from instead
+    (moecache/runtime/manager_state.py)."""
     from moecache.offloading import cost_readers
 
     reads = bool(cost_readers(strategy.on_miss, strategy.policy))
@@ -77,6 +82,10 @@ def _configure(model, strategy: Strategy, slots: int, hindsight_G, profile: str 
         capacity=slots, policy=strategy.policy.name, params=dict(strategy.policy.params),
         on_miss=strategy.on_miss, cost_profile=profile if reads else None,
     )  # fmt: skip
+    if init is not None and strategy.name == "selected":
+        from moecache.runtime.manager_state import init_manager
+
+        init_manager(session.manager, init)
     if strategy.hindsight:
         if hindsight_G is None:
             raise MoecacheError(f"validate {strategy.name}: no hindsight placement for this workload")
@@ -211,7 +220,7 @@ def validate_all(
             points = [(fixed, num_keys if fixed == "all" else 0)] if fixed else grid
             for capacity, slots in points:
                 hindsight = hindsight_keys(count_G, slots) if strategy.hindsight else None
-                _configure(model, strategy, slots, hindsight, s.profile)
+                _configure(model, strategy, slots, hindsight, s.profile, s.init)
                 one(w, RunSpec(w.name, strategy, capacity, slots), made, reference)
         _release()
     if s.profile is not None:  # the second prediction (moecache/validation/anchors.py)

@@ -355,3 +355,21 @@ def test_the_decisions_on_miss_is_the_default_and_split_needs_a_profile(tmp_path
         r for r in pq.read_table(folder / "runs.parquet").to_pylist() if r["strategy"] == "selected"
     )
     assert selected["on_miss"] == "split"
+
+
+def test_the_selected_cache_starts_from_a_saved_state(done, tmp_path):
+    """validate.init: a state that `moecache generate` saved (the same policy and capacity) starts the
+    selected strategy's cache; another policy's state is refused in one line."""
+    root, _, cold, _ = done
+    state = tmp_path / "lru.npz"
+    gen = CliRunner().invoke(
+        app, ["generate", "model=tiny", "prompt=Hello there", "generation.max_new_tokens=4", "capacity=25%",
+              "policy=lru", f"runtime.save_state={state}", f"output_root={tmp_path}"],
+    )  # fmt: skip
+    assert gen.exit_code == 0 and state.is_file(), gen.output
+    res = validate(root, "validate.strategies=[selected]", f"validate.init={state}")
+    assert res.exit_code == 0, res.output
+    runs = pq.read_table(Path(res.stdout.strip().splitlines()[-1]) / "runs.parquet").to_pylist()
+    warm = next(r for r in runs if r["strategy"] == "selected")
+    assert warm["hit_rate"] != cold[("selected", "25%")]["hit_rate"]  # its first visits find residents
+    assert validate(root, "validate.init=/nonexistent.npz").exit_code == 2
