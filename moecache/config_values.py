@@ -1,8 +1,8 @@
 """Type and range checks of the config values each stage reads, run before the stage does any work.
 
 Hydra parses `force=no` as the string "no", `capacity=3.7` as a float and `sim.bandwidth_scale=abc` as
-a string; the stages used to coerce such values (`bool("no")` is true, `int(3.7)` is 3) or fail deep
-inside with a traceback. Here every value is checked against what it must be, and a value that is not
+a string; coercing such values is wrong (`bool("no")` is true, `int(3.7)` is 3), and passing them on
+fails deep inside a stage with a traceback. Here every value is checked against what it must be, and a value that is not
 exactly that is refused with one line naming the key and the value: never coerced.
 
 The rules are a table per config group (`RULES`); `check_config(stage, c)` applies those of the keys

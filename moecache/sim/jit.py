@@ -1,8 +1,8 @@
 """Compiled entry points of the simulator, one per (driver, policy), cached on disk by source fingerprint.
 
-Why this module exists. A replay driver used to take the policy's `step` dispatcher as an argument;
-numba keys the disk cache of such a function by the dispatcher's per-process id (numba #2956), so
-every process compiled every (driver, policy) pair again, ~1 s each. Now a driver is one plain
+Why this module exists. numba keys the disk cache of a function that takes a dispatcher as an argument
+by the dispatcher's per-process id (numba #2956), so a replay driver taking the policy's `step` would be
+compiled again in every process, ~1 s per (driver, policy) pair. Instead a driver is one plain
 module-level function whose policy is fixed by the *type* of its state: every policy's state is a
 named tuple of its own class (`Policy.State`), and `visit.call_step` resolves that class to the
 policy's `step` at compile time. The signature holds only stable types, so numba can cache it.

@@ -7,8 +7,8 @@ Cancellation is done here, once, for every policy: a step lists every admission 
 victim it picks, even a victim it admitted itself earlier in the same step (a later miss of the step
 found it the victim). Such a key held no slot before the visit, so `apply_step` recognises it by
 `not resident_G[key]`, removes its first admission from the list (the others keep their order) and
-drops the eviction: the two cancel out, no copy is made and nothing is evicted. This is
-`moecache.sim.reference.cancel_or_evict` (list.remove) applied to the step's whole output. The
+drops the eviction: the two cancel out, no copy is made and nothing is evicted. This is the test
+oracle's `cancel_or_evict` (tests/sim/reference.py, list.remove) applied to the step's whole output. The
 reverse also cancels: a key the step evicted while it held a slot and then admitted again (a
 prefetch of a key a demand admission had just evicted) keeps its slot: neither an eviction nor a
 copy (the reference's RefTransitionPrefetch does the same).

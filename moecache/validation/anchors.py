@@ -4,7 +4,7 @@ calibrate takes two of the profile's numbers from runs of its own: the fast loop
 per layer (runtime.non_expert.decode_us_per_layer, from its all-resident run) and the CPU-step excess
 (runtime.cpu_step_excess.decode_us, from its all-CPU run). validate runs the same two baselines,
 all_resident and all_cpu, minutes later in another process, and on the H200 hosts the machine itself moved
-between the two by 10-60% (the machine check, docs/benchmarks.md). `anchored_profile` moves those two numbers
+between the two by 10-60% (the machine check, CHANGELOG.md). `anchored_profile` moves those two numbers
 so that this validate's own all_resident and all_cpu runs are priced exactly (the excess kept >= 0), and
 `add_anchored` predicts every run of the workload again with that profile (`fidelity_errors_anchored`):
 the simulator's error with the machine's drift between the two processes taken out. The profile's other

@@ -2,7 +2,7 @@
 
 The simulator prices a run with the profile `moecache calibrate` measured; a fidelity error is the model's
 only while the machine runs as fast as it did then. On a shared host it may not (the H200 host's speed
-varied from call to call and within one: docs/benchmarks.md), so validate times two of the profile's own
+varied from call to call and within one: CHANGELOG.md), so validate times two of the profile's own
 measurements again, the same way, before its first run and after its last:
 - "cpu expert": the profile's one-token CPU expert row (`calibration.time_cpu_expert`: one expert call on
   one token over a pool of the row's size, its threads, its repeats): the CPU path's speed;

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from moecache.sim.cost_model import CostModel
 from moecache.sim.policy import make_policy
-from moecache.sim.reference import reference_run
 from moecache.sim.replay import replay_instant
+from tests.sim.reference import reference_run
 
 
 @st.composite

@@ -1,6 +1,6 @@
 """Policy activation_match (moecache/sim/policies/activation_match.py): hand-computed hits, matching and
 prefetch semantics, the compiled policy against the plain Python reference (RefActivationMatch in
-moecache/sim/reference.py), capacity bounds, timed = instant at infinite bandwidth, and parameters."""
+tests/sim/reference.py), capacity bounds, timed = instant at infinite bandwidth, and parameters."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel
 from moecache.sim.policy import make_policy
-from moecache.sim.reference import reference_run
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
+from tests.sim.reference import reference_run
 from tests.sim.strategies import assert_matches_reference, skewed_trace, small_traces
 
 NAME = "activation_match"

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from moecache.errors import MoecacheError
 from moecache.sim.policy import make_policy
 from moecache.sim.prompt_split import prompt_as_prefill
-from moecache.sim.reference import per_key_uses, reference_run
 from moecache.sim.replay import initial_resident_mask, replay_from, replay_instant
 from moecache.sim.trace_arrays import DECODE, PREFILL
 from tests.conftest import ESFT_LAW
+from tests.sim.reference import per_key_uses, reference_run
 from tests.sim.strategies import assert_matches_reference, small_traces
 from tests.sim.test_policies_basic import GOLDEN
 

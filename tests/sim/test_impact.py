@@ -18,9 +18,9 @@ import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import instant_step_us
 from moecache.sim.policy import make_policy
-from moecache.sim.reference import reference_run
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
+from tests.sim.reference import reference_run
 from tests.sim.strategies import assert_matches_reference, hand_cost, skewed_trace, small_traces
 
 PROFILE = (

@@ -1,5 +1,5 @@
 """Policies lru, static_hindsight, static_cold, lfu, lfu_decay, lfu_window: golden hit counts, the
-compiled policies against the plain Python reference (moecache/sim/reference.py), properties, and
+compiled policies against the plain Python reference (tests/sim/reference.py), properties, and
 parameters."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 
 from moecache.errors import MoecacheError
 from moecache.sim.policy import make_policy
-from moecache.sim.reference import per_key_uses, reference_run
 from moecache.sim.replay import replay_instant
+from tests.sim.reference import per_key_uses, reference_run
 from tests.sim.strategies import assert_matches_reference, small_traces
 
 # (policy, params) of every variant tested here

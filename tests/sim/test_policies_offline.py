@@ -17,8 +17,8 @@ import moecache.sim.policies  # noqa: F401  (registers every policy)
 from moecache.errors import MoecacheError
 from moecache.sim.policies.lru_per_layer import effective_experts, layer_budgets, layer_demands
 from moecache.sim.policy import POLICIES, make_policy
-from moecache.sim.reference import ref_layer_budgets, reference_run
 from moecache.sim.replay import replay_instant
+from tests.sim.reference import ref_layer_budgets, reference_run
 
 VARIANTS = [
     ("belady", {}),
@@ -412,7 +412,7 @@ GOLDEN_STEPS = [
     (1, 4, 1, [[3, 2]]),
 ]
 GOLDEN_CAPACITIES = (1, 2, 3, 4, 6)
-GOLDEN = {  # (policy, params): hits at GOLDEN_CAPACITIES, frozen from moecache.sim.reference
+GOLDEN = {  # (policy, params): hits at GOLDEN_CAPACITIES, frozen from tests.sim.reference
     ("belady", ()): (8, 15, 19, 22, 27),
     ("belady", (("warm", True),)): (9, 17, 22, 26, 33),
     ("belady", (("bypass", False),)): (0, 10, 16, 21, 27),

@@ -13,9 +13,9 @@ from moecache.env_info import REPO_ROOT
 from moecache.errors import MoecacheError
 from moecache.sim.cost_model import CostModel
 from moecache.sim.policy import make_policy
-from moecache.sim.reference import reference_run
 from moecache.sim.replay import replay_instant
 from moecache.sim.timed import replay_timed
+from tests.sim.reference import reference_run
 from tests.sim.strategies import assert_matches_reference, small_traces
 
 NAME = "transition_prefetch"

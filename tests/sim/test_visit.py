@@ -119,7 +119,7 @@ def test_apply_step_cancels_an_admission_the_same_step_evicts():
 
 def test_apply_step_keeps_the_order_of_the_admissions_it_does_not_cancel():
     """Cancelling removes the FIRST admission of the key and moves the later ones up (list.remove, as
-    moecache/sim/reference.py::cancel_or_evict does): the copies are queued in the step's order."""
+    tests/sim/reference.py::cancel_or_evict does): the copies are queued in the step's order."""
     assert one_visit(Scripted(admit=(1, 2, 3, 4), evict=(2,)))[0] == [1, 3, 4]
     assert one_visit(Scripted(admit=(1, 2, 3, 4, 5), evict=(4, 1)))[0] == [2, 3, 5]
     assert one_visit(Scripted(admit=(5, 6, 5), evict=(5,)))[0] == [6, 5]  # first occurrence only

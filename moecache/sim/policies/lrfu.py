@@ -23,8 +23,8 @@ How it differs from lfu_decay: lfu_decay(half_life_tokens=h) has the same kernel
 but the LFU family's admission rule: once full, a miss replaces the victim only when its score is
 strictly greater, else it is not admitted (a tie never causes a transfer). lrfu always admits, so
 every miss with a full cache costs a transfer, and a key used once still takes a slot, until a later
-miss (perhaps of the same step) finds it the victim. (lrfu used the LFU rule until 2026-11-30, and
-then replayed exactly as lfu_decay.)
+miss (perhaps of the same step) finds it the victim. (With the LFU family's rule it would replay
+exactly as lfu_decay.)
 
 Storage is that of lfu_decay: scores scaled by 2^(lambda_ * now), divided by a common power of two
 (exact) before the scale overflows; uses more than about 1100 / lambda_ tokens old may fall to zero.

@@ -6,7 +6,7 @@ reference policy is a class taking (trace, capacity, **params) with
 - `step(s, keys, uses, hits, clock, request, resident) -> (admitted, evicted)`: s is the layer
   step's index in the trace, keys/uses/hits its distinct keys in access order, resident the set of
   keys holding a slot before the step (read only); it returns the net keys admitted and evicted.
-`reference_replay` applies the driver semantics of moecache/sim/replay.py (hits from the snapshot
+`reference_run` applies the driver semantics of moecache/sim/replay.py (hits from the snapshot
 before the step; evictions, then admissions; an admitted key is resident from the next step).
 Add a policy by adding its class to REFERENCES.
 """
@@ -521,11 +521,6 @@ def reference_run(trace: TraceArrays, name: str, capacity: int, **params) -> Ref
         admissions += len(admitted)
         evictions += len(evicted)
     return ReferenceResult(hit_A, admissions, evictions)
-
-
-def reference_replay(trace: TraceArrays, name: str, capacity: int, **params) -> np.ndarray:
-    """Per-access hits (bool) of the reference policy `name` at `capacity` in instant mode."""
-    return reference_run(trace, name, capacity, **params).hit_A
 
 
 class RefTransitionPrefetch(RefLFU):
