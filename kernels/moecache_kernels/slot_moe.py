@@ -3,7 +3,8 @@
 `slot_moe(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, *, out=None) -> y_TH` computes,
 for each token, the router-weighted sum over its RESIDENT experts (`slot_of_E[e] >= 0`) straight from the
 slot pool; non-resident entries add nothing (the runtime computes them on the CPU). `slot_moe_reference`
-is its oracle. Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
+is its oracle. `out` may be float32 whatever x's dtype: the float32 sums are stored unrounded, so the
+runtime adds the CPU half to them in float32 and rounds once (docs/runtime.md, "One rounding"). Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
 
 - decode (T <= DECODE_MAX_T), four variants chosen by the config entry's "variant" (no buffer depends on
   E, nothing is sorted or padded, a non-resident entry's programs exit at once and add nothing):
@@ -512,10 +513,12 @@ def _check(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, out) 
             )
     if x_TH.stride(-1) != 1:
         raise ValueError(f"slot_moe: x must be contiguous in its last dim, strides {x_TH.stride()}")
-    if out is not None and (out.shape != x_TH.shape or out.dtype != x_TH.dtype or out.device != x_TH.device
+    out_dtypes = (x_TH.dtype, torch.float32)
+    if out is not None and (out.shape != x_TH.shape or out.dtype not in out_dtypes or out.device != x_TH.device
                             or out.stride(-1) != 1):  # fmt: skip
         raise ValueError(
-            f"slot_moe: out must be {tuple(x_TH.shape)} {x_TH.dtype} on {x_TH.device}, last dim contiguous"
+            f"slot_moe: out must be {tuple(x_TH.shape)} {x_TH.dtype} or torch.float32 on {x_TH.device}, last"
+            " dim contiguous"
         )
 
 
@@ -533,7 +536,8 @@ def slot_moe(
 
     `w13_SIH` [S, 2I, H] holds gate rows then up rows; `w2_SHI` [S, H, I]; `slot_of_E` [E] maps expert ->
     slot, -1 = not resident (adds nothing). Accumulates in float32, returns x's dtype; writes into `out`
-    (and returns it) when given, e.g. a static buffer for CUDA-graph capture.
+    (and returns it) when given, e.g. a static buffer for CUDA-graph capture: of x's dtype, or float32
+    (the float32 sums, not rounded: every launch's last store converts to `out`'s dtype).
     """
     _check(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, out)
     if x_TH.device.type != "cuda" and not knobs.runtime.interpret:

@@ -22,11 +22,15 @@ def slot_moe_reference(
     slot_of_E: torch.Tensor,
     w13_SIH: torch.Tensor,
     w2_SHI: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`y[t] = sum over k with slot_of_E[ids[t, k]] >= 0 of weights[t, k] * expert(x[t])`, shape (T, H).
 
-    `w13_SIH` is [S, 2I, H] (gate rows, then up rows), `w2_SHI` is [S, H, I]. Raises ValueError on shapes
-    that disagree, expert ids outside [0, E) or slots outside [-1, S).
+    `w13_SIH` is [S, 2I, H] (gate rows, then up rows), `w2_SHI` is [S, H, I]. As `slot_moe`: returns x's
+    dtype, or writes into `out` (x's shape, x's dtype or float32: the float32 sums unrounded) and returns
+    it. Raises ValueError on shapes that disagree, expert ids outside [0, E), slots outside [-1, S) or a
+    bad `out`.
     """
     num_tokens, hidden = x_TH.shape
     num_experts, num_slots = slot_of_E.shape[0], w13_SIH.shape[0]
@@ -41,6 +45,10 @@ def slot_moe_reference(
         raise ValueError(f"expert ids must lie in [0, {num_experts}); got {topk_ids_TK.unique().tolist()}")
     if slot_of_E.numel() and (slot_of_E.min() < -1 or slot_of_E.max() >= num_slots):
         raise ValueError(f"slot_of_E must lie in [-1, {num_slots}); got {slot_of_E.unique().tolist()}")
+    if out is not None and (out.shape != x_TH.shape or out.dtype not in (x_TH.dtype, torch.float32)):
+        raise ValueError(
+            f"out must be {tuple(x_TH.shape)} {x_TH.dtype} or float32, got {out.dtype} {tuple(out.shape)}"
+        )
     y_TH = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x_TH.device)
     slot_TK = slot_of_E[topk_ids_TK.long()]
     for slot in slot_TK[slot_TK >= 0].unique().tolist():
@@ -48,4 +56,6 @@ def slot_moe_reference(
         # float32 inputs, so the expert's output stays float32 until the final cast
         out_NH = expert_forward(x_TH[token_N].float(), w13_SIH[slot].float(), w2_SHI[slot].float())
         y_TH.index_add_(0, token_N, out_NH * topk_weights_TK[token_N, k_N, None].float())
-    return y_TH.to(x_TH.dtype)
+    if out is None:
+        return y_TH.to(x_TH.dtype)
+    return out.copy_(y_TH)

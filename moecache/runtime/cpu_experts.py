@@ -2,18 +2,22 @@
 
 While the GPU computes the hits, the misses (token, expert) of the same visit run here, weighted by the
 router exactly as the model combines experts: `y[t] += w * down(silu(gate(x[t])) * up(x[t]))` for every
-missed (token, key, weight) triple, summed in fp32, returned in x's dtype. The caller adds `y` to the
-GPU half (and adds the shared expert itself, as the model does). All of a visit's misses go in ONE call:
+missed (token, key, weight) triple, the activations `silu(gate) * up` kept in fp32 (as the slot-pool
+kernel keeps them), summed in fp32, returned in x's dtype or, given a float32 `out_TH`, in fp32: the
+experts module adds that to the GPU half's fp32 sum and rounds once (docs/runtime.md, "One rounding").
+The caller adds the shared expert itself, as the model does. All of a visit's misses go in ONE call:
 triples are grouped by key, so each expert's weights are read once for all its tokens.
 
 Backends:
-- "cpp": `csrc/cpu_experts.cpp`, AVX-512 (VDPBF16PS for bf16, FMA for fp32) in one OpenMP region, every
+- "cpp": `csrc/cpu_experts.cpp`, AVX-512 (gate/up: VDPBF16PS for bf16, FMA for fp32; down: the weights
+  widened to fp32, FMA with the fp32 activations) in one OpenMP region, every
   thread streaming its share of each expert's rows: the decode GEMV is bound by memory bandwidth, which
   torch's small-M bf16 path leaves unused. Compiled with g++ on first use into a cache directory
   (`$MOECACHE_CPU_EXPERTS_CACHE`, else `~/.cache/moecache/cpu_experts`), loaded with ctypes (which
   releases the GIL for the call), no torch headers and no ninja needed.
-- "torch": one `F.linear` pair per distinct expert (`moecache_kernels.expert_forward`), torch's intra-op
-  threads.
+- "torch": one `F.linear` pair per distinct expert (`moecache_kernels.expert_forward`) in fp32 (the
+  expert's weights widened for the call, so gate, up and the activations are never rounded), torch's
+  intra-op threads.
 - "auto": "cpp" where it builds and the CPU has the flags it needs, else "torch" with one warning line.
 Asking for "cpp" where it cannot run is refused (MoecacheError naming the reason), not downgraded.
 
@@ -134,7 +138,19 @@ class RunArgs(ctypes.Structure):
 
     _fields_ = [
         (name, ctypes.c_int64)
-        for name in ("dtype", "T", "H", "I", "G", "M", "w13_stride", "w2_stride", "threads", "host_idle")
+        for name in (
+            "dtype",
+            "T",
+            "H",
+            "I",
+            "G",
+            "M",
+            "w13_stride",
+            "w2_stride",
+            "threads",
+            "host_idle",
+            "out_f32",
+        )  # fmt: skip
     ] + [
         (name, ctypes.c_void_p)
         for name in ("x_TH", "w13", "w2", "key_M", "token_M", "weight_M", "order_M", "key_U", "start_U")
@@ -245,10 +261,11 @@ class CpuExperts:
         """`y[t] = sum over triples m with token_M[m] == t of weight_M[m] * expert_{keys_M[m]}(x[t])`.
 
         Every row of the result is written (zeros for tokens without a triple). `out_TH`, when given,
-        receives it (shape of x, x's dtype, contiguous) and is returned. x must have the weights' dtype.
+        receives it (shape of x, contiguous; x's dtype, or float32: the fp32 sums unrounded) and is
+        returned. x must have the weights' dtype.
         """
         x_TH, keys_M, token_M, weight_M, out_TH = checked_call(
-            self.hidden, self.dtype, x_TH, keys_M, token_M, weight_M, out_TH
+            self.hidden, self.dtype, x_TH, keys_M, token_M, weight_M, out_TH, float32_out=True
         )
         t = x_TH.shape[0]
         with self._lock:
@@ -302,7 +319,7 @@ class CpuExperts:
             args.order_M = self._workspace("order", m, torch.int32).data_ptr()
             args.key_U = self._workspace("key_U", m, torch.int64).data_ptr()
             args.start_U = self._workspace("start_U", m + 1, torch.int32).data_ptr()
-            args.act_MI = self._workspace("act", m * self.inter, self.dtype).data_ptr()
+            args.act_MI = self._workspace("act", m * self.inter, torch.float32).data_ptr()
             self._cap_m = m
         if t > self._cap_t:
             args.acc_TH = self._workspace("acc", t * self.hidden, torch.float32).data_ptr()
@@ -313,6 +330,7 @@ class CpuExperts:
         t, m = x_TH.shape[0], keys_M.shape[0]
         args = self._cpp_args(t, m)
         args.T, args.M = t, m
+        args.out_f32 = int(out_TH.dtype == torch.float32)
         args.x_TH, args.out_TH = x_TH.data_ptr(), out_TH.data_ptr()
         args.key_M, args.token_M, args.weight_M = keys_M.data_ptr(), token_M.data_ptr(), weight_M.data_ptr()
         rc = self._fn(args)
@@ -343,16 +361,28 @@ class CpuExperts:
             idx = order_M[start : start + count]
             start += count
             tok = token_M[idx]
-            y_NH = expert_forward(x_TH[tok], self.w13_GIH[key], self.w2_GHI[key])
-            acc_TH.index_add_(0, tok, y_NH.float() * weight_M[idx, None])
+            # fp32 throughout (x and the weights widened exactly): nothing rounded before the sum
+            y_NH = expert_forward(x_TH[tok].float(), self.w13_GIH[key].float(), self.w2_GHI[key].float())
+            acc_TH.index_add_(0, tok, y_NH * weight_M[idx, None])
         out_TH.copy_(acc_TH)
 
 
-def checked_call(hidden, dtype, x_TH, keys_M, token_M, weight_M, out_TH, who: str = "cpu experts"):
+def checked_call(
+    hidden,
+    dtype,
+    x_TH,
+    keys_M,
+    token_M,
+    weight_M,
+    out_TH,
+    who: str = "cpu experts",
+    float32_out: bool = False,
+):
     """The arguments of an executor's `run` (this module's, or a benchmark backend's with the same
     interface) checked, one MoecacheError line each, and made exact: x contiguous, keys and tokens int64,
     weights float32 (int32 -> int64, bf16/fp16 -> fp32: nothing copied when already so), `out_TH` a
-    new tensor when None. Returns (x_TH, keys_M, token_M, weight_M, out_TH)."""
+    new tensor when None. `float32_out`: a float32 `out_TH` is accepted too (else x's dtype only).
+    Returns (x_TH, keys_M, token_M, weight_M, out_TH)."""
     if x_TH.dim() != 2 or x_TH.shape[1] != hidden or x_TH.dtype != dtype:
         raise MoecacheError(f"{who}: x must be [T, {hidden}] {dtype}, got {x_TH.dtype} {tuple(x_TH.shape)}")
     m = keys_M.shape[0] if keys_M.dim() == 1 else -1
@@ -380,12 +410,13 @@ def checked_call(hidden, dtype, x_TH, keys_M, token_M, weight_M, out_TH, who: st
         out_TH = torch.empty_like(x_TH)
     elif (
         out_TH.shape != x_TH.shape
-        or out_TH.dtype != x_TH.dtype
+        or out_TH.dtype not in ((x_TH.dtype, torch.float32) if float32_out else (x_TH.dtype,))
         or not out_TH.is_cpu
         or not out_TH.is_contiguous()
     ):
+        dtypes = f"{x_TH.dtype} or torch.float32" if float32_out else str(x_TH.dtype)
         raise MoecacheError(
-            f"{who}: out must be a contiguous CPU {x_TH.dtype} tensor of shape"
+            f"{who}: out must be a contiguous CPU {dtypes} tensor of shape"
             f" {tuple(x_TH.shape)}, got {out_TH.dtype} {tuple(out_TH.shape)}"
         )
     return x_TH, keys_M, token_M, weight_M, out_TH

@@ -18,6 +18,12 @@ One call is one layer visit of the cache manager (docs/runtime.md):
 4. the misses run on the CPU from the store (`CpuExperts.run`, keys = layer * E + expert) and are added.
 Both halves sum only their own entries, so y = GPU part + CPU part is every entry's weighted sum.
 
+One rounding: a visit whose entries run in more than one part (hits and misses, or hits and waited
+copies) has every part write its float32 sums (the kernel into a float32 `out`, the CPU path into a
+float32 buffer), added in float32 and rounded to x's dtype once, so the result is the float32 sum over
+all K entries rounded once, as one all-resident kernel call gives. A visit run by one part alone writes
+x's dtype directly (that part's own single rounding).
+
 Legend: T tokens, H hidden, K top-k, E experts, M (token, expert) entries run on the CPU.
 """
 
@@ -113,32 +119,38 @@ class ExpertsRuntime:
             # wait for it (the hits' kernel, the waited copies), and the two halves would not overlap
             x_host_TH = x_TH.detach().to("cpu")
             w_host_TK = weights_TK.detach().to("cpu", torch.float32)
+        cache_hits = bool((visit.cache_hit_TK if visit.waited else hit_TK).any())
+        cpu_part = n_hit < hit_TK.size
+        # more than one part: each writes float32, summed in float32, rounded once (module docstring)
+        wide = cache_hits + bool(visit.waited) + cpu_part > 1
         y_TH = None
-        if (visit.cache_hit_TK if visit.waited else hit_TK).any():
+        if cache_hits:
             timed = self.manager.time_gpu
             if timed:
                 visit.gpu_events = self._record_event(None)
-            y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E)
+            y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E, wide=wide)
             if timed:
                 visit.gpu_events = self._record_event(visit.gpu_events[0])
         if visit.waited:
             row_E = self.manager.enqueue_waits(visit)  # after the hits: they do not wait for the copies
             launched = time.perf_counter_ns()
-            y_wait_TH = self._gpu_part(x_TH, ids_TK, weights_TK, row_E, waits=True)
+            y_wait_TH = self._gpu_part(x_TH, ids_TK, weights_TK, row_E, waits=True, wide=wide)
             if self.device.is_cuda:  # the launches are the visit's host time (the stand-in's: compute)
                 self.manager.stats.split_wait_ns += time.perf_counter_ns() - launched
-            y_TH = y_wait_TH if y_TH is None else y_TH + y_wait_TH
+            y_TH = y_wait_TH if y_TH is None else y_TH.add_(y_wait_TH)
         self.manager.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
-        if n_hit < hit_TK.size:
+        if cpu_part:
             started_ns = time.perf_counter_ns()
-            cpu_TH, keys_M = self._cpu_part(layer, x_TH, ids_host_TK, w_host_TK, hit_TK, x_host_TH)
+            cpu_TH, keys_M = self._cpu_part(layer, x_TH, ids_host_TK, w_host_TK, hit_TK, x_host_TH, wide)
             visit.cpu_duration_ns = time.perf_counter_ns() - started_ns
             if self.cpu_log is not None:
                 log_cpu_call(self.cpu_log, hit_TK.shape[0], keys_M, visit.cpu_duration_ns)
-            y_TH = cpu_TH if y_TH is None else y_TH + cpu_TH
+            y_TH = cpu_TH if y_TH is None else y_TH.add_(cpu_TH)
         self.stats.gpu_entries += n_hit
         self.stats.cpu_entries += hit_TK.size - n_hit
-        return y_TH if y_TH is not None else torch.zeros_like(x_TH)
+        if y_TH is None:
+            return torch.zeros_like(x_TH)
+        return y_TH.to(x_TH.dtype)  # the one rounding (a no-op for a part that wrote x's dtype)
 
     def _record_event(self, start):
         """A timing event recorded now on the compute stream: (event,) or, given `start`, (start, event).
@@ -149,13 +161,17 @@ class ExpertsRuntime:
             self.device.run(self.manager.compute)
         return (event,) if start is None else (start, event)
 
-    def _gpu_part(self, x_TH, ids_TK, weights_TK, slot_of_E, waits: bool = False) -> torch.Tensor:
+    def _gpu_part(
+        self, x_TH, ids_TK, weights_TK, slot_of_E, waits: bool = False, wide: bool = False
+    ) -> torch.Tensor:
         """The resident entries from the slot pool, on the compute stream after the mapping's upload.
-        `waits`: the call over a split visit's wait row (the stand-in runs the copies it waits for)."""
+        `waits`: the call over a split visit's wait row (the stand-in runs the copies it waits for).
+        `wide`: the float32 sums (for the one-rounding combine), else x's dtype."""
         self.stats.kernel_calls += 1
         pool = self.pool
+        out_TH = torch.empty(x_TH.shape, dtype=torch.float32, device=x_TH.device) if wide else None
         if self.device.is_cuda:
-            return self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI)
+            return self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI, out=out_TH)
         # The stand-in: the operator is queued on its compute stream behind the mapping row's upload and
         # run there now, so it reads exactly the mapping this visit published.
         out: list[torch.Tensor] = []
@@ -163,19 +179,20 @@ class ExpertsRuntime:
         self.device.enqueue(
             compute,
             lambda: out.append(
-                self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI)
+                self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI, out=out_TH)
             ),
         )
         self.device.run(None if waits else compute)
         return out[0]
 
-    def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH=None):
+    def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH=None, wide: bool = False):
         """The entries the visit leaves to the CPU (`hit_TK` False), from the host store: (their sum on
-        x's device, their keys)."""
+        x's device, float32 when `wide` else x's dtype; their keys)."""
         keys_M, token_t, weights_M = miss_entries(layer, self.num_experts, ids_host_TK, weights_TK, hit_TK)
         if x_host_TH is None:
             x_host_TH = x_TH.detach().to("cpu")
-        y_host_TH = self.cpu.run(x_host_TH, keys_M, token_t, weights_M)
+        out_TH = torch.empty(x_host_TH.shape, dtype=torch.float32) if wide else None
+        y_host_TH = self.cpu.run(x_host_TH, keys_M, token_t, weights_M, out_TH)
         return y_host_TH.to(x_TH.device, non_blocking=False), keys_M
 
 

@@ -445,6 +445,11 @@ def _weight_rule(router: nn.Module, model_type: str | None) -> _WeightRule:
     return _WeightRule(renormalise, float(getattr(router, "routed_scaling_factor", 1.0)))
 
 
+def moe_routers(model: nn.Module, adapter=None) -> list[nn.Module]:
+    """The MoE routers of `model` (unmodified or offloaded), by MoE layer id: what `attach` hooks."""
+    return _routers(model, adapter)
+
+
 def _routers(model: nn.Module, adapter) -> list[nn.Module]:
     """The MoE routers, by MoE layer id."""
     if adapter is not None:

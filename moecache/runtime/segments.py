@@ -9,13 +9,15 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
           bumped, its copy to pinned memory after it                      |  its graph when capturing)
       host point `_route(l)`: `manager.prepare(l)` publishes the layer's mapping (nothing of it
           depends on the routing): on CUDA into its pinned staging row (row_uploads="executor")
-      (CUDA) slot_of_LE[l] <- the staging row; y_TH = slot_moe(static     | segment B(l): the
-          buffers, slot_of_LE[l], pool)                                   |  resident experts
+      (CUDA) slot_of_LE[l] <- the staging row; y_TH (float32) = slot_moe(  | segment B(l): the
+          static buffers, slot_of_LE[l], pool)                            |  resident experts
       host point `_combine(l)`: wait for the read-back (a spin on the counter's host copy: no CUDA
-          call), `manager.visit` (the policy, copies), `commit()`, the CPU misses computed while
-          B(l) runs, copied into a static buffer and added into y_TH (both on the compute stream,
-          after B(l); nothing when the layer had no miss)
-      return y_TH                                                         | the next segment
+          call), `manager.visit` (the policy, copies), `commit()`, the CPU misses computed (float32
+          sums) while B(l) runs, copied into a static buffer and added into y_TH in float32 (both on
+          the compute stream, after B(l); nothing when the layer had no miss)
+      return y_TH rounded to x's dtype                                    | the next segment
+  The layer's output is rounded once, from the float32 sum of both halves (docs/runtime.md, "One
+  rounding"); the rounding is the first kernel of the next segment (one small kernel per MoE layer).
   So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
   routing back and runs the manager. On CUDA, when every entry of the layer is in its prepared row
   (no CPU work), `_combine` does nothing and the visit itself runs at the next host point, on a copy
@@ -176,10 +178,13 @@ class ExpertsTaps:
         self.host_ids_TK, self.host_weights_TK, self.host_x_TH = views(self.host_B)
         # The routing the host point hands the manager and the CPU path: the read-back's, or forced rows.
         self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
-        self.y_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the resident experts' part
-        self.cpu_TH = torch.zeros((T, H), dtype=dtype, device=where)  # the CPU misses' part
-        self.wait_TH = torch.zeros((T, H), dtype=dtype, device=where)  # on_miss="split": the waited part
-        self._staging_TH = torch.zeros((T, H), dtype=dtype, pin_memory=True) if self.is_cuda else None
+        # The parts of a layer's output, float32 (each part's sums unrounded; module docstring): the
+        # resident experts' (into which the others are added), the CPU misses', on_miss="split": the waited
+        wide = torch.float32
+        self.y_TH = torch.zeros((T, H), dtype=wide, device=where)
+        self.cpu_TH = torch.zeros((T, H), dtype=wide, device=where)
+        self.wait_TH = torch.zeros((T, H), dtype=wide, device=where)
+        self._staging_TH = torch.zeros((T, H), dtype=wide, pin_memory=True) if self.is_cuda else None
         self._visit_result = None
         # (layer, its routing) whose visit `_combine` left to the next host point: the routing copied out,
         # since the next segment's read-back rewrites the host buffer before that host point
@@ -228,7 +233,7 @@ class ExpertsTaps:
         self._enqueue_readback()
         if self.num_slots == 0:  # nothing can be resident: the CPU computes every entry
             self.segments.cut(lambda: self._route_and_combine(layer))
-            return self.cpu_TH.clone()
+            return self.cpu_TH.to(x_TH.dtype, copy=True)
         self.segments.cut(lambda: self._route(layer))
         if self.is_cuda:
             manager = self.manager
@@ -236,9 +241,11 @@ class ExpertsTaps:
                 manager.slot_of_LE[layer].copy_(manager.staging_row(layer), non_blocking=True)
             self._kernel(*self._operands(manager.slot_of_LE[layer]), out=self.y_TH)
         else:
-            self.y_TH.copy_(self._kernel(*self._operands(self.manager.slot_of_LE[layer])))
+            self._kernel(*self._operands(self.manager.slot_of_LE[layer]), out=self.y_TH)
         self.segments.cut(lambda: self._combine(layer))
-        return self.y_TH  # the CPU misses are added into it at `_combine`, when there are any
+        # the CPU misses were added into y_TH at `_combine` (when there were any); the one rounding, in the
+        # next segment (a float32 model gets the static buffer itself)
+        return self.y_TH.to(x_TH.dtype)
 
     def frozen(self) -> bool:
         """Every expert resident and published, nothing loading: the mapping can no longer change."""
@@ -415,7 +422,7 @@ class ExpertsTaps:
             self.y_TH.add_(self.wait_TH)
         else:  # the stand-in: the copies, the stream's wait and the row's upload run first
             self.device.run()
-            self.y_TH.add_(self._kernel(*self._operands(row_E)))
+            self.y_TH.add_(self._kernel(*self._operands(row_E), out=self.wait_TH))
         self.runtime.stats.kernel_calls += 1
         done = time.perf_counter_ns()
         if self.is_cuda:  # the wait call's launch is the visit's host time (the stand-in's: its compute)

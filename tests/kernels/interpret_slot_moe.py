@@ -5,7 +5,8 @@ tests cannot switch TRITON_INTERPRET=1 on inside a pytest process that may have 
 `python interpret_slot_moe.py CASES OUTPUTS` loads a list of input dicts (torch.save), runs each into an
 output buffer poisoned with NaN and once without `out=`, and saves the list of (out=, returned) pairs.
 A case with a "config" entry runs the public `slot_moe` with that launch config in place of the one
-`get_config` would pick (how the CPU tests reach the decode variant that is not the default).
+`get_config` would pick (how the CPU tests reach the decode variant that is not the default); one with an
+"out_dtype" entry (float32) gets a poisoned output buffer of that dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main(cases_path: str, outputs_path: str) -> None:
         args = [case[name] for name in ARGS]
         config = case.get("config")
         KERNEL.get_config = picked if config is None else (lambda *_, config=config: config)
-        out = torch.full_like(case["x_TH"], float("nan"))
+        out = torch.full_like(case["x_TH"], float("nan"), dtype=case.get("out_dtype", case["x_TH"].dtype))
         returned = slot_moe(*args, out=out)
         assert returned is out, "slot_moe(out=buf) must return buf"
         results.append((out, slot_moe(*args)))

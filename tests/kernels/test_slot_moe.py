@@ -107,6 +107,8 @@ OUT_OF_RANGE_CASES = [
     (5, None), (5, "fused"), (5, "pdl"), (5, "l2"), (37, None), (37, "sorted"), (37, "sorted_tma")
 ]  # fmt: skip
 CONFIGS = {None: None, "fused": FUSED_CPU, "pdl": PDL_CPU, "l2": L2_CPU} | PREFILL_CPU_CONFIGS
+# bf16 inputs into a float32 `out=` (the runtime's one-rounding combine): every path's last store, (T, config)
+F32_OUT_CASES = [(5, None), (5, "fused"), (5, "pdl"), (37, None), (37, "sorted")]
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -171,11 +173,18 @@ def interpreted(tmp_path_factory) -> dict:
         for i, (t, _) in enumerate(OUT_OF_RANGE_CASES)
     ]
     odd = [case | {"config": CONFIGS[c]} for (case, _), (_, c) in zip(pairs, OUT_OF_RANGE_CASES, strict=True)]
+    wide = [
+        make_case(t, **SMALL, pattern="some", dtype=torch.bfloat16, seed=SEED + 1000 + i)
+        | {"config": CONFIGS[c], "out_dtype": torch.float32}
+        for i, (t, c) in enumerate(F32_OUT_CASES)
+    ]
     folder = tmp_path_factory.mktemp("slot_moe")
-    outputs = _interpret(cases + odd, folder)
+    outputs = _interpret(cases + odd + wide, folder)
+    n, m = len(cases), len(cases) + len(odd)
     return {
-        "cases": list(zip(cases, outputs[: len(cases)], strict=True)),
-        "out_of_range": list(zip([meant for _, meant in pairs], outputs[len(cases) :], strict=True)),
+        "cases": list(zip(cases, outputs[:n], strict=True)),
+        "out_of_range": list(zip([meant for _, meant in pairs], outputs[n:m], strict=True)),
+        "f32_out": list(zip(wide, outputs[m:], strict=True)),
     }
 
 
@@ -209,6 +218,40 @@ def test_interpreted_ids_and_slots_out_of_range_add_nothing(interpreted, index: 
     meant, (into_out, returned) = interpreted["out_of_range"][index]
     _assert_matches(into_out, meant, f"out-of-range case {OUT_OF_RANGE_CASES[index]} with out=")
     _assert_matches(returned, meant, f"out-of-range case {OUT_OF_RANGE_CASES[index]} without out=")
+
+
+@pytest.mark.parametrize(
+    "index", range(len(F32_OUT_CASES)), ids=[f"T{t}-{c or 'picked'}" for t, c in F32_OUT_CASES]
+)
+def test_interpreted_float32_out_holds_the_unrounded_sums(interpreted, index: int) -> None:
+    """bf16 inputs, a float32 out=: the bf16 result is that float32 out rounded once (one of its two bf16
+    neighbours: Triton 3.9's interpreter truncates where CUDA rounds to nearest even, which the CUDA test
+    checks bit for bit). Decode keeps the activations in float32, so its float32 out is the float32
+    reference to fp32 rounding (where the bf16 result is 2^-9 off); prefill rounds them to bf16 for its
+    tensor-core dot (docs/kernels.md), so its float32 out is held to the bf16 tolerance."""
+    case, (into_f32, returned) = interpreted["f32_out"][index]
+    num_tokens = F32_OUT_CASES[index][0]
+    what = f"float32 out, case {F32_OUT_CASES[index]}, seed {SEED}"
+    assert into_f32.dtype == torch.float32 and returned.dtype == torch.bfloat16, what
+    assert not into_f32.isnan().any(), what
+    assert ((returned.float() - into_f32).abs() <= into_f32.abs() * 2.0**-7).all(), what
+    args = [case[name] for name in ARGS]
+    want = slot_moe_reference(*args, out=torch.empty(case["x_TH"].shape, dtype=torch.float32))
+    scale = float(want.abs().max())
+    tol = 1e-4 if num_tokens <= DECODE_MAX_T else 2e-2
+    torch.testing.assert_close(into_f32, want, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+    if num_tokens <= DECODE_MAX_T:  # the bf16 result's own rounding error: the bound above separates it
+        assert float((returned.float() - want).abs().max()) > 1e-3 * scale, what
+
+
+def test_reference_float32_out_is_the_unrounded_sum() -> None:
+    case = make_case(5, **SMALL, pattern="some", dtype=torch.bfloat16, seed=SEED)
+    args = [case[name] for name in ARGS]
+    out = torch.full(case["x_TH"].shape, float("nan"))
+    assert slot_moe_reference(*args, out=out) is out
+    assert torch.equal(out.to(torch.bfloat16), slot_moe_reference(*args))
+    with pytest.raises(ValueError, match="out must be"):
+        slot_moe_reference(*args, out=torch.empty(case["x_TH"].shape, dtype=torch.float16))
 
 
 # -- the device-side sort of the prefill path (torch only) ------------------------------------------------
@@ -651,6 +694,29 @@ def _pin_config(monkeypatch, config: dict | str) -> None:
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_cuda_kernel_matches_reference(shape: dict, num_tokens: int, pattern: str) -> None:
     _cuda_run_matches(num_tokens, shape, pattern, f"T={num_tokens} {pattern}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "prefill"])
+def test_cuda_float32_out_rounds_once_to_the_bf16_result(monkeypatch, variant: str) -> None:
+    """bf16 inputs into a float32 out= (the runtime's one-rounding combine): its float32 sums, rounded to
+    nearest even once, are bit for bit the bf16 result; decode's are the float32 reference's to fp32
+    rounding."""
+    from moecache_kernels.slot_moe import slot_moe
+
+    num_tokens = 600 if variant == "prefill" else 5
+    if variant != "prefill":
+        _pin_config(monkeypatch, variant)
+    case = make_case(num_tokens, **QWEN36, pattern="some", dtype=torch.bfloat16, seed=SEED, device="cuda")
+    args = [case[name] for name in ARGS]
+    out32 = torch.full(case["x_TH"].shape, float("nan"), device="cuda")
+    assert slot_moe(*args, out=out32) is out32
+    assert torch.equal(out32.to(torch.bfloat16), slot_moe(*args)), f"{variant}, seed {SEED}"
+    if variant != "prefill":
+        want = slot_moe_reference(*args, out=torch.empty_like(out32))
+        scale = float(want.abs().max())
+        torch.testing.assert_close(out32, want, rtol=1e-4, atol=1e-4 * scale)
 
 
 @pytest.mark.gpu

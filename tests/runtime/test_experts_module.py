@@ -1,11 +1,15 @@
-"""The experts module's gather of a visit's CPU entries (moecache/runtime/experts_module.py)."""
+"""The experts module (moecache/runtime/experts_module.py): the gather of a visit's CPU entries, and the
+one rounding of a visit whose entries run in both halves."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from moecache_kernels import moe_reference
 
-from moecache.runtime.experts_module import miss_entries
+import moecache
+from moecache.runtime.experts_module import OffloadedExperts, miss_entries
+from tests.runtime.helpers import tiny
 
 
 def test_miss_entries_are_the_missed_entries_in_token_then_k_order():
@@ -22,3 +26,53 @@ def test_miss_entries_are_the_missed_entries_in_token_then_k_order():
         assert torch.equal(weight_M, w_TK.float()[torch.from_numpy(t_M), torch.from_numpy(k_M)])
     none = miss_entries(0, 8, np.zeros((2, 2), np.int64), torch.ones(2, 2), np.ones((2, 2), np.bool_))
     assert [len(x) for x in none] == [0, 0, 0]
+
+
+def _half_ulp_bf16(v: torch.Tensor) -> torch.Tensor:
+    """Half the bf16 spacing at each value of v (float32): the most one round-to-nearest can move it."""
+    exponent = torch.frexp(v).exponent  # v = m * 2^e, 0.5 <= |m| < 1; bf16 keeps 8 significant bits
+    return torch.ldexp(torch.ones_like(v), exponent - 9)
+
+
+def test_a_mixed_visit_rounds_the_float32_sum_of_both_halves_once():
+    """bf16, a layer visit whose entries run partly from the slot pool, partly on the CPU: the output is
+    the float32 sum over all K entries rounded ONCE (within half a bf16 spacing of the float32 reference,
+    up to float32 summation order). Rounding each half to bf16 and adding in bf16 misses that bound on
+    this very case."""
+    model = tiny("qwen3_moe").to(torch.bfloat16)
+    moecache.offload(model, capacity="50%", policy="lru")
+    session = model.moecache
+    experts = next(m for m in model.modules() if isinstance(m, OffloadedExperts))
+    E, L0 = experts.num_experts, experts.layer_id
+    seen = []
+    visit = session.manager.visit
+
+    def spy(layer, ids_TK, *args, **kwargs):
+        seen.append(visit(layer, ids_TK, *args, **kwargs))
+        return seen[-1]
+
+    session.manager.visit = spy
+    gen = torch.Generator().manual_seed(0)
+    T, H = 16, model.config.hidden_size
+    K = model.config.num_experts_per_tok
+    warm_TK = torch.arange(K).repeat(T, 1)  # experts 0..K-1: admitted now, resident at the next visit
+    with torch.inference_mode():
+        experts(torch.randn(T, H, generator=gen).to(torch.bfloat16), warm_TK, torch.ones(T, K))
+        x_TH = (4 * torch.randn(T, H, generator=gen)).to(torch.bfloat16)
+        ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+        w_TK = torch.rand(T, K, generator=gen).to(torch.bfloat16)
+        y_TH = experts(x_TH, ids_TK, w_TK)
+    hit_TK = torch.from_numpy(seen[-1].hit_TK)
+    assert hit_TK.any() and not hit_TK.all(), "the case must run both halves"
+    store = session.manager.store
+    w13, w2 = store.w13_GIH[L0 * E : (L0 + 1) * E].float(), store.w2_GHI[L0 * E : (L0 + 1) * E].float()
+
+    def part(mask_TK):  # the float32 sum over the entries of mask_TK (0 weight elsewhere)
+        return moe_reference(x_TH.float(), ids_TK, w_TK.float() * mask_TK, w13, w2)
+
+    want_TH = part(torch.ones(T, K))
+    bound_TH = _half_ulp_bf16(want_TH) + 1e-5 * want_TH.abs()
+    assert y_TH.dtype == torch.bfloat16
+    assert ((y_TH.float() - want_TH).abs() <= bound_TH).all()
+    halves_TH = part(hit_TK.float()).to(torch.bfloat16) + part((~hit_TK).float()).to(torch.bfloat16)
+    assert ((halves_TH.float() - want_TH).abs() > bound_TH).any()

@@ -11,9 +11,12 @@
 // Shape legend: T tokens, H hidden, I intermediate, G global expert keys, M (token, key, weight)
 // triples, U distinct keys among them.
 //
-// Phase 1 (parallel over all U*I gate/up row pairs): act[m, r] = silu(x[t_m] . gate_r) * (x[t_m] . up_r)
-// Phase 2 (parallel over output rows h): acc[t, h] = sum_m w_m * (act[m] . down_h), fp32, in key order
-// (deterministic whatever the thread count), then out[t, h] = acc[t, h] in x's dtype.
+// Phase 1 (parallel over all U*I gate/up row pairs): act[m, r] = silu(x[t_m] . gate_r) * (x[t_m] . up_r),
+// kept in fp32 (as the GPU kernel keeps it: no rounding to the weights' dtype before the down projection).
+// Phase 2 (parallel over output rows h): acc[t, h] = sum_m w_m * (act[m] . down_h), fp32 (bf16 down rows
+// widened exactly to fp32, FMA with the fp32 act), in key order (deterministic whatever the thread
+// count), then out[t, h] = acc[t, h] in x's dtype, or in fp32 (out_f32: the caller adds it to the GPU
+// half in fp32 and rounds once).
 // A plain C ABI (called through ctypes, which releases the GIL): no torch headers, so it builds in
 // about a second with any g++ that knows -mavx512bf16 and no ninja.
 // host_idle: the calling thread (the one that drives the GPU and runs the cache manager's Python between
@@ -66,6 +69,38 @@ struct F32 {
   static inline Elem from_float(float f) { return f; }
 };
 
+// Weight rows read 16 at a time as fp32, against fp32 vectors (phase 2: the fp32 activations).
+// bf16 -> fp32 is exact: the 16 bits move to the top of the fp32 word.
+struct Bf16Wide {
+  using Elem = uint16_t;
+  static inline __m512 load(const Elem* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline __m512 load_tail(const Elem* p, int n) {
+    const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+struct F32Wide {
+  using Elem = float;
+  static inline __m512 load(const Elem* p) { return _mm512_loadu_ps(p); }
+  static inline __m512 load_tail(const Elem* p, int n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+};
+// The fp32 widening of each weight type.
+template <class E>
+struct Wide;
+template <>
+struct Wide<Bf16> {
+  using type = Bf16Wide;
+};
+template <>
+struct Wide<F32> {
+  using type = F32Wide;
+};
+
 // Two weight rows (a0, a1) of length K against NT vectors xs[j]: s0[j] = a0 . xs[j], s1[j] = a1 . xs[j].
 template <class E, int NT>
 inline void dot2(const typename E::Elem* a0, const typename E::Elem* a1, const typename E::Elem* const* xs,
@@ -95,6 +130,55 @@ inline void dot2(const typename E::Elem* a0, const typename E::Elem* a1, const t
   for (int j = 0; j < NT; ++j) {
     s0[j] = _mm512_reduce_add_ps(acc0[j]);
     s1[j] = _mm512_reduce_add_ps(acc1[j]);
+  }
+}
+
+// dot2 with weights of type W widened to fp32 (W: Bf16Wide / F32Wide) against NT fp32 vectors xs[j].
+template <class W, int NT>
+inline void dot2_wide(const typename W::Elem* a0, const typename W::Elem* a1, const float* const* xs, int K,
+                      float* s0, float* s1) {
+  __m512 acc0[NT], acc1[NT];
+  for (int j = 0; j < NT; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+  int k = 0;
+  for (; k + 16 <= K; k += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(a0 + k) + 1024, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a1 + k) + 1024, _MM_HINT_T0);
+    const __m512 w0 = W::load(a0 + k), w1 = W::load(a1 + k);
+    for (int j = 0; j < NT; ++j) {
+      const __m512 xv = _mm512_loadu_ps(xs[j] + k);
+      acc0[j] = _mm512_fmadd_ps(w0, xv, acc0[j]);
+      acc1[j] = _mm512_fmadd_ps(w1, xv, acc1[j]);
+    }
+  }
+  if (k < K) {
+    const int n = K - k;
+    const __m512 w0 = W::load_tail(a0 + k, n), w1 = W::load_tail(a1 + k, n);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int j = 0; j < NT; ++j) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, xs[j] + k);
+      acc0[j] = _mm512_fmadd_ps(w0, xv, acc0[j]);
+      acc1[j] = _mm512_fmadd_ps(w1, xv, acc1[j]);
+    }
+  }
+  for (int j = 0; j < NT; ++j) {
+    s0[j] = _mm512_reduce_add_ps(acc0[j]);
+    s1[j] = _mm512_reduce_add_ps(acc1[j]);
+  }
+}
+
+// dot2_wide for 1..kTokenTile vectors, the count known only at run time.
+template <class W>
+inline void dot2_wide_n(int n, const typename W::Elem* a0, const typename W::Elem* a1, const float* const* xs,
+                        int K, float* s0, float* s1) {
+  switch (n) {
+    case 1: return dot2_wide<W, 1>(a0, a1, xs, K, s0, s1);
+    case 2: return dot2_wide<W, 2>(a0, a1, xs, K, s0, s1);
+    case 3: return dot2_wide<W, 3>(a0, a1, xs, K, s0, s1);
+    case 4: return dot2_wide<W, 4>(a0, a1, xs, K, s0, s1);
+    case 5: return dot2_wide<W, 5>(a0, a1, xs, K, s0, s1);
+    case 6: return dot2_wide<W, 6>(a0, a1, xs, K, s0, s1);
+    case 7: return dot2_wide<W, 7>(a0, a1, xs, K, s0, s1);
+    default: return dot2_wide<W, 8>(a0, a1, xs, K, s0, s1);
   }
 }
 
@@ -132,11 +216,13 @@ struct Problem {
 
 // `idle` threads (the first: the calling thread, with host_idle) take no share of the work and only
 // meet the others at the barrier, so the caller's caches keep what it runs between calls.
+// out_f32: out_TH is fp32 (acc as it is), else x's dtype.
 template <class E>
 void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E::Elem* w13,
-                const typename E::Elem* w2, typename E::Elem* act_MI, float* acc_TH,
-                typename E::Elem* out_TH, int idle) {
+                const typename E::Elem* w2, float* act_MI, float* acc_TH, void* out_TH, bool out_f32,
+                int idle) {
   using Elem = typename E::Elem;
+  using W = typename Wide<E>::type;
   const int tid = omp_get_thread_num() - idle, nthreads = omp_get_num_threads() - idle;
   if (tid < 0) {
 #pragma omp barrier
@@ -158,7 +244,7 @@ void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E
       dot2_n<E>(n, gate, up, xs, p.H, s0, s1);
       for (int j = 0; j < n; ++j) {
         const float g = s0[j];
-        act_MI[static_cast<int64_t>(q0 + j) * p.I + r] = E::from_float(g / (1.0f + std::exp(-g)) * s1[j]);
+        act_MI[static_cast<int64_t>(q0 + j) * p.I + r] = g / (1.0f + std::exp(-g)) * s1[j];
       }
     }
   }
@@ -167,6 +253,7 @@ void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E
   // Phase 2: this thread owns output rows [h0, h1) of every token (so no two threads write one value).
   int64_t h0, h1;
   share(p.H, tid, nthreads, &h0, &h1);
+  const float* acts[kTokenTile];
   for (int t = 0; t < p.T; ++t) {
     float* row = acc_TH + static_cast<int64_t>(t) * p.H;
     std::fill(row + h0, row + h1, 0.0f);
@@ -179,8 +266,8 @@ void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E
       const Elem* row1 = pair ? row0 + p.I : row0;
       for (int q0 = p.start_U[u]; q0 < p.start_U[u + 1]; q0 += kTokenTile) {
         const int n = std::min(kTokenTile, p.start_U[u + 1] - q0);
-        for (int j = 0; j < n; ++j) xs[j] = act_MI + static_cast<int64_t>(q0 + j) * p.I;
-        dot2_n<E>(n, row0, row1, xs, p.I, s0, s1);
+        for (int j = 0; j < n; ++j) acts[j] = act_MI + static_cast<int64_t>(q0 + j) * p.I;
+        dot2_wide_n<W>(n, row0, row1, acts, p.I, s0, s1);
         for (int j = 0; j < n; ++j) {
           const int m = p.order_M[q0 + j];
           float* acc = acc_TH + p.token_M[m] * p.H + h;
@@ -192,24 +279,30 @@ void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E
   }
   for (int t = 0; t < p.T; ++t) {
     const int64_t row = static_cast<int64_t>(t) * p.H;
-    for (int64_t h = h0; h < h1; ++h) out_TH[row + h] = E::from_float(acc_TH[row + h]);
+    if (out_f32) {
+      std::memcpy(static_cast<float*>(out_TH) + row + h0, acc_TH + row + h0, (h1 - h0) * sizeof(float));
+    } else {
+      Elem* out = static_cast<Elem*>(out_TH) + row;
+      for (int64_t h = h0; h < h1; ++h) out[h] = E::from_float(acc_TH[row + h]);
+    }
   }
 }
 
 }  // namespace
 
 // The call's arguments in one struct (ctypes converts one pointer instead of twenty arguments: ~1 us).
-// dtype: 0 = bf16, 1 = fp32 (x, weights and out share it). Workspaces: order_M int32[M], key_U int64[M],
-// start_U int32[M + 1], act_MI Elem[M * I], acc_TH float[T * H]. Strides count elements.
+// dtype: 0 = bf16, 1 = fp32 (x and weights share it); out_f32: out is fp32, else x's dtype. Workspaces:
+// order_M int32[M], key_U int64[M], start_U int32[M + 1], act_MI float[M * I], acc_TH float[T * H].
+// Strides count elements.
 struct RunArgs {
-  int64_t dtype, T, H, I, G, M, w13_stride, w2_stride, threads, host_idle;
+  int64_t dtype, T, H, I, G, M, w13_stride, w2_stride, threads, host_idle, out_f32;
   const void *x_TH, *w13, *w2;
   const int64_t *key_M, *token_M;
   const float* weight_M;
   int32_t* order_M;
   int64_t* key_U;
   int32_t* start_U;
-  void* act_MI;
+  float* act_MI;
   float* acc_TH;
   void* out_TH;
 };
@@ -246,14 +339,13 @@ int moecache_cpu_experts_run(const RunArgs* a) {
   {
     // a team smaller than asked (the runtime's limit): the caller works after all
     const int skip = omp_get_num_threads() > idle ? idle : 0;
+    const bool out_f32 = a->out_f32 != 0;
     if (a->dtype == 0)
       run_phases<Bf16>(p, static_cast<const uint16_t*>(a->x_TH), static_cast<const uint16_t*>(a->w13),
-                       static_cast<const uint16_t*>(a->w2), static_cast<uint16_t*>(a->act_MI), a->acc_TH,
-                       static_cast<uint16_t*>(a->out_TH), skip);
+                       static_cast<const uint16_t*>(a->w2), a->act_MI, a->acc_TH, a->out_TH, out_f32, skip);
     else
       run_phases<F32>(p, static_cast<const float*>(a->x_TH), static_cast<const float*>(a->w13),
-                      static_cast<const float*>(a->w2), static_cast<float*>(a->act_MI), a->acc_TH,
-                      static_cast<float*>(a->out_TH), skip);
+                      static_cast<const float*>(a->w2), a->act_MI, a->acc_TH, a->out_TH, out_f32, skip);
   }
   return 0;
 }
