@@ -6,7 +6,7 @@ through the simulator (`validation.predict`, as validate predicts it) per profil
 
 TRACES_ROOT holds the runs' `traces/...` paths (the artifact's folder, or where h200_round's
 traces_dsv2.tgz was unpacked). `--add-excess`: each profile also with `runtime.cpu_step_excess` computed
-from its own in-loop runs (calibrate's `_cpu_step_excess`, for a profile measured before it existed).
+from its own in-loop runs (`calibration_fit.cpu_step_excess`, for a profile measured before it existed).
 `--anchor-runs`: each profile also with its two decode anchors (the non-expert time per layer and the
 CPU-step excess, which calibrate takes from its own all-resident and all-CPU runs) moved so that the
 validation's OWN all_resident and all_cpu runs are priced exactly (the excess kept >= 0), as validate's
@@ -26,12 +26,12 @@ from moecache.validation.baselines import STRATEGIES, build
 
 
 def with_excess(path: str, out_dir: Path) -> str:
-    from moecache.stages.calibrate import _cpu_step_excess
+    from moecache.calibration_fit import cpu_step_excess
 
     data = json.loads(Path(path).read_text())
     base = {k: v for k, v in data.items() if k != "runtime"}
     more = copy.deepcopy(data)
-    more["runtime"]["cpu_step_excess"] = _cpu_step_excess(data["runtime"], base, data["settings"]["runtime"])
+    more["runtime"]["cpu_step_excess"] = cpu_step_excess(data["runtime"], base, data["settings"]["runtime"])
     out = out_dir / f"{Path(path).stem}+excess.json"
     out.write_text(json.dumps(more))
     return str(out)

@@ -1,7 +1,10 @@
 """Timing primitives for the cost profile: one SwiGLU expert on the CPU and on CUDA, and host-to-device copies.
 
 Each function measures one thing and returns a `Timing` (median and p10/p90 over `repeats` calls after
-`warmup` untimed ones). Expert weights rotate over a pool of synthetic experts whose bytes exceed the cache
+`warmup` untimed ones), every one through the same primitive: `time_calls(call, repeats, warmup, clock)`
+under a `HostClock` (wall time, the runtime's device drained around the call) or `CudaEvents` (device
+time between events). The functions only build what is timed; the fit of the profile's derived fields
+is `moecache.calibration_fit`. Expert weights rotate over a pool of synthetic experts whose bytes exceed the cache
 (the CPU's last-level cache, the GPU's L2), so every call reads its weights from memory as a real miss does.
 No model weights are needed: only the expert shape.
 
@@ -57,9 +60,6 @@ class Timing:
         }
 
 
-_NO_KEYS = torch.zeros(0, dtype=torch.int64)  # a stubbed CPU half's keys (time_layer_call*)
-
-
 def summarize(samples_us: list[float]) -> Timing:
     """Median and 10th/90th percentiles (linear interpolation between order statistics)."""
     if not samples_us:
@@ -73,6 +73,67 @@ def summarize(samples_us: list[float]) -> Timing:
         return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
     return Timing(statistics.median(ordered), pct(0.1), pct(0.9), len(ordered))
+
+
+class HostClock:
+    """Host wall time (perf_counter_ns) of one call. With a runtime `device` (CudaDevice or
+    StandinDevice: `is_cuda`, `synchronize()`) it is drained before and after the call. On CUDA the time
+    stops when the call returns: what it enqueued (a visit's expert copies, ~0.3 ms each on the copy
+    stream) runs on the device, priced on its own (the copy engine's rows), not host time. On the
+    stand-in the drain is in the time: its queued work is host work, which a run pays at the next visit."""
+
+    def __init__(self, device=None):
+        self._device = device
+
+    def sample_us(self, fn) -> float:
+        """Microseconds of one `fn()`."""
+        device = self._device
+        if device is None:
+            t0 = time.perf_counter_ns()
+            fn()
+            return (time.perf_counter_ns() - t0) / 1e3
+        device.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        t1 = time.perf_counter_ns()
+        device.synchronize()
+        return ((t1 if device.is_cuda else time.perf_counter_ns()) - t0) / 1e3
+
+    def time_calls(self, call, repeats: int, warmup: int) -> Timing:
+        samples_us = [self.sample_us(lambda n=n: call(n)) for n in range(warmup + repeats)]
+        return summarize(samples_us[warmup:])
+
+
+class CudaEvents:
+    """Device time between CUDA events recorded around each call on `device`'s current stream: the
+    `warmup` calls first, the device drained, then the timed calls enqueued back to back, their events
+    read once all are done (no host wait between calls: a launch's host cost is hidden when the device
+    is behind, as in a run)."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+
+    def time_calls(self, call, repeats: int, warmup: int) -> Timing:
+        with torch.cuda.device(self._device):
+            for n in range(warmup):
+                call(n)
+            torch.cuda.synchronize(self._device)
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(repeats)
+            ]
+            for n, (begin, end) in enumerate(events):
+                begin.record()
+                call(warmup + n)
+                end.record()
+            torch.cuda.synchronize(self._device)
+        return summarize([begin.elapsed_time(end) * 1e3 for begin, end in events])
+
+
+def time_calls(call, repeats: int, warmup: int, clock: HostClock | CudaEvents) -> Timing:
+    """The one timing primitive: `call(n)` for n = 0 .. warmup + repeats - 1 under `clock`, the first
+    `warmup` calls untimed; the Timing of the others."""
+    return clock.time_calls(call, repeats, warmup)
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -147,16 +208,14 @@ def time_host_loop(repeats: int = 31, warmup: int = 3) -> Timing:
     """Wall time of a fixed plain Python loop on this thread: the host thread's own speed, which the
     runtime's host points (the manager's visit, the segments' launches) run at. calibrate records it
     (`machine.host_loop`) and validate times it again (moecache/validation/machine_check.py)."""
-    samples_us = []
-    for n in range(warmup + repeats):
-        t0 = time.perf_counter_ns()
+
+    def loop(n: int) -> int:
         acc = 0
         for i in range(HOST_LOOP_ITEMS):
             acc += i * i
-        elapsed_us = (time.perf_counter_ns() - t0) / 1e3
-        if n >= warmup:
-            samples_us.append(elapsed_us)
-    return summarize(samples_us)
+        return acc
+
+    return time_calls(loop, repeats, warmup, HostClock())
 
 
 @torch.inference_mode()
@@ -170,15 +229,12 @@ def time_cpu_expert(
     gate_up_P2IH, down_PHI = pool
     num = gate_up_P2IH.shape[0]
     x_MH = _input(tokens, gate_up_P2IH.shape[2], gate_up_P2IH.dtype, "cpu")
-    samples_us = []
-    for n in range(warmup + repeats):
+
+    def call(n: int):
         e = (start + n) % num
-        t0 = time.perf_counter_ns()
-        expert_forward(x_MH, gate_up_P2IH[e], down_PHI[e])
-        elapsed_us = (time.perf_counter_ns() - t0) / 1e3
-        if n >= warmup:
-            samples_us.append(elapsed_us)
-    return summarize(samples_us)
+        return expert_forward(x_MH, gate_up_P2IH[e], down_PHI[e])
+
+    return time_calls(call, repeats, warmup, HostClock())
 
 
 @torch.inference_mode()
@@ -190,22 +246,12 @@ def time_cuda_expert(
     device = gate_up_P2IH.device
     num = gate_up_P2IH.shape[0]
     x_MH = _input(tokens, gate_up_P2IH.shape[2], gate_up_P2IH.dtype, device)
-    with torch.cuda.device(device):
-        for n in range(warmup):
-            e = (start + n) % num
-            expert_forward(x_MH, gate_up_P2IH[e], down_PHI[e])
-        torch.cuda.synchronize(device)
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(repeats)
-        ]
-        for n, (begin, end) in enumerate(events):
-            e = (start + warmup + n) % num
-            begin.record()
-            expert_forward(x_MH, gate_up_P2IH[e], down_PHI[e])
-            end.record()
-        torch.cuda.synchronize(device)
-    return summarize([begin.elapsed_time(end) * 1e3 for begin, end in events])
+
+    def call(n: int):
+        e = (start + n) % num
+        return expert_forward(x_MH, gate_up_P2IH[e], down_PHI[e])
+
+    return time_calls(call, repeats, warmup, CudaEvents(device))
 
 
 def time_h2d_copy(nbytes: int, pinned: bool, repeats: int, warmup: int, device: torch.device) -> Timing:
@@ -217,20 +263,7 @@ def time_h2d_copy(nbytes: int, pinned: bool, repeats: int, warmup: int, device: 
     host_B = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     host_B.fill_(1)  # touch every page before timing
     dev_B = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    with torch.cuda.device(device):
-        for _ in range(warmup):
-            dev_B.copy_(host_B, non_blocking=True)
-        torch.cuda.synchronize(device)
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(repeats)
-        ]
-        for begin, end in events:
-            begin.record()
-            dev_B.copy_(host_B, non_blocking=True)
-            end.record()
-        torch.cuda.synchronize(device)
-    return summarize([begin.elapsed_time(end) * 1e3 for begin, end in events])
+    return time_calls(lambda n: dev_B.copy_(host_B, non_blocking=True), repeats, warmup, CudaEvents(device))
 
 
 def gbps(nbytes: int, time_us: float) -> float:
@@ -352,25 +385,6 @@ def entries_grid(tokens: int, top_k: int, resident: int) -> list[int]:
     return sorted(grid | {most})
 
 
-def _host_timer(device):
-    """fn -> microseconds of host wall time of `fn()`, the device drained before and after it. On CUDA
-    the time stops when `fn` returns: what it enqueued (a visit's expert copies, ~0.3 ms each on the copy
-    stream) runs on the device, priced on its own (the copy engine's rows), not host time. On the
-    stand-in the drain is in the time: its queued work is host work, which a run pays at the next visit."""
-    sync = device.synchronize
-    drain_timed = not device.is_cuda
-
-    def timed(fn) -> float:
-        sync()
-        t0 = time.perf_counter_ns()
-        fn()
-        t1 = time.perf_counter_ns()
-        sync()
-        return ((time.perf_counter_ns() if drain_timed else t1) - t0) / 1e3
-
-    return timed
-
-
 def _time_graphs(dev, calls, repeats: int, warmup: int) -> Timing:
     """Device time of a CUDA graph replay of each of `calls` (captured once each, after an eager call),
     in turn: `warmup` replays untimed, then `repeats` between events."""
@@ -382,18 +396,11 @@ def _time_graphs(dev, calls, repeats: int, warmup: int) -> Timing:
         with torch.cuda.graph(graph):
             call()
         graphs.append(graph)
-    for n in range(warmup):
-        graphs[n % len(graphs)].replay()
-    torch.cuda.synchronize(dev)
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
-    ]
-    for n, (begin, end) in enumerate(events):
-        begin.record()
-        graphs[n % len(graphs)].replay()
-        end.record()
-    torch.cuda.synchronize(dev)
-    return summarize([begin.elapsed_time(end) * 1e3 for begin, end in events])
+
+    def replay(n: int):  # the warmup replays from the first graph, and the timed ones again
+        graphs[(n if n < warmup else n - warmup) % len(graphs)].replay()
+
+    return time_calls(replay, repeats, warmup, CudaEvents(dev))
 
 
 @torch.inference_mode()
@@ -423,23 +430,7 @@ def time_slot_moe(
 
     if device.is_cuda and graphs:
         return _time_graphs(dev, [lambda n=n: one(n) for n in range(len(calls))], repeats, warmup)
-    if device.is_cuda:
-        for n in range(warmup):
-            one(n)
-        torch.cuda.synchronize(dev)
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(repeats)
-        ]
-        for n, (begin, end) in enumerate(events):
-            begin.record()
-            one(warmup + n)
-            end.record()
-        torch.cuda.synchronize(dev)
-        return summarize([begin.elapsed_time(end) * 1e3 for begin, end in events])
-    timed = _host_timer(device)
-    samples = [timed(lambda n=n: one(n)) for n in range(warmup + repeats)]
-    return summarize(samples[warmup:])
+    return time_calls(one, repeats, warmup, CudaEvents(dev) if device.is_cuda else HostClock(device))
 
 
 def time_in_model(
@@ -460,11 +451,11 @@ def time_in_model(
     samples: list[float] = []
     saved = [layer.block.experts for layer in layers]
 
+    clock = HostClock()
+
     def timed_call(x_TH):  # at every call of `tokens` tokens: `call` timed (n: the calls timed so far)
         if x_TH.shape[0] == tokens:
-            t0 = time.perf_counter_ns()
-            call(len(samples), x_TH)
-            samples.append((time.perf_counter_ns() - t0) / 1e3)
+            samples.append(clock.sample_us(lambda: call(len(samples), x_TH)))
 
     probe = ZeroExperts(timed_call, [0.0])  # the routing read back as the runtime does, zeros returned
     device = next(model.parameters()).device
@@ -554,17 +545,11 @@ def time_layer_call_in_model(
         shape, tokens, min(warmup + repeats, 8), kw.get("seed", 0), runtime.device.torch_device
     )
 
-    runtime._gpu_part = lambda x_TH, *args: torch.zeros_like(
-        x_TH
-    )  # instance attributes, as in time_layer_call
-    runtime._cpu_part = lambda layer, x_TH, *args: (torch.zeros_like(x_TH), _NO_KEYS)
-    try:
-        return time_in_model(
-            model, adapter, tokens, lambda n, x_TH: runtime.run(0, x_TH, *calls[n % len(calls)]),
-            repeats, warmup, **kw,
-        )  # fmt: skip
-    finally:
-        del runtime._gpu_part, runtime._cpu_part
+    stubbed = halves_stubbed(runtime)
+    return time_in_model(
+        model, adapter, tokens, lambda n, x_TH: stubbed.run(0, x_TH, *calls[n % len(calls)]),
+        repeats, warmup, **kw,
+    )  # fmt: skip
 
 
 @torch.inference_mode()
@@ -583,13 +568,13 @@ def time_cpu_path(
     x_TH = _input(m, shape.hidden_size, shape.dtype, dev)
     w_TU = _weights(m, u, gen).to(device=dev, dtype=shape.dtype)
     miss_TU = np.zeros((m, u), np.bool_)
-    timed = _host_timer(device)
-    samples = []
-    for n in range(warmup + repeats):
-        first = (n * u) % (store_experts - u + 1)
-        ids_TU = np.tile(np.arange(first, first + u, dtype=np.int64), (m, 1))
-        samples.append(timed(lambda ids=ids_TU: runtime._cpu_part(0, x_TH, ids, w_TU, miss_TU)))
-    return summarize(samples[warmup:])
+    ids_nTU = [
+        np.tile(np.arange(first, first + u, dtype=np.int64), (m, 1))
+        for first in ((n * u) % (store_experts - u + 1) for n in range(warmup + repeats))
+    ]
+    return time_calls(
+        lambda n: runtime._cpu_part(0, x_TH, ids_nTU[n], w_TU, miss_TU), repeats, warmup, HostClock(device)
+    )
 
 
 def time_visit(manager, shape: RuntimeShape, tokens: int, repeats: int, warmup: int, seed: int = 0) -> Timing:
@@ -602,16 +587,12 @@ def time_visit(manager, shape: RuntimeShape, tokens: int, repeats: int, warmup: 
         np.stack([gen.choice(e, size=k, replace=False) for _ in range(tokens)]).astype(np.int64)
         for _ in range(warmup + repeats)
     ]
-    timed = _host_timer(manager.device)
-    samples = []
-    for ids_TK in routings:
 
-        def one(ids=ids_TK):
-            manager.visit(0, ids)
-            manager.commit()
+    def one(n: int) -> None:
+        manager.visit(0, routings[n])
+        manager.commit()
 
-        samples.append(timed(one))
-    return summarize(samples[warmup:])
+    return time_calls(one, repeats, warmup, HostClock(manager.device))
 
 
 @torch.inference_mode()
@@ -641,15 +622,28 @@ def time_layer_call(
     dev = runtime.device.torch_device
     x_TH = _input(tokens, shape.hidden_size, shape.dtype, dev)
     calls = _layer_call_routings(shape, tokens, warmup + repeats, seed, dev)
-    zeros = torch.zeros_like(x_TH)
-    runtime._gpu_part = lambda *args: zeros  # instance attributes: only this synthetic runtime's calls
-    runtime._cpu_part = lambda *args: (zeros, _NO_KEYS)  # (the CPU half, its keys: none)
-    try:
-        timed = _host_timer(runtime.device)
-        samples = [timed(lambda c=c: runtime.run(0, x_TH, *c)) for c in calls]
-    finally:
-        del runtime._gpu_part, runtime._cpu_part
-    return summarize(samples[warmup:])
+    stubbed = halves_stubbed(runtime, torch.zeros_like(x_TH))
+    return time_calls(lambda n: stubbed.run(0, x_TH, *calls[n]), repeats, warmup, HostClock(runtime.device))
+
+
+_NO_KEYS = torch.zeros(0, dtype=torch.int64)  # a stubbed CPU half's keys: none computed
+
+
+def halves_stubbed(runtime, zeros_TH: torch.Tensor | None = None):
+    """An `ExpertsRuntime` over `runtime`'s manager and CPU executor whose two halves (the GPU half,
+    `_gpu_part`, and the CPU half, `_cpu_part`) return zeros (`zeros_TH` when given, else zeros like x)
+    and no keys: `run` then costs the routing read-back, the manager's visit and commit, the split and
+    the combine only (time_layer_call*). A subclass, so the runtime given is left as it is."""
+    from moecache.runtime.experts_module import ExpertsRuntime
+
+    class HalvesStubbed(ExpertsRuntime):
+        def _gpu_part(self, x_TH, *args, **kwargs):
+            return zeros_TH if zeros_TH is not None else torch.zeros_like(x_TH)
+
+        def _cpu_part(self, layer, x_TH, *args):
+            return (zeros_TH if zeros_TH is not None else torch.zeros_like(x_TH)), _NO_KEYS
+
+    return HalvesStubbed(runtime.manager, runtime.cpu)
 
 
 def time_copy_engine(runtime, copies: int, repeats: int, warmup: int) -> tuple[Timing, Timing]:
@@ -663,15 +657,18 @@ def time_copy_engine(runtime, copies: int, repeats: int, warmup: int) -> tuple[T
     if slots < copies:
         raise ValueError(f"copy engine timing: {copies} copies need as many slots, the pool has {slots}")
 
+    clock = HostClock(device)  # on CUDA: the time stops when the last copy is seen complete
+
     def run(n_copies: int, first_key: int) -> float:
-        device.synchronize()
-        t0 = time.perf_counter_ns()
-        done = [engine.enqueue((first_key + j) % store_experts, j) for j in range(n_copies)]
-        last = done[-1]
-        while not last.ready_event.query():
-            pass
-        elapsed = (time.perf_counter_ns() - t0) / 1e3
-        for copy in done:
+        done = []
+
+        def enqueue_and_wait() -> None:
+            done.extend(engine.enqueue((first_key + j) % store_experts, j) for j in range(n_copies))
+            while not done[-1].ready_event.query():
+                pass
+
+        elapsed = clock.sample_us(enqueue_and_wait)
+        for copy in done:  # the slots back, untimed
             copy.observe()
             engine.release(copy)
         return elapsed
@@ -700,9 +697,7 @@ class ZeroExperts(torch.nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         top_k_index.detach().to("cpu", torch.int64)
         if self._work is not None:
-            t0 = time.perf_counter()
-            self._work(hidden_states)
-            self._spent_s[0] += time.perf_counter() - t0
+            self._spent_s[0] += HostClock().sample_us(lambda: self._work(hidden_states)) / 1e6
         return torch.zeros_like(hidden_states)
 
 
@@ -813,33 +808,40 @@ def random_routing(shape, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.nd
     return ids_LNK, w_LNK
 
 
+def in_loop_repeats(rs: dict) -> int:
+    """Timed generations of each in-loop run of step=fast (the CPU-path runs, the split-host run), from
+    the cost.runtime settings `rs`; the fit replays those runs' routing (calibration_fit)."""
+    return max(3, int(rs["repeats"]) // 4)
+
+
 def decode_steps_per_generation(decode_steps: int, repeats: int) -> int:
     """`time_fast_steps`' decode steps timed per generation: its routing covers prompt + these tokens."""
     return max(1, -(-decode_steps // max(repeats, 1)))
 
 
 def time_fast_steps(
-    model, *, prompt_tokens: int, decode_steps: int, repeats: int, warmup: int, vocab_size: int, seed: int = 0,
-    cpu_log: list | None = None, timed_start=None,
+    model, *, make_loop, prompt_tokens: int, decode_steps: int, repeats: int, warmup: int, vocab_size: int,
+    seed: int = 0, cpu_log: list | None = None, timed_start=None,
 ) -> tuple[Timing, Timing]:  # fmt: skip
     """(prefill, decode) of an offloaded model (`moecache.offload`) in moecache's fast decode loop, run
-    as `moecache validate validate.loop=fast` runs a request (its `FastLoop`: `FastDecoder(model,
-    keep_logits=True, forced=...)`, split at the host points, CUDA graphs on CUDA, tokens stamped by a
-    streamer): the time to the first token over `repeats` generations from a prompt of `prompt_tokens`
-    tokens (`warmup` generations untimed first), and the gaps between later tokens, the decoder's warm-up
-    gaps left out (`time_model_steps`' measurements, in the fast loop). The fast loop decodes forced
+    as `moecache validate validate.loop=fast` runs a request: `make_loop(model, max_cache_len, forced)`
+    is validate's `FastLoop` (`FastDecoder(model, keep_logits=True, forced=...)`, split at the host
+    points, CUDA graphs on CUDA, tokens stamped by a streamer; its `generate(prompt_ids, new_tokens)`
+    gives `ttft_s`, `gaps_s` and `warmup_gaps`), passed in by the stage, which sits above validation.
+    The time to the first token over `repeats` generations from a prompt of `prompt_tokens` tokens
+    (`warmup` generations untimed first), and the gaps between later tokens, the decoder's warm-up gaps
+    left out (`time_model_steps`' measurements, in the fast loop). The fast loop decodes forced
     (validate's fast runs do): the routing is random (`random_forcing`), every token of every layer K
     distinct experts, as the operator's rows are timed. `cpu_log`: a list that receives the timed
-    generations' CPU-path calls, (tokens, entries, ns, uses: each expert's token count) each (`FastDecoder.log_cpu_calls`); `timed_start`:
-    called once, before the first timed generation (its caller's counters start there)."""
-    from moecache.validation.generation import FastLoop
-
+    generations' CPU-path calls, (tokens, entries, ns, uses: each expert's token count) each
+    (`FastDecoder.log_cpu_calls`); `timed_start`: called once, before the first timed generation (its
+    caller's counters start there)."""
     per_run = decode_steps_per_generation(decode_steps, repeats)
     gen = torch.Generator().manual_seed(seed)
     prompt = tuple(torch.randint(0, vocab_size, (prompt_tokens,), generator=gen).tolist())
     session = model.moecache
     forced = random_forcing(session.manager.shape, prompt_tokens, prompt_tokens + per_run, seed)
-    loop = FastLoop(model, prompt_tokens + per_run + 1, forced)
+    loop = make_loop(model, prompt_tokens + per_run + 1, forced)
     prefill, decode = [], []
     try:
         for n in range(warmup + repeats):

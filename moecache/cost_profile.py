@@ -11,7 +11,7 @@ the measured points and extrapolated from the last two past the largest; copy ti
 pinned copies, so any size can be costed.
 
 Schema 2 adds `runtime` (null when not measured): the costs of the runtime's own code paths on the model of
-the calibrate run (moecache/stages/calibrate.py documents every key). `profile.runtime_costs()` gives them
+the calibrate run (docs/artifacts.md, "The cost profile", documents every key). `profile.runtime_costs()` gives them
 as a `RuntimeCosts` (None for a schema-1 profile or a null section), which `moecache.sim.cost_model`
 uses for the whole-step estimate:
 

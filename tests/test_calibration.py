@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from moecache import calibration as cal
+from moecache import calibration_fit
 from moecache.config import compose
 from moecache.cost_profile import PROFILE_FILE, CostProfile
 from moecache.errors import MoecacheError
-from moecache.stages import calibrate
+from moecache.stages import calibrate, calibrate_runtime
 
 SHAPE = cal.ExpertShape(hidden_size=256, moe_intermediate_size=128)
 FAST = [
@@ -523,7 +524,7 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     # its prefill likewise: the prompt's forced routing as the simulator prices it, with the excess
     run = next(r for r in rt["cpu_path_prefill"]["runs"] if r["slots"] == 0)
     profile = json.loads((result.artifact / PROFILE_FILE).read_text())
-    with_excess, decode_with_excess = calibrate._priced_all_cpu_us(
+    with_excess, decode_with_excess = calibration_fit.priced_all_cpu_us(
         profile, 12, profile["settings"]["runtime"]
     )
     assert decode_with_excess == pytest.approx(max(all_cpu, priced), rel=1e-9)  # as the timed replay's
@@ -552,12 +553,12 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
 
 def test_fast_non_expert_refuses_a_non_positive_remainder() -> None:
     timing = cal.Timing(median_us=400.0, p10_us=390.0, p90_us=420.0, repeats=3)
-    less = calibrate._less_expert_path(timing, 4, 60.0, "decode step")
+    less = calibration_fit.less_expert_path(timing, 4, 60.0, "decode step")
     assert (less.median_us, less.p10_us, less.p90_us, less.repeats) == (160.0, 150.0, 180.0, 3)
     with pytest.raises(
         MoecacheError, match=r"cost.runtime.step=fast: the all-resident decode step took 100.0"
     ):
-        calibrate._less_expert_path(timing, 4, 100.0, "decode step")
+        calibration_fit.less_expert_path(timing, 4, 100.0, "decode step")
 
 
 def test_calibrate_refuses_an_unknown_step(tmp_path) -> None:
@@ -598,8 +599,8 @@ def test_calibrate_step_fast_on_cuda(tmp_path) -> None:
 
 def test_a_random_weight_model_has_weights_to_run() -> None:
     cfg = compose(["model=deepseek_v2_lite", "model.path=null", "model.random.seed=0"])
-    assert calibrate._model_weights(cfg) is None  # built in memory (models/random_full.py)
-    assert "model.path is not set" in calibrate._model_weights(
+    assert calibrate_runtime._model_weights(cfg) is None  # built in memory (models/random_full.py)
+    assert "model.path is not set" in calibrate_runtime._model_weights(
         compose(["model=deepseek_v2_lite", "model.path=null"])
     )
 
@@ -618,9 +619,11 @@ class _SlowDrain:
 
 def test_host_timer_leaves_a_cuda_drain_out_and_keeps_the_standins() -> None:
     assert (
-        cal._host_timer(_SlowDrain(is_cuda=True))(lambda: None) < 40_000
+        cal.HostClock(_SlowDrain(is_cuda=True)).sample_us(lambda: None) < 40_000
     )  # us: the copies run on the device
-    assert cal._host_timer(_SlowDrain(is_cuda=False))(lambda: None) >= 50_000  # host work of the stand-in
+    assert (
+        cal.HostClock(_SlowDrain(is_cuda=False)).sample_us(lambda: None) >= 50_000
+    )  # host work of the stand-in
 
 
 def test_the_fast_loop_prices_each_copy_enqueued_on_the_host(make_trace) -> None:
@@ -734,19 +737,42 @@ def test_the_cpu_step_excess_is_paid_by_decode_steps_with_cpu_work(make_trace) -
 
 
 def test_the_prefill_calls_scale_the_multi_token_cpu_rows() -> None:
-    """_prefill_scale: the factor on the rows of several tokens per expert under which the CPU-path model
+    """prefill_scale: the factor on the rows of several tokens per expert under which the CPU-path model
     prices the loop's prefill calls right (by hand: call 5 us, one expert of 1 token 5 us, of 4 tokens 20
     us before scaling; calls measured at 45 and 85 us: f = 2); None without calls or multi-token rows."""
-    from moecache.stages.calibrate import _prefill_scale, _scaled_row
+    from moecache.calibration_fit import prefill_scale, scaled_row
 
     t = {"p10_us": 0.0, "p90_us": 0.0, "repeats": 1}
     one = [{"tokens_per_expert": 1, "experts": u, "median_us": 5.0 + 5.0 * u, **t} for u in (1, 2)]
     multi = [{"tokens_per_expert": 4, "experts": u, "median_us": 10.0 + 20.0 * u, **t} for u in (1, 2)]
-    f = _prefill_scale(multi, one, [(45.0, (4,)), (85.0, (4, 4))])
+    f = prefill_scale(multi, one, [(45.0, (4,)), (85.0, (4, 4))])
     assert f == pytest.approx(2.0, rel=1e-9)
     assert (
-        _scaled_row(multi[0], f)["median_us"] == pytest.approx(60.0)
-        and _scaled_row(multi[0], f)["scaled_to_fast_loop"] == f
+        scaled_row(multi[0], f)["median_us"] == pytest.approx(60.0)
+        and scaled_row(multi[0], f)["scaled_to_fast_loop"] == f
     )
-    assert _prefill_scale(multi, one, []) is None and _prefill_scale([], one, [(45.0, (4,))]) is None
-    assert _prefill_scale(multi, one, [(1e6, (4,))]) is None  # past 16x: refused as a scale
+    assert prefill_scale(multi, one, []) is None and prefill_scale([], one, [(45.0, (4,))]) is None
+    assert prefill_scale(multi, one, [(1e6, (4,))]) is None  # past 16x: refused as a scale
+
+
+def test_time_calls_runs_the_warmup_then_the_timed_calls_in_order() -> None:
+    """The one timing primitive: call(n) for n = 0 .. warmup + repeats - 1, the warmup left out."""
+    seen: list[int] = []
+    timing = cal.time_calls(seen.append, 5, 2, cal.HostClock())
+    assert seen == list(range(7)) and timing.repeats == 5 and timing.median_us >= 0
+
+
+def test_the_layer_call_is_timed_with_stubbed_halves_leaving_the_runtime_as_it_was() -> None:
+    """time_layer_call times `run` on a subclass whose halves return zeros: the runtime given keeps its
+    own halves (no attribute set on it), and a stubbed call returns zeros of x's shape."""
+    from moecache.stages.calibrate_runtime import _runtime_device
+
+    shape = cal.RuntimeShape(8, 2, 64, 32, torch.float32)
+    runtime = cal.synthetic_runtime(shape, 8, 4, _runtime_device("cpu"), cpu_backend="torch")
+    timing = cal.time_layer_call(runtime, shape, 2, 3, 1)
+    assert timing.repeats == 3 and not {"_gpu_part", "_cpu_part"} & set(vars(runtime))
+    stubbed = cal.halves_stubbed(runtime)
+    x_TH = torch.ones(2, 64)
+    ids_TK = torch.tensor([[0, 5], [6, 7]])
+    y_TH = stubbed.run(0, x_TH, ids_TK, torch.full((2, 2), 0.5))
+    assert tuple(y_TH.shape) == (2, 64) and not y_TH.any()
