@@ -28,6 +28,7 @@ keys changed by `num_layers` / `overrides` skipped), one line naming the keys wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -233,11 +234,14 @@ def fill_experts(model, adapter, seed: int, device, store=None, advance=None) ->
         if store is None:
             layer.experts._parameters["gate_up_proj"] = torch.nn.Parameter(gate_up_EIH, requires_grad=False)
             layer.experts._parameters["down_proj"] = torch.nn.Parameter(down_EHI, requires_grad=False)
-        else:
+        else:  # the layer's rows laid out as the store's (w13 then w2 per expert), then one copy
             rows = slice(layer.layer_id * E, (layer.layer_id + 1) * E)
-            store.w13_GIH[rows].copy_(gate_up_EIH)
-            store.w2_GHI[rows].copy_(down_EHI)
-            del gate_up_EIH, down_EHI
+            n13 = gate_up_EIH[0].numel()
+            rows_EN = torch.empty((E, n13 + down_EHI[0].numel()), dtype=adapter.dtype, device=device)
+            rows_EN[:, :n13] = gate_up_EIH.reshape(E, -1)
+            rows_EN[:, n13:] = down_EHI.reshape(E, -1)
+            store.flat_GB[rows].copy_(rows_EN.view(torch.uint8))
+            del gate_up_EIH, down_EHI, rows_EN
         if advance is not None:
             advance(E * adapter.expert_bytes)
 
@@ -331,16 +335,20 @@ def load_random(model_cfg: dict, device: str, offload=None, bars=None):
         store = ExpertStore.allocate(adapter.num_layers, E, H, inter, adapter.dtype)
     total = adapter.num_layers * adapter.num_experts * adapter.expert_bytes
     seed = int(options["seed"])
+    on_cuda = torch.device(device).type == "cuda"
+    if store is not None and on_cuda:
+        # Pinned before it is filled, so the layers made on the device land with full-speed copies; the
+        # pages are first touched by torch's threads (zero_), which registering alone does one by one.
+        with contextlib.ExitStack() as phases:
+            if bars is not None:
+                phases.enter_context(bars.phase("pin", store.nbytes))
+            store.flat_GB.zero_()
+            store.pin(offload.pin)
     if bars is not None:
         with bars.phase("generate", total) as advance:
             fill_experts(model, adapter, seed, device, store, advance)
-        if store is not None and torch.device(device).type == "cuda":
-            with bars.phase("pin", store.nbytes):
-                store.pin(offload.pin)
     else:
         fill_experts(model, adapter, seed, device, store)
-        if store is not None:
-            store.pin(offload.pin if torch.device(device).type == "cuda" else "off")
     impl = model_cfg.get("experts_implementation") or ("eager" if str(device) == "cpu" else None)
     if impl:
         model.set_experts_implementation(impl)

@@ -264,8 +264,11 @@ def stream_checkpoint(
                     jobs.append((pool.submit(reader.tensor, entry), name, entry))
                 else:
                     stats.skipped_tensors.append(entry.name)
-            for future, name, _entry in jobs:
+            jobs.reverse()
+            while jobs:  # in file order; each result dropped once placed (a future keeps its result)
+                future, name, _entry = jobs.pop()
                 result = future.result()
+                del future
                 if name is not None:
                     tensor = result.to(device=device, dtype=dtype_of(name))
                     materialize(model, name, tensor)

@@ -64,6 +64,20 @@ def test_a_cut_build_is_seeded_deterministic_and_loads_through_load_model(tmp_pa
     ids = torch.tensor([list(loaded.tokenizer.encode("hello"))])
     out = loaded.model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None)
     assert out.shape == (1, ids.shape[1] + 3)
+    # offloaded: the same experts generated straight into the store, the rest of the model the same
+    from moecache.models.loading import OffloadRequest
+
+    offloaded = load_model(model_cfg("deepseek_v2_lite", *cut), tmp_path, "cpu", OffloadRequest(0, 0, "off"))
+    store, E = offloaded.store, offloaded.adapter.num_experts
+    for layer in loaded.adapter.moe_layers():
+        gate_up_EIH, down_EHI = loaded.adapter.expert_weights(layer.layer_id)
+        rows = slice(layer.layer_id * E, (layer.layer_id + 1) * E)
+        assert torch.equal(store.w13_GIH[rows], gate_up_EIH) and torch.equal(store.w2_GHI[rows], down_EHI)
+    dense = {
+        k: v for k, v in loaded.model.state_dict().items() if not k.endswith(("gate_up_proj", "down_proj"))
+    }
+    rest = offloaded.model.state_dict()
+    assert all(torch.equal(rest[k], v) for k, v in dense.items())
 
 
 def test_a_cut_qwen_build_runs():
