@@ -6,7 +6,7 @@ the touched expert weights against the measured device copy bandwidth (the HBM f
 against a measured bf16 matmul rate. The baselines know nothing of residency: they run every routed
 expert (their rows are the same for both residency columns). slot_moe runs the launch config it picks
 itself (kernels/moecache_kernels/configs/ for this device and shape, else default_config); the "config" column names it:
-the path or decode variant, and "tuned" (from a file) or "default". Three slot_moe rows: "slot_moe" (eager
+the path (decode or prefill), and "tuned" (from a file) or "default". Three slot_moe rows: "slot_moe" (eager
 calls from Python), "slot_moe graph" (one CUDA graph per call: its launch latency included) and "slot_moe
 in-graph" (one graph of all ROUTINGS calls in turn, per call: a MoE layer inside the captured decode step;
 do_bench flushes L2 before each replay, and the calls read different experts). Prints a table, then one
@@ -89,22 +89,19 @@ def chained_graph(slot_moe, inputs, out) -> torch.cuda.CUDAGraph:
 
 
 def picked_config(num_tokens: int, num_experts: int, inter: int) -> str:
-    """What slot_moe runs for this T and shape here: "two_stage tuned", "fused default", "prefill tuned"."""
+    """What slot_moe runs for this T and shape here: "decode tuned", "decode default", "prefill tuned"."""
     from moecache_kernels.slot_moe_config import (
         CONFIG_DIR,
         DECODE_MAX_T,
         config_file_name,
-        decode_variant,
         device_name,
-        get_config,
         load_configs,
     )
 
-    config = get_config(num_tokens, num_experts, inter, torch.bfloat16, device_name())
     table = load_configs(CONFIG_DIR / config_file_name(num_experts, inter, device_name(), torch.bfloat16))
     decode = num_tokens <= DECODE_MAX_T
     tuned = any((t <= DECODE_MAX_T) == decode for t in table or {})
-    return f"{decode_variant(config) if decode else 'prefill'} {'tuned' if tuned else 'default'}"
+    return f"{'decode' if decode else 'prefill'} {'tuned' if tuned else 'default'}"
 
 
 def touched_bytes(ids_TK: torch.Tensor, resident_E: torch.Tensor, expert_bytes: int) -> int:

@@ -3,17 +3,15 @@
 For each token count T, times candidate block sizes (triton.testing.do_bench over CUDA-graph replays, L2
 flushed, routings rotating over the whole expert pool so weights are cold) and keeps the fastest, checking each result
 against the default config's. For T > 16 (prefill) the layout and TMA keys, BLOCK_M and the two stages'
-tiles are searched likeliest first (PREFILL_LAYOUT below), the stages in turns; for T <= 16
-the named decode variants (--decode-variants: "two_stage" and "pdl" by default, see
-kernels/moecache_kernels/slot_moe_config.py) are searched, their
-candidates taken in turns so that a short budget tries both, and the faster variant's best is kept. The
-search stops at --budget-s (the best found so far is kept), and the file is written atomically:
+tiles are searched likeliest first (PREFILL_LAYOUT below), the stages in turns; for T <= 16 the
+decode's gate/up tile, then its down tile. The search stops at --budget-s (the best found so far is
+kept), and the file is written atomically:
 `E=..,N=..,device_name=..,dtype=bfloat16.json`, which `slot_moe` then loads for this device and shape.
 With --merge-from DIR, entries of DIR's file for this shape whose T is not tuned now are kept.
 
     python benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 --budget-s 150
     python benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 --top-k 8 --tokens 1 4 16 \
-        --decode-variants fused --budget-s 120 --merge-from kernels/moecache_kernels/configs
+        --budget-s 120 --merge-from kernels/moecache_kernels/configs
 """
 
 from __future__ import annotations
@@ -34,10 +32,6 @@ DECODE_GATE_UP = [{"BLOCK_I": i, "BLOCK_H": h, "num_warps": w}
                   for i, h, w in itertools.product((2, 4, 8, 16, 32), (128, 256, 512), (4, 8))]  # fmt: skip
 DECODE_DOWN = [{"BLOCK_H": h, "BLOCK_I": i, "num_warps": w}
                for h, i, w in itertools.product((1, 2, 4, 8, 16), (128, 256, 512), (4, 8))]  # fmt: skip
-PDL_DOWN = [{"BLOCK_H": h, "num_warps": w} for h, w in itertools.product((1, 2, 4, 8, 16), (4, 8))]
-# the "l2" decode: prefetch programs per pair and their load width first, then the down tile (it reads L2
-# now), then the gate/up tile
-L2_PREFETCH = [{"programs": p} for p in (8, 32, 4, 64, 2)] + [{"BLOCK_P": b} for b in (1024, 4096, 512, 8192)]
 # prefill, likeliest first, so that a short --budget-s spends itself on these: each item is merged into the
 # best entry so far (with_choice). The layout and TMA first (kernels/moecache_kernels/slot_moe_config.py), then BLOCK_M, then
 # each stage's tile with its warps, its pipeline depth and its GROUP_M (the two stages in turns), then
@@ -63,43 +57,12 @@ PREFILL_STAGE = [
     tile | depth | group
     for tile, depth, group in itertools.product(PREFILL_ALL_TILES, PREFILL_DEPTH, PREFILL_GROUP)
 ]
-# the fused decode, one or two keys at a time (merged into that variant's best so far), likeliest first:
-# rows of I per program (how many programs, how long the down columns' rows are) with warps, then the
-# gate/up and down tile widths, then the reduce's tiles. Rows per warp above 2 spill registers at H 4096
-# (sm_90, ahead-of-time compile), so those pairs come last.
-FUSED = (
-    [
-        ("fused", {"BLOCK_I": i, "num_warps": w})
-        for i, w in ((16, 8), (4, 4), (8, 4), (4, 8), (32, 8), (16, 4))
-    ]
-    + [("fused", {"BLOCK_H": h}) for h in (128, 512)]
-    + [("fused", {"BLOCK_HD": h}) for h in (32, 64, 256)]
-    + [
-        ("reduce", {"BLOCK_R": r, "BLOCK_H": h})
-        for r, h in itertools.product((16, 32, 64), (16, 32, 64, 128))
-    ]
-    + [("reduce", {"num_warps": w}) for w in (2, 8)]
-)
 
 
-def candidates(
-    num_tokens: int, default: dict, variant: str = "two_stage", rows_per_expert: float | None = None
-):
+def candidates(num_tokens: int, default: dict, rows_per_expert: float | None = None):
     """(stage, choice) pairs to try in order, each merged into the best entry so far (with_choice): each
     stage's options with the other stage at its best. `rows_per_expert`: T*K/E, for prefill's BLOCK_M."""
     if "BLOCK_M" not in default:
-        if variant == "fused":
-            yield from FUSED
-            return
-        if variant == "l2":
-            yield from (("prefetch", c) for c in L2_PREFETCH)
-            yield from (("down", c) for c in DECODE_DOWN)
-            yield from (("gate_up", c) for c in DECODE_GATE_UP)
-            return
-        if variant == "pdl":  # the down tile's rows of H first (it decides how many programs start early)
-            yield from (("down", c) for c in PDL_DOWN)
-            yield from (("gate_up", c) for c in DECODE_GATE_UP)
-            return
         yield from (("gate_up", c) for c in DECODE_GATE_UP)
         yield from (("down", c) for c in DECODE_DOWN)
         return
@@ -156,26 +119,14 @@ def with_choice(best: dict, stage: str, choice) -> dict:
     return entry
 
 
-def in_turns(streams: dict):
-    """(name, item) from each of the named iterables in turn until all are spent."""
-    iters = {name: iter(stream) for name, stream in streams.items()}
-    while iters:
-        for name in list(iters):
-            item = next(iters[name], None)
-            if item is None:
-                del iters[name]
-            else:
-                yield name, item
-
-
 def tune_one(
     num_tokens: int, args, pool, deadline: float, seed: dict | None = None
 ) -> tuple[dict, float, dict[str, float]]:
-    """(best entry, its ms, {what: ms} of the default and of each decode variant's best) for one T; the
-    search of the variant `seed` (an entry already tuned for this T, e.g. from --merge-from) names starts
-    from it instead of that variant's default."""
+    """(best entry, its ms, {what: ms} of the default and of the search's best) for one T; the search
+    starts from `seed` (an entry already tuned for this T, e.g. from --merge-from) where it is of this
+    T's path, else from the default."""
     from moecache_kernels.slot_moe import launch
-    from moecache_kernels.slot_moe_config import DECODE_MAX_T, decode_variant, default_config
+    from moecache_kernels.slot_moe_config import DECODE_MAX_T, default_config
     from triton.testing import do_bench
 
     w13, w2, slot_of_E = pool
@@ -213,45 +164,34 @@ def tune_one(
     launch(x, ids[0], w, slot_of_E, w13, w2, out, default)
     want = out.float().clone()
     default_ms = timed(default)
-    variants = args.decode_variants if num_tokens <= DECODE_MAX_T else ["two_stage"]
-    best, best_ms = {}, {}
-    if seed is not None and ("BLOCK_M" in seed) != (num_tokens > DECODE_MAX_T):
-        seed = None  # an entry of the other path
-    for variant in variants:  # each variant's own start first: the seed where it is of this variant
-        start = default_config(num_tokens, variant)
-        if seed is not None and ("BLOCK_M" in seed or decode_variant(seed) == variant):
-            start = seed
-        ms = default_ms if start == default else checked_ms(start, f"{variant} start")
-        if ms is not None:
-            best[variant], best_ms[variant] = start, ms
-    tried = {json.dumps(entry, sort_keys=True) for entry in best.values()}
-    rows_per_expert = num_tokens * args.top_k / args.experts
+    best, best_ms = default, default_ms
+    if seed is not None and ("BLOCK_M" in seed) == (num_tokens > DECODE_MAX_T) and seed != default:
+        ms = checked_ms(seed, "start")  # an entry of the other path is no start
+        if ms is not None:  # the search starts from it even if the default is faster
+            best, best_ms = seed, ms
+    tried = {json.dumps(best, sort_keys=True), json.dumps(default, sort_keys=True)}
     smem_limit = device_smem_limit()
-    streams = {v: candidates(num_tokens, best[v], v, rows_per_expert) for v in best}
-    for variant, (stage, choice) in in_turns(streams):
+    for stage, choice in candidates(num_tokens, best, num_tokens * args.top_k / args.experts):
         if time.monotonic() > deadline:
             print(f"  T={num_tokens}: budget spent, keeping the best so far")
             break
-        entry = with_choice(best[variant], stage, choice)
+        entry = with_choice(best, stage, choice)
         key = json.dumps(entry, sort_keys=True)
         if key in tried:
             continue
         tried.add(key)
         need = prefill_smem_floor(entry)
         if smem_limit is not None and need > smem_limit:  # it would fail to launch: no time spent on it
-            print(f"  T={num_tokens} {variant} {stage}={choice}: skipped (>= {need} B of shared memory,"
+            print(f"  T={num_tokens} {stage}={choice}: skipped (>= {need} B of shared memory,"
                   f" the device has {smem_limit})")  # fmt: skip
             continue
-        ms = checked_ms(entry, f"{variant} {stage}={choice}")
-        if ms is not None and ms < best_ms[variant]:
-            best[variant], best_ms[variant] = entry, ms
-    if not best:  # no variant's default ran: keep the path's default (its failure was printed)
-        return default, default_ms, {"default": default_ms}
-    winner = min(best_ms, key=best_ms.get)
-    times = {"default": default_ms} | {f"{v} best": ms for v, ms in best_ms.items()}
-    if default_ms <= best_ms[winner]:  # e.g. only "fused" searched, and none of it beat the default
+        ms = checked_ms(entry, f"{stage}={choice}")
+        if ms is not None and ms < best_ms:
+            best, best_ms = entry, ms
+    times = {"default": default_ms, "best": best_ms}
+    if default_ms <= best_ms:  # e.g. a --merge-from start that nothing near it beat
         return default, default_ms, times
-    return best[winner], best_ms[winner], times
+    return best, best_ms, times
 
 
 def main(argv=None) -> int:
@@ -262,12 +202,6 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, required=True)
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--budget-s", type=float, default=600.0, help="stop searching after this long")
-    parser.add_argument(
-        "--decode-variants", nargs="+", choices=("two_stage", "fused", "pdl", "l2"),
-        default=["two_stage", "pdl"],
-        help="decode variants searched for T <= 16 (default two_stage and pdl: the H200 timed pdl 0.2 us"
-        " and l2 5.6 us slower than two_stage at Qwen3.6 T=1)",
-    )  # fmt: skip
     parser.add_argument(
         "--out-dir",
         type=Path,

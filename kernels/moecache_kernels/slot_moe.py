@@ -6,25 +6,14 @@ slot pool; non-resident entries add nothing (the runtime computes them on the CP
 is its oracle. `out` may be float32 whatever x's dtype: the float32 sums are stored unrounded, so the
 runtime adds the CPU half to them in float32 and rounds once (docs/runtime.md, "One rounding"). Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
 
-- decode (T <= DECODE_MAX_T), four variants chosen by the config entry's "variant" (no buffer depends on
-  E, nothing is sorted or padded, a non-resident entry's programs exit at once and add nothing):
-  "two_stage": launch 1, one program per (token, k, block of I), a GEMV of x[t] with the slot's gate and
-  up rows, writes SiLU(gate) * up in float32 to a [T*K, I] scratch (and each pair's slot, -1 where it
-  does not run here, to a [T*K] scratch). Launch 2, one program per (token, block of H), sums the down
-  projections of the token's resident experts times their router weights, reading each pair's slot from
-  that scratch (one read, where the id and then the mapping would be two in a row).
-  "pdl": the two launches of "two_stage", the second a programmatic dependent launch (Hopper): its
-  programs, one per (token, block of H), load the down rows of all K experts in one tile first, then
-  wait for the gate/up launch (`gdc_wait`) and read its activations, so the down weights stream while
-  gate/up finishes instead of after it.
-  "l2": "two_stage" whose first launch also has, per pair, programs that stream the pair's down weights
-  with the evict-last policy (gate/up's own loads evict-first), so the down launch reads them from L2:
-  the weights' HBM traffic all falls in one launch, and the down launch is short.
-  "fused": launch 1, one program per (block of I, pair), computes its BLOCK_I activations and at once
-  their share of the down projection (the slot's down columns of that block) into a float32
-  [T*K, I / BLOCK_I, H] scratch of partial sums, so all of an expert's weights stream in one launch;
-  launch 2, one small program per (token, block of H), sums the token's resident partial rows in a fixed
-  order (deterministic: no atomics).
+- decode (T <= DECODE_MAX_T), two launches ("two_stage"; no buffer depends on E, nothing is sorted or
+  padded, a non-resident entry's programs exit at once and add nothing): launch 1, one program per
+  (token, k, block of I), a GEMV of x[t] with the slot's gate and up rows, writes SiLU(gate) * up in
+  float32 to a [T*K, I] scratch (and each pair's slot, -1 where it does not run here, to a [T*K]
+  scratch). Launch 2, one program per (token, block of H), sums the down projections of the token's
+  resident experts times their router weights, reading each pair's slot from that scratch (one read,
+  where the id and then the mapping would be two in a row). Other decode variants were tried on the
+  H200 and removed (CHANGELOG.md).
 - prefill (T > DECODE_MAX_T): as vLLM's fused_moe, (token, k) pairs are sorted by expert on the device
   (`align_by_expert_triton`) and each expert's run is padded to BLOCK_M; tensor-core tiles then run
   gate/up + activation (to a [T*K, I] buffer in x's dtype), then down times the router weight (to a
@@ -39,7 +28,7 @@ and slots outside [0, S) count as not resident (checking them would need a host 
 raises on them.
 
 Shape legend: T tokens, H hidden, I intermediate, E experts, K top-k, S slots, P = T*K (token, k) pairs,
-B blocks of BLOCK_M sorted pairs (prefill) or of BLOCK_I rows of I (fused decode).
+B blocks of BLOCK_M sorted pairs (prefill).
 """
 
 # ruff: noqa: E741  (kernel arguments use the shape legend: H, I, E, S, K)
@@ -52,14 +41,7 @@ from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .slot_moe_align import align_by_expert_triton
-from .slot_moe_config import (
-    DECODE_MAX_T,
-    decode_variant,
-    device_name,
-    get_config,
-    prefill_layout,
-    prefill_tma,
-)
+from .slot_moe_config import DECODE_MAX_T, device_name, get_config, prefill_layout, prefill_tma
 
 
 @triton.jit
@@ -73,24 +55,12 @@ def _slot_of(ids_ptr, slot_ptr, pair, E, S):
 
 
 @triton.jit
-def _slots_of(ids_ptr, slot_ptr, pairs, valid, E, S):
-    """`_slot_of` for a block of entries `pairs`, of which `valid` are real: (slot, resident), -1 / False
-    for the others."""
-    expert = tl.load(ids_ptr + pairs, mask=valid, other=-1).to(tl.int32)
-    inside = valid & (expert >= 0) & (expert < E)
-    slot = tl.load(slot_ptr + tl.where(inside, expert, 0), mask=inside, other=-1).to(tl.int32)
-    return slot, inside & (slot >= 0) & (slot < S)
-
-
-@triton.jit
 def _gate_up_rows(
     x_ptr, w13_ptr, stride_wn, offs_i, mask_i,
     H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-    EVICT: tl.constexpr = "",
 ):  # fmt: skip
     """(x . gate[i], x . up[i]) in float32 for the rows offs_i of one slot's w13 (gate rows, then up rows);
-    x_ptr points at the token's row, w13_ptr at the slot's matrix. EVICT: the weight loads' L2 eviction
-    policy ("" = the default; "evict_first" where they must not push out lines kept for a later launch)."""
+    x_ptr points at the token's row, w13_ptr at the slot's matrix."""
     gate_ptrs = w13_ptr + offs_i[:, None] * stride_wn
     up_ptrs = gate_ptrs + I * stride_wn
     acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
@@ -100,72 +70,36 @@ def _gate_up_rows(
         mask_h = offs_h < H
         x = tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
         mask = mask_i[:, None] & mask_h[None, :]
-        gate = tl.load(gate_ptrs + offs_h[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-        up = tl.load(up_ptrs + offs_h[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+        gate = tl.load(gate_ptrs + offs_h[None, :], mask=mask, other=0.0)
+        up = tl.load(up_ptrs + offs_h[None, :], mask=mask, other=0.0)
         acc_gate += gate.to(tl.float32) * x[None, :]
         acc_up += up.to(tl.float32) * x[None, :]
     return tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
 
 
 @triton.jit
-def _prefetch_down(w2_ptr, sink_ptr, part, numel, PARTS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Read part `part` of PARTS of one slot's down matrix (numel contiguous elements at w2_ptr) with the
-    evict-last policy, so it stays in L2 for the down launch that follows. The loads feed a sum that is
-    stored (to a scratch, `sink_ptr + part`) only if it is NaN, which keeps them from being optimised away
-    while writing nothing in practice; nothing reads the scratch."""
-    chunk = tl.cdiv(tl.cdiv(numel, PARTS), BLOCK_P) * BLOCK_P
-    start = part * chunk
-    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for off in range(start, tl.minimum(start + chunk, numel), BLOCK_P):
-        offs = off + tl.arange(0, BLOCK_P)
-        acc += tl.load(w2_ptr + offs, mask=offs < numel, other=0.0, eviction_policy="evict_last").to(
-            tl.float32
-        )
-    total = tl.sum(acc, axis=0)
-    tl.store(sink_ptr + part, total, mask=total != total)
-
-
-@triton.jit
 def _gate_up_decode(
-    x_ptr, ids_ptr, slot_ptr, w13_ptr, act_ptr,
+    x_ptr, ids_ptr, slot_ptr, w13_ptr, act_ptr, slot_out_ptr,
     H: tl.constexpr, I: tl.constexpr, E, S, K: tl.constexpr,
     stride_xt, stride_ws, stride_wn,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LAUNCH_DOWN_EARLY: tl.constexpr = False,
-    w2_ptr=None, sink_ptr=None, stride_w2s=0,
-    PREFETCH_PROGRAMS: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1024, EVICT: tl.constexpr = "",
-    slot_out_ptr=None,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i]).
-    slot_out_ptr (two_stage, l2): the pair's first program also writes its slot (-1 when it does not run
-    here) to slot_out[p], so the down launch reads one value instead of the id and then the mapping.
-    LAUNCH_DOWN_EARLY ("pdl" variant): let the down launch start its programs now (they load their
-    weights, then wait for this whole launch: programmatic dependent launch).
-    PREFETCH_PROGRAMS > 0 ("l2" variant): the grid's last PREFETCH_PROGRAMS blocks of each pair stream the
-    pair's down weights instead (`_prefetch_down`), so that they sit in L2 when the down launch reads them;
-    this launch's own weight loads are then marked evict-first (EVICT)."""
-    if LAUNCH_DOWN_EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i]). The
+    pair's first program also writes its slot (-1 when it does not run here) to slot_out[p], so the down
+    launch reads one value instead of the id and then the mapping."""
     pair = tl.program_id(0)
     expert, slot, resident = _slot_of(ids_ptr, slot_ptr, pair, E, S)
     block = tl.program_id(1)
-    if slot_out_ptr is not None:
-        if block == 0:
-            tl.store(slot_out_ptr + pair, tl.where(resident, slot, -1))
+    if block == 0:
+        tl.store(slot_out_ptr + pair, tl.where(resident, slot, -1))
     if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):  # not resident, as timed on the H200
         return
-    if PREFETCH_PROGRAMS > 0:
-        if block >= tl.cdiv(I, BLOCK_I):
-            _prefetch_down(
-                w2_ptr + slot.to(tl.int64) * stride_w2s, sink_ptr + pair * PREFETCH_PROGRAMS,
-                block - tl.cdiv(I, BLOCK_I), H * I, PREFETCH_PROGRAMS, BLOCK_P,
-            )  # fmt: skip
-            return
     token = pair // K
     offs_i = block * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < I
     gate_i, up_i = _gate_up_rows(
         x_ptr + token * stride_xt, w13_ptr + slot.to(tl.int64) * stride_ws, stride_wn, offs_i, mask_i,
-        H, I, BLOCK_I, BLOCK_H, EVICT,
+        H, I, BLOCK_I, BLOCK_H,
     )  # fmt: skip
     act = gate_i / (1.0 + tl.exp(-gate_i)) * up_i
     tl.store(act_ptr + pair * I + offs_i, act, mask=mask_i)
@@ -198,108 +132,6 @@ def _down_decode(
             w = tl.load(w_ptrs + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
             acc += w.to(tl.float32) * (act * weight)[None, :]
     y = tl.sum(acc, axis=1)
-    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
-
-
-@triton.jit
-def _down_decode_early(
-    act_ptr, ids_ptr, slot_ptr, wts_ptr, w2_ptr, y_ptr,
-    H, I: tl.constexpr, E, S, K: tl.constexpr,
-    stride_ws, stride_wh, stride_yt,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, WAIT: tl.constexpr,
-):  # fmt: skip
-    """The "pdl" variant's down launch. Program (token t, block of H): the down rows [BLOCK_H, I] of all
-    of the token's K experts in ONE tile [BLOCK_K, BLOCK_H, BLOCK_I] (BLOCK_K >= K, BLOCK_I >= I), loaded
-    before `gdc_wait` (WAIT: launched as a programmatic dependent of the gate/up launch, whose
-    activations it then reads): the weights stream while the gate/up launch finishes. The routing, the
-    mapping and the slots were written before the gate/up launch began, so they may be read early."""
-    token = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_i = tl.arange(0, BLOCK_I)
-    mask_i = offs_i < I
-    in_k = offs_k < K
-    pair_k = token * K + offs_k
-    slot, resident = _slots_of(ids_ptr, slot_ptr, pair_k, in_k, E, S)
-    weight = tl.load(wts_ptr + pair_k, mask=resident, other=0.0).to(tl.float32)
-    w_ptrs = (
-        w2_ptr
-        + tl.where(resident, slot, 0).to(tl.int64)[:, None, None] * stride_ws
-        + offs_h[None, :, None] * stride_wh
-        + offs_i[None, None, :]
-    )
-    w_mask = resident[:, None, None] & mask_h[None, :, None] & mask_i[None, None, :]
-    w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # a non-resident entry loads nothing
-    if WAIT:
-        tl.extra.cuda.gdc_wait()
-    act_mask = resident[:, None] & mask_i[None, :]
-    act = tl.load(act_ptr + pair_k[:, None] * I + offs_i[None, :], mask=act_mask, other=0.0)
-    act = act * weight[:, None]  # [BLOCK_K, BLOCK_I]
-    y = tl.sum(tl.sum(w.to(tl.float32) * act[:, None, :], axis=2), axis=0)
-    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
-
-
-@triton.jit
-def _fused_decode(
-    x_ptr, ids_ptr, slot_ptr, wts_ptr, w13_ptr, w2_ptr, part_ptr,
-    H: tl.constexpr, I: tl.constexpr, E, S, K: tl.constexpr,
-    stride_xt, stride_w13s, stride_w13n, stride_w2s, stride_w2h,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HD: tl.constexpr,
-):  # fmt: skip
-    """Program (block b of I, pair p = t*K + k): act = w[p] * silu(x[t] . gate[i]) * (x[t] . up[i]) for its
-    BLOCK_I rows, then at once its share of the down projection, part[p, b, h] = down[h, i-block] . act,
-    float32. Gate/up rows and down columns of one block of I are read by one program, in one launch."""
-    block_i = tl.program_id(0)
-    pair = tl.program_id(1)
-    expert, slot, _ = _slot_of(ids_ptr, slot_ptr, pair, E, S)
-    if (slot < 0) | (slot >= S) | (expert < 0) | (expert >= E):  # not resident, as timed on the H200
-        return  # adds nothing: _sum_partials skips this pair's rows
-    token = pair // K
-    offs_i = block_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask_i = offs_i < I
-    gate_i, up_i = _gate_up_rows(
-        x_ptr + token * stride_xt, w13_ptr + slot.to(tl.int64) * stride_w13s, stride_w13n, offs_i, mask_i,
-        H, I, BLOCK_I, BLOCK_H, "",
-    )  # fmt: skip
-    weight = tl.load(wts_ptr + pair).to(tl.float32)
-    act = tl.where(mask_i, gate_i / (1.0 + tl.exp(-gate_i)) * up_i * weight, 0.0)
-    down_ptrs = w2_ptr + slot.to(tl.int64) * stride_w2s + offs_i[None, :]
-    part_ptrs = part_ptr + (pair * tl.num_programs(0) + block_i).to(tl.int64) * H
-    for h0 in tl.static_range(0, H, BLOCK_HD):  # unrolled, as above
-        offs_h = h0 + tl.arange(0, BLOCK_HD)
-        mask_h = offs_h < H
-        w = tl.load(
-            down_ptrs + offs_h[:, None] * stride_w2h, mask=mask_h[:, None] & mask_i[None, :], other=0.0
-        )
-        tl.store(part_ptrs + offs_h, tl.sum(w.to(tl.float32) * act[None, :], axis=1), mask=mask_h)
-
-
-@triton.jit
-def _sum_partials(
-    part_ptr, ids_ptr, slot_ptr, y_ptr,
-    H, E, S, K: tl.constexpr, NUM_BLOCKS_I: tl.constexpr,
-    stride_yt,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    """Program (token t, block of H): y[t, h] = sum of part[p, b, h] over the token's K * NUM_BLOCKS_I rows
-    whose pair p is resident, in one fixed order (tiles of BLOCK_R rows, then a tree over the tile)."""
-    token = tl.program_id(0)  # its K * NUM_BLOCKS_I rows are contiguous: pair-major, then block of I
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-    for r0 in tl.static_range(0, K * NUM_BLOCKS_I, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        in_rows = offs_r < K * NUM_BLOCKS_I
-        pair = token * K + offs_r // NUM_BLOCKS_I
-        slot, resident = _slots_of(ids_ptr, slot_ptr, pair, in_rows, E, S)  # others' rows: never written
-        rows = (token * (K * NUM_BLOCKS_I) + offs_r).to(tl.int64)
-        acc += tl.load(
-            part_ptr + rows[:, None] * H + offs_h[None, :],
-            mask=resident[:, None] & mask_h[None, :],
-            other=0.0,
-        )
-    y = tl.sum(acc, axis=0)
     tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
 
 
@@ -567,111 +399,26 @@ def launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH,
 
 
 def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """The decode entry's variant: "two_stage" (the default; "l2" is it with a prefetch stage), "pdl" or
-    "fused"."""
-    variant = decode_variant(config)
-    run = {"fused": _decode_fused, "pdl": _decode_pdl, "l2": _decode_two_stage}.get(
-        variant, _decode_two_stage
-    )
-    run(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
-
-
-def _decode_pdl(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """Two launches as "two_stage", the down one a programmatic dependent of the gate/up one (CUDA):
-    its programs start while gate/up finishes and load their weights first (`_down_decode_early`). In
-    the interpreter (no such launch) the same kernels run one after the other."""
-    num_tokens, hidden = x_TH.shape
-    top_k = ids_TK.shape[1]
-    num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
-    early = x_TH.device.type == "cuda"
-    act_PI = _gate_up(x_TH, ids_TK, slot_of_E, w13_SIH, inter, config["gate_up"], launch_down_early=early)
-    down = config["down"]
-    _down_decode_early[(num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))](
-        act_PI, ids_TK, slot_of_E, weights_TK, w2_SHI, y_TH,
-        hidden, inter, num_experts, num_slots, top_k,
-        w2_SHI.stride(0), w2_SHI.stride(1), y_TH.stride(0),
-        BLOCK_H=down["BLOCK_H"], BLOCK_K=triton.next_power_of_2(top_k), BLOCK_I=triton.next_power_of_2(inter),
-        WAIT=early, num_warps=down["num_warps"], **({"launch_pdl": True} if early else {}),
-    )  # fmt: skip
-
-
-def _gate_up(
-    x_TH, ids_TK, slot_of_E, w13_SIH, inter, gate_up, launch_down_early=False, w2_SHI=None, prefetch=None,
-    slot_P=None,
-) -> torch.Tensor:  # fmt: skip
-    """The decode's gate/up launch: SiLU(gate) * up of every (token, k) pair into a float32 [P, I].
-    `prefetch` ("l2" variant, with `w2_SHI`): {"programs", "BLOCK_P"}, that many more programs per pair
-    stream the pair's down weights into L2 for the down launch. `slot_P` (int32 [P]): written with each
-    pair's slot, -1 where it does not run here (for `_down_decode`)."""
+    """Two launches: gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch (and each pair's
+    slot, -1 where it does not run here, into an int32 [P]), then down per (token, block of H)."""
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
     num_pairs = num_tokens * top_k
+    inter = w2_SHI.shape[2]
     act_PI = torch.empty((num_pairs, inter), dtype=torch.float32, device=x_TH.device)
-    extra = {}
-    programs = 0
-    if prefetch is not None:
-        programs = prefetch["programs"]
-        sink = torch.empty((num_pairs * programs,), dtype=torch.float32, device=x_TH.device)
-        extra = dict(
-            w2_ptr=w2_SHI, sink_ptr=sink, stride_w2s=w2_SHI.stride(0), PREFETCH_PROGRAMS=programs,
-            BLOCK_P=prefetch["BLOCK_P"], EVICT="evict_first",
-        )  # fmt: skip
-    if slot_P is not None:
-        extra |= dict(slot_out_ptr=slot_P)
-    _gate_up_decode[(num_pairs, triton.cdiv(inter, gate_up["BLOCK_I"]) + programs)](
-        x_TH, ids_TK, slot_of_E, w13_SIH, act_PI,
+    slot_P = torch.empty((num_pairs,), dtype=torch.int32, device=x_TH.device)
+    gate_up, down = config["gate_up"], config["down"]
+    _gate_up_decode[(num_pairs, triton.cdiv(inter, gate_up["BLOCK_I"]))](
+        x_TH, ids_TK, slot_of_E, w13_SIH, act_PI, slot_P,
         hidden, inter, slot_of_E.shape[0], w13_SIH.shape[0], top_k,
         x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1),
-        BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], LAUNCH_DOWN_EARLY=launch_down_early,
-        num_warps=gate_up["num_warps"], **extra,
+        BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], num_warps=gate_up["num_warps"],
     )  # fmt: skip
-    return act_PI
-
-
-def _decode_two_stage(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """Two launches: gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch, then down. The
-    "l2" variant's entry (a "prefetch" stage) adds to the first launch the programs that stream the down
-    weights into L2."""
-    num_tokens, hidden = x_TH.shape
-    top_k = ids_TK.shape[1]
-    inter = w2_SHI.shape[2]
-    slot_P = torch.empty((num_tokens * top_k,), dtype=torch.int32, device=x_TH.device)
-    act_PI = _gate_up(
-        x_TH, ids_TK, slot_of_E, w13_SIH, inter, config["gate_up"], w2_SHI=w2_SHI,
-        prefetch=config.get("prefetch"), slot_P=slot_P,
-    )  # fmt: skip
-    down = config["down"]
     _down_decode[(num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))](
         act_PI, slot_P, weights_TK, w2_SHI, y_TH,
         hidden, inter, top_k,
         w2_SHI.stride(0), w2_SHI.stride(1), y_TH.stride(0),
         BLOCK_H=down["BLOCK_H"], BLOCK_I=down["BLOCK_I"], num_warps=down["num_warps"],
-    )  # fmt: skip
-
-
-def _decode_fused(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
-    """One launch per (block of I, pair): gate/up + SiLU + that block's down columns into a float32
-    [P, I / BLOCK_I, H] scratch of partial sums; a second, small launch sums each token's rows in order."""
-    num_tokens, hidden = x_TH.shape
-    top_k = ids_TK.shape[1]
-    num_slots, inter, num_experts = w13_SIH.shape[0], w2_SHI.shape[2], slot_of_E.shape[0]
-    fused, reduce = config["fused"], config["reduce"]
-    num_blocks_i = triton.cdiv(inter, fused["BLOCK_I"])
-    part_PBH = torch.empty(
-        (num_tokens * top_k, num_blocks_i, hidden), dtype=torch.float32, device=x_TH.device
-    )
-    _fused_decode[(num_blocks_i, num_tokens * top_k)](
-        x_TH, ids_TK, slot_of_E, weights_TK, w13_SIH, w2_SHI, part_PBH,
-        hidden, inter, num_experts, num_slots, top_k,
-        x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1), w2_SHI.stride(0), w2_SHI.stride(1),
-        BLOCK_I=fused["BLOCK_I"], BLOCK_H=fused["BLOCK_H"], BLOCK_HD=fused["BLOCK_HD"],
-        num_warps=fused["num_warps"],
-    )  # fmt: skip
-    _sum_partials[(num_tokens, triton.cdiv(hidden, reduce["BLOCK_H"]))](
-        part_PBH, ids_TK, slot_of_E, y_TH,
-        hidden, num_experts, num_slots, top_k, num_blocks_i,
-        y_TH.stride(0),
-        BLOCK_R=reduce["BLOCK_R"], BLOCK_H=reduce["BLOCK_H"], num_warps=reduce["num_warps"],
     )  # fmt: skip
 
 

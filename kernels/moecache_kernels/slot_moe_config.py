@@ -6,16 +6,9 @@ token count T (a JSON string key) to the block sizes measured fastest for it by
 NEAREST_MAX_RATIO of the call's T. With no file for the device and shape,
 `default_config` gives a sane one. Two kinds of entry, one per path of the kernel:
 
-- decode (T <= DECODE_MAX_T), one of four variants, named by the optional "variant" key:
-    "two_stage" (the default when the key is absent): {"gate_up": {"BLOCK_I", "BLOCK_H", "num_warps"},
-                                                       "down": {"BLOCK_H", "BLOCK_I", "num_warps"}}
-    "fused": {"variant": "fused", "fused": {"BLOCK_I", "BLOCK_H", "BLOCK_HD", "num_warps"},
-              "reduce": {"BLOCK_R", "BLOCK_H", "num_warps"}}
-    "l2": {"variant": "l2", "gate_up": {as two_stage's}, "down": {as two_stage's}, "prefetch": {"programs",
-          "BLOCK_P"}} (two_stage, with "programs" more gate/up programs per pair that stream the pair's down
-          weights into L2 in loads of BLOCK_P elements)
-    "pdl": {"variant": "pdl", "gate_up": {as two_stage's}, "down": {"BLOCK_H", "num_warps"}} (the down
-           launch's tile holds all K experts' rows of its block of H, the whole of I)
+- decode (T <= DECODE_MAX_T): {"gate_up": {"BLOCK_I", "BLOCK_H", "num_warps"}, "down": {"BLOCK_H",
+    "BLOCK_I", "num_warps"}, "variant"?}; "variant", if present, must be "two_stage" (the one decode
+    variant left; the others are in CHANGELOG.md).
 - prefill (T > DECODE_MAX_T): {"BLOCK_M", "gate_up": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
                                "num_stages"}, "down": {the same keys}, "layout"?, "tma"?}, two optional keys:
     "layout": where the activations and the per-pair float32 down results live. "pairs" (the default when
@@ -46,31 +39,9 @@ DECODE_MAX_T = 16
 # entries tuned at 64 and 512 gave 1.20 (docs/benchmarks.md, ninth session).
 NEAREST_MAX_RATIO = 4
 
-# decode variant -> its stages' keys. "two_stage": gate/up launch, then down launch; "fused": one launch of
-# gate/up + that block of I's down columns into float32 partial sums, then a small launch summing them.
-DECODE_VARIANTS = {
-    "two_stage": {
-        "gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"),
-        "down": ("BLOCK_H", "BLOCK_I", "num_warps"),
-    },
-    "fused": {
-        "fused": ("BLOCK_I", "BLOCK_H", "BLOCK_HD", "num_warps"),
-        "reduce": ("BLOCK_R", "BLOCK_H", "num_warps"),
-    },
-    "pdl": {
-        "gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"),
-        "down": ("BLOCK_H", "num_warps"),
-    },
-    # "two_stage" whose gate/up launch also streams the resident experts' down weights into L2
-    # ("programs" more programs per pair, loads of BLOCK_P elements), so the down launch reads L2
-    "l2": {
-        "gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"),
-        "down": ("BLOCK_H", "BLOCK_I", "num_warps"),
-        "prefetch": ("programs", "BLOCK_P"),
-    },
-}
-DEFAULT_DECODE_VARIANT = "two_stage"
-DECODE_KEYS = DECODE_VARIANTS["two_stage"]
+# the decode (its one variant, "two_stage": gate/up launch, then down launch): stage -> its keys
+DECODE_VARIANT = "two_stage"
+DECODE_KEYS = {"gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"), "down": ("BLOCK_H", "BLOCK_I", "num_warps")}
 PREFILL_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 PREFILL_LAYOUTS = ("pairs", "sorted")
 DEFAULT_PREFILL_LAYOUT = "pairs"
@@ -112,17 +83,11 @@ def validate_entry(entry: object, where: str) -> dict:
         for key in ("layout", "tma"):
             if key in entry:
                 raise ValueError(f"{where}.{key}: only prefill entries (with BLOCK_M) have a {key}")
-        variant = entry.get("variant", DEFAULT_DECODE_VARIANT)
-        if variant not in DECODE_VARIANTS:
-            raise ValueError(f"{where}.variant: want one of {sorted(DECODE_VARIANTS)}, got {variant!r}")
-        for stage, keys in DECODE_VARIANTS[variant].items():
+        if entry.get("variant", DECODE_VARIANT) != DECODE_VARIANT:
+            raise ValueError(f"{where}.variant: want {DECODE_VARIANT!r} or none, got {entry['variant']!r}")
+        for stage, keys in DECODE_KEYS.items():
             _positive_ints(entry.get(stage), keys, f"{where}.{stage}")
     return entry
-
-
-def decode_variant(entry: dict) -> str:
-    """The decode variant a (validated) decode entry names: "two_stage" when it names none."""
-    return entry.get("variant", DEFAULT_DECODE_VARIANT)
 
 
 def prefill_layout(entry: dict) -> str:
@@ -165,40 +130,9 @@ def load_configs(path: Path) -> dict[int, dict] | None:
     return table
 
 
-def default_config(num_tokens: int, variant: str = DEFAULT_DECODE_VARIANT) -> dict:
-    """A config that is sound on any GPU (and in the interpreter): small GEMV blocks for decode (of
-    `variant`, which only decode entries have), vLLM-like bf16 tiles for prefill, larger BLOCK_M as T
-    grows."""
-    if variant not in DECODE_VARIANTS:
-        raise ValueError(
-            f"default_config: decode variant must be one of {sorted(DECODE_VARIANTS)}, got {variant!r}"
-        )
-    if num_tokens <= DECODE_MAX_T and variant == "fused":
-        # The tuner's starting point (its best at Qwen3.6 on the H200, T=1, was 31.6 us against
-        # two_stage's 25.5: docs/benchmarks.md, round 3). 8 rows of I per program: T*K*I/8
-        # programs (512 at the Qwen3.6 shape, T = 1); compiled for sm_90 (triton 3.9, ahead of time) it
-        # holds 128-175 registers per thread and spills none at H 2048 and 4096, where 16 rows with 8 warps
-        # spill at H 4096 (the unrolled loads of a whole row block are all in flight at once).
-        return {
-            "variant": "fused",
-            "fused": {"BLOCK_I": 8, "BLOCK_H": 256, "BLOCK_HD": 128, "num_warps": 8},
-            "reduce": {"BLOCK_R": 64, "BLOCK_H": 16, "num_warps": 4},
-        }
-    if num_tokens <= DECODE_MAX_T and variant == "pdl":
-        # The tuner's starting point (its best at Qwen3.6 on the H200, T=1, in a graph: 17.5 us against
-        # two_stage's 17.3: docs/benchmarks.md, round 4): gate/up as two_stage's default; the down tile
-        # [K, BLOCK_H, I] of 4 rows of H: 8 x 4 x 512 bf16 = 64 values per thread at 8 warps.
-        return {
-            "variant": "pdl",
-            "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128, "num_warps": 8},
-            "down": {"BLOCK_H": 4, "num_warps": 8},
-        }
-    if num_tokens <= DECODE_MAX_T and variant == "l2":
-        # The tuner's starting point: two_stage's default, and 16 programs per pair streaming the down
-        # weights (128 KiB each at the Qwen3.6 shape) in loads of 2048 elements.
-        return (
-            {"variant": "l2"} | default_config(num_tokens) | {"prefetch": {"programs": 16, "BLOCK_P": 2048}}
-        )
+def default_config(num_tokens: int) -> dict:
+    """A config that is sound on any GPU (and in the interpreter): small GEMV blocks for decode, vLLM-like
+    bf16 tiles for prefill, larger BLOCK_M as T grows."""
     if num_tokens <= DECODE_MAX_T:
         # Many small programs: at T = 1 the down launch has only T * H / BLOCK_H of them, and fewer than
         # ~4 per SM leave HBM idle (H200, Qwen3.6 shape: BLOCK_H 16 -> 4 took 38.9 -> 25.6 us).

@@ -5,8 +5,8 @@ tests cannot switch TRITON_INTERPRET=1 on inside a pytest process that may have 
 `python interpret_slot_moe.py CASES OUTPUTS` loads a list of input dicts (torch.save), runs each into an
 output buffer poisoned with NaN and once without `out=`, and saves the list of (out=, returned) pairs.
 A case with a "config" entry runs the public `slot_moe` with that launch config in place of the one
-`get_config` would pick (how the CPU tests reach the decode variant that is not the default); one with an
-"out_dtype" entry (float32) gets a poisoned output buffer of that dtype.
+`get_config` would pick (how the CPU tests reach blocks and prefill layouts that are not the default);
+one with an "out_dtype" entry (float32) gets a poisoned output buffer of that dtype.
 """
 
 from __future__ import annotations

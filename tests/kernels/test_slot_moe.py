@@ -14,8 +14,8 @@ import torch
 from moecache_kernels import slot_moe_reference
 from moecache_kernels.slot_moe_align import align_by_expert
 from moecache_kernels.slot_moe_config import (
+    DECODE_KEYS,
     DECODE_MAX_T,
-    DECODE_VARIANTS,
     default_config,
     get_config,
     load_configs,
@@ -31,32 +31,15 @@ CUDA = torch.cuda.is_available()
 
 # CPU: tiny shapes (the interpreter is slow); I = 40 is not a multiple of any block, T = 5, 37, 100 are not
 # multiples of BLOCK_I/BLOCK_M. (T, dtype, pattern, config): decode at T <= 16, prefill above; config None =
-# what get_config picks (the two-stage decode on the CPU), "fused" = FUSED_CPU.
+# what get_config picks (default_config on the CPU), else CONFIGS[config], pinned in the subprocess.
 SMALL = {"hidden": 64, "inter": 40, "num_experts": 8, "top_k": 3, "num_slots": 6}
-# The fused decode with blocks that cut every dimension unevenly: 2 blocks of I (40 = 32 + 8), 2 of H for
-# gate/up, 4 of H for down, and a token's K * 2 = 6 partial rows summed in tiles of 4.
-FUSED_CPU = {
-    "variant": "fused",
-    "fused": {"BLOCK_I": 32, "BLOCK_H": 32, "BLOCK_HD": 16, "num_warps": 4},
-    "reduce": {"BLOCK_R": 4, "BLOCK_H": 32, "num_warps": 4},
-}
-# The "pdl" decode in the interpreter (its kernels one after the other, no early launch): 3 blocks of H
-# for gate/up's 64 (BLOCK_H 32 would be 2), 4 programs of 16 rows of H for down, its tile [4, 16, 64]
-# holding K = 3 experts' rows of I = 40 (padding masked on both).
-PDL_CPU = {
-    "variant": "pdl",
-    "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "num_warps": 4},
-    "down": {"BLOCK_H": 16, "num_warps": 4},
-}
-# The "l2" decode: two_stage with 3 prefetch programs per pair over a slot's 64 x 40 = 2,560 down weights
-# in loads of 128 (chunks of 896: the last one shorter), a 4-row down tile.
-L2_CPU = {
-    "variant": "l2",
+# The decode with blocks that cut every dimension unevenly: gate/up 3 blocks of I (40 = 16 + 16 + 8) and 2
+# steps of H, down 4 blocks of H and 3 steps of I (the last 8 wide).
+TWO_STAGE_CPU = {
     "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "num_warps": 4},
     "down": {"BLOCK_H": 16, "BLOCK_I": 16, "num_warps": 4},
-    "prefetch": {"programs": 3, "BLOCK_P": 128},
 }
-# The prefill path's layouts and TMA (kernels/moecache_kernels/slot_moe_config.py), pinned like the decode variants. Blocks
+# The prefill path's layouts and TMA (kernels/moecache_kernels/slot_moe_config.py), pinned like TWO_STAGE_CPU. Blocks
 # that cut every dimension unevenly: gate/up BLOCK_N 16 over I = 40 (the last block 8 wide, its boxes past
 # row I), down BLOCK_N 32 over H = 64 and BLOCK_K 16 over I = 40 (a tail step); BLOCK_M 16, so an expert's
 # run spans several blocks at T = 100 or with one expert chosen by every token. "sorted_tma" also reads
@@ -80,17 +63,8 @@ CPU_CASES = (
         (37, torch.bfloat16, "all", None),
         (100, torch.float32, "some", None),
     ]
-    + [(5, torch.float32, p, "fused") for p in PATTERNS]
-    + [(1, torch.float32, "some", "fused"), (16, torch.float32, "all", "fused")]
-    + [(5, torch.bfloat16, "some", "fused")]
-    + [(5, torch.float32, p, "pdl") for p in PATTERNS]
-    + [
-        (1, torch.float32, "some", "pdl"),
-        (16, torch.float32, "all", "pdl"),
-        (5, torch.bfloat16, "some", "pdl"),
-    ]
-    + [(5, torch.float32, p, "l2") for p in PATTERNS]
-    + [(1, torch.float32, "some", "l2"), (16, torch.float32, "all", "l2"), (5, torch.bfloat16, "some", "l2")]
+    + [(5, torch.float32, p, "two_stage") for p in PATTERNS]
+    + [(16, torch.float32, "all", "two_stage"), (5, torch.bfloat16, "some", "two_stage")]
     + [(37, torch.float32, p, c) for c in ("sorted", "sorted_tma") for p in PATTERNS]
     + [
         (17, torch.float32, "all", "sorted"),
@@ -103,12 +77,10 @@ CPU_CASES = (
     ]
 )
 # ids -1 and E and a slot S count as not resident: (T, config), run on out_of_range_case
-OUT_OF_RANGE_CASES = [
-    (5, None), (5, "fused"), (5, "pdl"), (5, "l2"), (37, None), (37, "sorted"), (37, "sorted_tma")
-]  # fmt: skip
-CONFIGS = {None: None, "fused": FUSED_CPU, "pdl": PDL_CPU, "l2": L2_CPU} | PREFILL_CPU_CONFIGS
+OUT_OF_RANGE_CASES = [(5, None), (5, "two_stage"), (37, None), (37, "sorted"), (37, "sorted_tma")]
+CONFIGS = {None: None, "two_stage": TWO_STAGE_CPU} | PREFILL_CPU_CONFIGS
 # bf16 inputs into a float32 `out=` (the runtime's one-rounding combine): every path's last store, (T, config)
-F32_OUT_CASES = [(5, None), (5, "fused"), (5, "pdl"), (37, None), (37, "sorted")]
+F32_OUT_CASES = [(5, None), (5, "two_stage"), (37, None), (37, "sorted")]
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -401,10 +373,10 @@ def test_config_file_with_a_bad_value_is_refused_by_name(tmp_path) -> None:
         get_config(1, 8, 40, torch.float32, "Test_GPU", folder)
 
 
-def test_config_picks_a_fused_decode_entry(tmp_path) -> None:
-    fused = default_config(1, "fused") | {"reduce": {"BLOCK_R": 64, "BLOCK_H": 16, "num_warps": 2}}
-    folder = _write(tmp_path, {"1": fused, "16": default_config(16)})
-    assert get_config(2, 8, 40, torch.float32, "Test_GPU", folder) == fused
+def test_config_picks_a_decode_entry_that_names_two_stage(tmp_path) -> None:
+    named = default_config(1) | {"variant": "two_stage"}
+    folder = _write(tmp_path, {"1": named, "16": default_config(16)})
+    assert get_config(2, 8, 40, torch.float32, "Test_GPU", folder) == named
     assert get_config(12, 8, 40, torch.float32, "Test_GPU", folder) == default_config(16)
 
 
@@ -413,33 +385,15 @@ def test_config_picks_a_fused_decode_entry(tmp_path) -> None:
     [
         (
             default_config(4) | {"variant": "unrolled"},
-            r"\[4\]\.variant: want one of \['fused', 'l2', 'pdl', 'two_stage'\], got 'unrolled'",
+            r"\[4\]\.variant: want 'two_stage' or none, got 'unrolled'",
         ),
-        (default_config(4) | {"variant": "fused"}, r"\[4\]\.fused: want an object"),
-        (
-            {"variant": "fused", "fused": default_config(4, "fused")["fused"]},
-            r"\[4\]\.reduce: want an object",
-        ),
-        (
-            default_config(4, "fused") | {"reduce": {"BLOCK_R": 24, "BLOCK_H": 32, "num_warps": 4}},
-            r"\[4\]\.reduce\.BLOCK_R.*power of two",
-        ),
-        (
-            default_config(4, "fused") | {"fused": {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 8}},
-            r"\[4\]\.fused\.BLOCK_HD.*None",
-        ),
-        (default_config(64) | {"variant": "fused"}, r"\[4\]\.variant: only decode entries"),
+        (default_config(4) | {"variant": "pdl"}, r"\[4\]\.variant: want 'two_stage' or none, got 'pdl'"),
+        (default_config(4) | {"down": {"BLOCK_H": 4, "num_warps": 8}}, r"\[4\]\.down\.BLOCK_I.*None"),
+        (default_config(64) | {"variant": "two_stage"}, r"\[4\]\.variant: only decode entries"),
     ],
-    ids=[
-        "unknown-variant",
-        "fused-without-its-stages",
-        "no-reduce",
-        "block-not-power-of-two",
-        "missing-key",
-        "prefill-variant",
-    ],
+    ids=["unknown-variant", "removed-variant", "missing-key", "prefill-variant"],
 )
-def test_config_with_a_bad_decode_variant_is_refused_naming_file_and_T(
+def test_config_with_a_bad_decode_entry_is_refused_naming_file_and_T(
     tmp_path, entry: dict, message: str
 ) -> None:
     folder = _write(tmp_path, {"4": entry})
@@ -447,23 +401,13 @@ def test_config_with_a_bad_decode_variant_is_refused_naming_file_and_T(
         get_config(4, 8, 40, torch.float32, "Test_GPU", folder)
 
 
-@pytest.mark.parametrize("variant", sorted(DECODE_VARIANTS))
 @pytest.mark.parametrize("num_tokens", [1, DECODE_MAX_T, DECODE_MAX_T + 1])
-def test_default_configs_are_valid_entries(variant: str, num_tokens: int) -> None:
-    entry = default_config(num_tokens, variant)
+def test_default_configs_are_valid_entries(num_tokens: int) -> None:
+    entry = default_config(num_tokens)
     assert validate_entry(entry, "default") is entry
     assert ("BLOCK_M" in entry) == (num_tokens > DECODE_MAX_T)
     if num_tokens <= DECODE_MAX_T:
-        assert set(entry) - {"variant"} == set(DECODE_VARIANTS[variant]), entry
-
-
-def test_default_decode_variant_is_two_stage_and_unknown_ones_are_refused() -> None:
-    from moecache_kernels.slot_moe_config import decode_variant
-
-    assert decode_variant(default_config(1)) == "two_stage"
-    assert decode_variant(default_config(1, "fused")) == "fused"
-    with pytest.raises(ValueError, match="variant must be one of .*'unrolled'"):
-        default_config(1, "unrolled")
+        assert set(entry) == set(DECODE_KEYS), entry
 
 
 @pytest.mark.parametrize(
@@ -527,11 +471,11 @@ def test_tuner_tries_prefill_layouts_first_and_spans_the_wide_space() -> None:
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
     start = default_config(4096)
-    items = list(tune.candidates(4096, start, "two_stage", 4096 * 8 / 256))
+    items = list(tune.candidates(4096, start, 4096 * 8 / 256))
     assert items[:2] == [("layout", "sorted"), ("tma", True)]
     assert items[2:6] == [("BLOCK_M", m) for m in (128, 64, 32, 16)]
     assert [stage for stage, _ in items[6:10]] == ["gate_up", "down", "gate_up", "down"]
-    assert [m for stage, m in tune.candidates(512, start, "two_stage", 16.0) if stage == "BLOCK_M"][0] == 16
+    assert [m for stage, m in tune.candidates(512, start, 16.0) if stage == "BLOCK_M"][0] == 16
     for stage, choice in items:
         validate_entry(tune.with_choice(start, stage, choice), f"{stage}={choice}")
     for stage in ("gate_up", "down"):
@@ -649,16 +593,6 @@ DSV2 = {"hidden": 2048, "inter": 1408, "num_experts": 64, "top_k": 6, "num_slots
 LARGE = {"hidden": 4096, "inter": 1536, "num_experts": 128, "top_k": 8, "num_slots": 32}
 GPU_T = [1, 5, 16, 17, 600]
 GPU_DECODE_T = [1, 5, 16]
-# the fused decode's default and a config with other blocks (16 rows of I, 128-wide gate/up tiles, 64-row
-# down tiles, the reduce in 16 x 64 tiles)
-FUSED_GPU = {
-    "default": default_config(1, "fused"),
-    "other": {
-        "variant": "fused",
-        "fused": {"BLOCK_I": 16, "BLOCK_H": 128, "BLOCK_HD": 64, "num_warps": 8},
-        "reduce": {"BLOCK_R": 16, "BLOCK_H": 64, "num_warps": 4},
-    },
-}
 # the prefill layouts at real shapes: the default blocks in each layout, and wide TMA tiles as the tuner
 # may pick them (BLOCK_M 128, down tiles 256 columns of H)
 PREFILL_GPU = {
@@ -671,10 +605,7 @@ PREFILL_GPU = {
         "down": {"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 16, "num_warps": 8, "num_stages": 3},
     },
 }  # fmt: skip
-PINNED = {
-    "picked": None, "two_stage": default_config(1), "fused": FUSED_GPU["default"], "pdl": default_config(1, "pdl"),
-    "l2": default_config(1, "l2"),
-} | PREFILL_GPU  # fmt: skip
+PINNED = {"picked": None, "two_stage": default_config(1)} | PREFILL_GPU
 
 
 def _pin_config(monkeypatch, config: dict | str) -> None:
@@ -698,7 +629,7 @@ def test_cuda_kernel_matches_reference(shape: dict, num_tokens: int, pattern: st
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "prefill"])
+@pytest.mark.parametrize("variant", ["two_stage", "prefill"])
 def test_cuda_float32_out_rounds_once_to_the_bf16_result(monkeypatch, variant: str) -> None:
     """bf16 inputs into a float32 out= (the runtime's one-rounding combine): its float32 sums, rounded to
     nearest even once, are bit for bit the bf16 result; decode's are the float32 reference's to fp32
@@ -721,65 +652,29 @@ def test_cuda_float32_out_rounds_once_to_the_bf16_result(monkeypatch, variant: s
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("config", sorted(FUSED_GPU))
-@pytest.mark.parametrize(
-    "shape", [QWEN36, QWEN3_30B, DSV2, LARGE], ids=["qwen3.6", "qwen3-30b", "dsv2-lite", "large"]
-)
-@pytest.mark.parametrize("num_tokens", GPU_DECODE_T)
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_cuda_fused_decode_matches_reference(
-    monkeypatch, shape: dict, num_tokens: int, pattern: str, config: str
-) -> None:
-    _pin_config(monkeypatch, FUSED_GPU[config])
-    _cuda_run_matches(num_tokens, shape, pattern, f"fused {config} T={num_tokens} {pattern}")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["pdl", "l2"])
-@pytest.mark.parametrize(
-    "shape", [QWEN36, QWEN3_30B, DSV2, LARGE], ids=["qwen3.6", "qwen3-30b", "dsv2-lite", "large"]
-)
-@pytest.mark.parametrize("num_tokens", GPU_DECODE_T)
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_cuda_decode_variant_matches_reference(
-    monkeypatch, shape: dict, num_tokens: int, pattern: str, variant: str
-) -> None:
-    """pdl: the down launch started early (programmatic dependent launch) waits for gate/up's activations;
-    l2: the prefetch programs read the down weights and write nothing the result depends on."""
-    _pin_config(monkeypatch, variant)
-    _cuda_run_matches(num_tokens, shape, pattern, f"{variant} T={num_tokens} {pattern}")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "l2"])
-def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch, variant: str) -> None:
+def test_cuda_ids_and_slots_out_of_range_add_nothing(monkeypatch) -> None:
     from moecache_kernels.slot_moe import slot_moe
 
-    _pin_config(monkeypatch, variant)
+    _pin_config(monkeypatch, "two_stage")
     case, meant = out_of_range_case(5, **QWEN36, dtype=torch.bfloat16, seed=SEED, device="cuda")
     out = torch.full_like(case["x_TH"], float("nan"))
     slot_moe(*(case[name] for name in ARGS), out=out)
-    _assert_matches(out, meant, f"{variant}: ids -1 / E and slot S")
+    _assert_matches(out, meant, "decode: ids -1 / E and slot S")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["two_stage", "fused", "pdl", "l2"])
 @pytest.mark.parametrize("num_tokens", [1, 16])
-def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_tokens: int) -> None:
+def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, num_tokens: int) -> None:
     """Many programs add into each output element; their order must not depend on scheduling."""
     from moecache_kernels.slot_moe import slot_moe
 
-    _pin_config(monkeypatch, variant)
+    _pin_config(monkeypatch, "two_stage")
     case = make_case(num_tokens, **QWEN36, pattern="all", dtype=torch.bfloat16, seed=SEED, device="cuda")
     args = [case[name] for name in ARGS]
     first = slot_moe(*args)
     for run in range(20):
-        assert torch.equal(slot_moe(*args), first), (
-            f"{variant} T={num_tokens}: run {run + 1} differs, seed {SEED}"
-        )
+        assert torch.equal(slot_moe(*args), first), f"T={num_tokens}: run {run + 1} differs, seed {SEED}"
 
 
 @pytest.mark.gpu
@@ -790,12 +685,7 @@ def test_cuda_decode_is_bit_identical_run_to_run(monkeypatch, variant: str, num_
         (1, "picked"),
         (64, "picked"),
         (1, "two_stage"),
-        (1, "fused"),
-        (16, "fused"),
-        (1, "pdl"),
-        (16, "pdl"),
-        (1, "l2"),
-        (16, "l2"),
+        (16, "two_stage"),
         (600, "sorted"),
         (600, "sorted_tma"),
         (600, "pairs_tma"),
