@@ -197,7 +197,7 @@ def status(key):
             return int(line.split()[1]) * 1024
 
 before = status("VmRSS:")
-loaded = load_model({"path": sys.argv[1]}, sys.argv[2], "cpu", OffloadRequest(0, 0, "off"), False)
+loaded = load_model({"path": sys.argv[1], "dtype": "bfloat16"}, sys.argv[2], "cpu", OffloadRequest(0, 0, "off"), False)
 dense = sum(p.numel() * p.element_size() for p in loaded.model.parameters() if p.device.type != "meta")
 print(json.dumps({"before": before, "peak": status("VmHWM:"), "store": loaded.store.nbytes, "dense": dense}))
 """
@@ -206,7 +206,7 @@ print(json.dumps({"before": before, "peak": status("VmHWM:"), "store": loaded.st
 def test_peak_host_memory_of_an_offloaded_load_is_the_store_plus_the_rest(tmp_path):
     folder = save_checkpoint(
         tmp_path / "big", "deepseek_v2", shard="64MB", hidden_size=512, moe_intermediate_size=512,
-        n_routed_experts=32, num_hidden_layers=4,
+        n_routed_experts=32, num_hidden_layers=4, vocab_size=32768,
     )  # fmt: skip
     files = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     result = subprocess.run(
@@ -215,6 +215,9 @@ def test_peak_host_memory_of_an_offloaded_load_is_the_store_plus_the_rest(tmp_pa
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     m = json.loads(result.stdout.splitlines()[-1])
-    assert m["store"] > 250e6 and m["store"] + m["dense"] <= files
-    margin = 64 << 20  # the imports done before `before`; buffers and the thread pool after
+    # a float32 checkpoint loaded in bfloat16: every tensor goes through a host copy of its own dtype,
+    # which must be dropped once placed (the float32 copies of the non-expert weights alone, 2 x dense,
+    # exceed the margin)
+    assert m["store"] > 120e6 and 2 * m["dense"] > (64 << 20) and m["store"] + m["dense"] <= files // 2 + (1 << 20)
+    margin = 64 << 20  # buffers, the thread pool and the reads in flight
     assert m["peak"] - m["before"] <= m["store"] + m["dense"] + margin, m
