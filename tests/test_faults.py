@@ -501,3 +501,12 @@ def test_a_damaged_cost_profile_is_one_line_naming_the_key(tmp_path, damage, cul
     assert str(err.value).startswith(f"runtime.cost_profile={path}: ") and culprit in str(err.value), (
         err.value
     )
+
+
+def test_validate_checks_the_model_s_shape_before_loading_it(tmp_path, no_model):
+    """Capacities against the model's experts come from its config alone (moecache.models.loading's
+    describe_model), before a weight is read."""
+    _decision(tmp_path, "lru")
+    argv = ["validate", "validate.workloads=[multi_request]", "validate.capacities=[1000]"]
+    code, err, _ = _cli(*argv, f"output_root={tmp_path}")
+    assert code == 2 and len(err) == 1 and "validate.capacities" in err[0] and "1000" in err[0], err

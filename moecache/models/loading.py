@@ -132,6 +132,8 @@ def build_tiny(model_cfg: DictConfig | dict, output_root: str | Path) -> Path:
     tmp = final.parent / tmp_name(final.name)
     # SIGTERM / SIGHUP raise here as SIGINT does, so the temporary folder is removed on every signal
     with terminating_signals_raise():
+        progress = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # a tiny model's one shard needs no bar
         try:
             model.save_pretrained(tmp)
             build_byte_tokenizer().save_pretrained(tmp)
@@ -144,6 +146,9 @@ def build_tiny(model_cfg: DictConfig | dict, output_root: str | Path) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            if progress:
+                transformers.utils.logging.enable_progress_bar()
     return final
 
 
@@ -381,30 +386,11 @@ def _files_revision(headers) -> str:
     return digest.hexdigest()
 
 
-def load_model(
-    model_cfg: DictConfig | dict,
-    output_root: str | Path,
-    device: str,
-    offload: OffloadRequest | None = None,
-    progress: bool | None = None,
-) -> LoadedModel:
-    """Load the model that `model_cfg` (the `model` config group) names, in eval mode on `device`.
+def _skeleton(cfg: dict, output_root, target: torch.device):
+    """The checkpoint's folder, config.json, dtype and files, and its model built without weights
+    (moecache/models/skeleton.py) with its adapter, the architecture checked; nothing is read."""
+    from moecache.models.skeleton import build_skeleton, everything
 
-    Every weight is read once, straight to where it is used (moecache/models/streaming.py): with
-    `offload`, the routed experts into a host expert store (`LoadedModel.store`, its slot count checked
-    and resolved in `LoadedModel.fit`), else into the model on `device`. `progress`: draw progress bars
-    (None: on a terminal)."""
-    from moecache.models.load_progress import LoadProgress
-
-    cfg = _model_dict(model_cfg)
-    from moecache.models import random_full
-
-    target = torch.device(_resolve_device(device))
-    if random_full.is_random(cfg):  # random weights, no checkpoint (random_full.py)
-        with LoadProgress(f"random {cfg.get('name', '')}".strip(), progress) as bars:
-            loaded = random_full.load_random(cfg, str(target), offload, bars)
-        loaded.times = bars.times
-        return loaded
     if cfg.get("path") is None:
         if not cfg.get("build"):
             raise MoecacheError(
@@ -429,11 +415,6 @@ def load_model(
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as exc:
         raise MoecacheError(f"{path / 'config.json'}: {_one_line(exc)}") from exc
-
-    from moecache.models.memory_fit import fit_dense, fit_offload
-    from moecache.models.skeleton import build_skeleton, everything
-    from moecache.models.streaming import stream_checkpoint
-
     try:
         model = build_skeleton(
             lambda: AutoModelForCausalLM.from_config(config, dtype=dtype), dtype, target, everything
@@ -447,6 +428,52 @@ def load_model(
     adapter = adapter_for(model)
     if cfg.get("architecture"):
         check_architecture(adapter, dict(cfg["architecture"]), path, _checkpoint_dtype(raw_config))
+    return path, raw_config, dtype, files, model, adapter
+
+
+def describe_model(model_cfg: DictConfig | dict, output_root: str | Path) -> tuple[dict, int]:
+    """(the adapter's describe(), the vocabulary size) of the model `model_cfg` names, from its config
+    alone (the model built on the meta device; no weight read): what a stage checks its inputs against
+    before it loads the model."""
+    from moecache.models import random_full
+
+    cfg = _model_dict(model_cfg)
+    if random_full.is_random(cfg):
+        model, _ = random_full.build_random_model(cfg, "meta")
+        adapter = adapter_for(model)
+    else:
+        *_, model, adapter = _skeleton(cfg, output_root, torch.device("meta"))
+    return adapter.describe(), int(model.config.get_text_config().vocab_size)
+
+
+def load_model(
+    model_cfg: DictConfig | dict,
+    output_root: str | Path,
+    device: str,
+    offload: OffloadRequest | None = None,
+    progress: bool | None = None,
+) -> LoadedModel:
+    """Load the model that `model_cfg` (the `model` config group) names, in eval mode on `device`.
+
+    Every weight is read once, straight to where it is used (moecache/models/streaming.py): with
+    `offload`, the routed experts into a host expert store (`LoadedModel.store`, its slot count checked
+    and resolved in `LoadedModel.fit`), else into the model on `device`. `progress`: draw progress bars
+    (None: on a terminal)."""
+    from moecache.models.load_progress import LoadProgress
+
+    cfg = _model_dict(model_cfg)
+    from moecache.models import random_full
+
+    target = torch.device(_resolve_device(device))
+    if random_full.is_random(cfg):  # random weights, no checkpoint (random_full.py)
+        with LoadProgress(f"random {cfg.get('name', '')}".strip(), progress) as bars:
+            loaded = random_full.load_random(cfg, str(target), offload, bars)
+        loaded.times = bars.times
+        return loaded
+    path, raw_config, dtype, files, model, adapter = _skeleton(cfg, output_root, target)
+
+    from moecache.models.memory_fit import fit_dense, fit_offload
+    from moecache.models.streaming import stream_checkpoint
 
     store = fit = None
     if offload is not None:

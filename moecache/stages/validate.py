@@ -229,16 +229,14 @@ def run(cfg: DictConfig) -> StageResult:
 
     from moecache.capacity import parse_capacities
     from moecache.models import load_model
+    from moecache.models.loading import describe_model
     from moecache.sim.shape import ModelShape
 
-    loaded = load_model(cfg.model, cfg.output_root, device)  # one model, on the device (pipeline.py)
-    if c["model"].get("experts_implementation") is None and loaded.adapter.dtype != torch.bfloat16:
-        loaded.model.set_experts_implementation("eager")  # grouped_mm (CUDA's default) is for bf16
-    arch = loaded.adapter.describe()
+    # what the inputs are checked against, from the model's config alone (no weight read)
+    arch, vocab = describe_model(cfg.model, cfg.output_root)
     if v["forced_trace"] is not None:
         from moecache.validation.forcing import load_forced
 
-        vocab = loaded.model.config.get_text_config().vocab_size
         forced = load_forced(
             store, str(v["forced_trace"]), num_requests=v["forced_requests"],
             max_tokens=v["forced_max_tokens"], arch=arch, vocab_size=int(vocab),
@@ -256,6 +254,13 @@ def run(cfg: DictConfig) -> StageResult:
     shape = ModelShape(L, E, arch["top_k"], arch["expert_bytes"])
     if any(s.name == "selected" for s in strategies):
         _check_runnable(selected, shape, max(slots), profile)
+    loaded = load_model(cfg.model, cfg.output_root, device)  # one model, on the device (pipeline.py)
+    if c["model"].get("experts_implementation") is None and loaded.adapter.dtype != torch.bfloat16:
+        loaded.model.set_experts_implementation("eager")  # grouped_mm (CUDA's default) is for bf16
+    if loaded.adapter.describe() != arch:
+        raise MoecacheError(
+            f"validate: the loaded model is {loaded.adapter.describe()}, its config described {arch}"
+        )
     config = {
         "validate": {
             **{k: v[k] for k in KEYS if k not in ("decision", "cost_profile")},

@@ -218,6 +218,32 @@ def test_peak_host_memory_of_an_offloaded_load_is_the_store_plus_the_rest(tmp_pa
     # a float32 checkpoint loaded in bfloat16: every tensor goes through a host copy of its own dtype,
     # which must be dropped once placed (the float32 copies of the non-expert weights alone, 2 x dense,
     # exceed the margin)
-    assert m["store"] > 120e6 and 2 * m["dense"] > (64 << 20) and m["store"] + m["dense"] <= files // 2 + (1 << 20)
+    assert (
+        m["store"] > 120e6
+        and 2 * m["dense"] > (64 << 20)
+        and m["store"] + m["dense"] <= files // 2 + (1 << 20)
+    )
     margin = 64 << 20  # buffers, the thread pool and the reads in flight
     assert m["peak"] - m["before"] <= m["store"] + m["dense"] + margin, m
+
+
+def test_every_entry_point_refuses_a_truncated_checkpoint_in_one_line(checkpoints, tmp_path):
+    """moecache.offload(path) and the stages that load a model (collect here) give the loader's line."""
+    import moecache
+
+    copy = tmp_path / "cut"
+    shutil.copytree(checkpoints["qwen3_5_moe"], copy)
+    shard = sorted(copy.glob("*.safetensors"))[2]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(MoecacheError, match=rf"{shard.name}: truncated") as info:
+        moecache.offload(copy, capacity="25%", device="cpu", output_root=tmp_path / "out")
+    assert "\n" not in str(info.value)
+    result = subprocess.run(
+        [sys.executable, "-m", "moecache.cli", "collect", "model=tiny", f"model.path={copy}",
+         "workload.num_requests=1", "generation.max_new_tokens=2", f"output_root={tmp_path / 'out'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and f"{shard.name}: truncated" in lines[0], (
+        result.stderr
+    )
