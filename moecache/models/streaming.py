@@ -26,6 +26,7 @@ Legend: G global expert keys (layer x expert), E experts, H hidden, I intermedia
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import threading
@@ -49,6 +50,8 @@ EXPERT_KEY = re.compile(
 )
 PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+READ_WINDOW = 4 * READ_THREADS  # reads queued ahead of the tensors being placed
+READ_AHEAD_BYTES = 256 << 20  # host copies of non-expert tensors read but not yet placed
 
 
 @dataclass
@@ -247,32 +250,51 @@ def stream_checkpoint(
     stats = StreamStats(files=len(files))
     reader = _Reader(progress)
     start = time.perf_counter()
+    plan = []  # (entry, model name or None for expert slices, slices), in file order; checked first
+    for entry in entries:
+        name = model_name(entry.name, renamings)
+        match = EXPERT_KEY.search(name)
+        if match is not None:
+            slices = targets.destinations(entry, match)
+            for layer, expert, part, _ in slices:
+                targets.mark(layer, expert, part)
+            stats.expert_bytes += entry.nbytes
+            plan.append((entry, None, slices))
+        elif name in wanted:
+            _check_shape(model, name, entry)
+            plan.append((entry, name, None))
+        else:
+            stats.skipped_tensors.append(entry.name)
     try:
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moecache-read") as pool:
-            jobs = []  # (future, model name or None for expert slices, entry), in file order
-            for entry in entries:
-                name = model_name(entry.name, renamings)
-                match = EXPERT_KEY.search(name)
-                if match is not None:
-                    slices = targets.destinations(entry, match)
-                    for layer, expert, part, _ in slices:
-                        targets.mark(layer, expert, part)
-                    stats.expert_bytes += entry.nbytes
-                    jobs.append((pool.submit(_expert_job, reader, targets, entry, slices), None, entry))
-                elif name in wanted:
-                    _check_shape(model, name, entry)
-                    jobs.append((pool.submit(reader.tensor, entry), name, entry))
-                else:
-                    stats.skipped_tensors.append(entry.name)
-            jobs.reverse()
-            while jobs:  # in file order; each result dropped once placed (a future keeps its result)
-                future, name, _entry = jobs.pop()
+            pending = collections.deque()  # (future, model name or None, host bytes it holds)
+            held = 0
+
+            def place_oldest() -> None:
+                nonlocal held
+                future, name, nbytes = pending.popleft()
                 result = future.result()
                 del future
-                if name is not None:
+                if name is not None:  # the host copy is dropped once it is on the device
                     tensor = result.to(device=device, dtype=dtype_of(name))
                     materialize(model, name, tensor)
                     stats.device_bytes += tensor.numel() * tensor.element_size()
+                    held -= nbytes
+
+            for entry, name, slices in plan:
+                # reads run ahead of placing by at most READ_WINDOW jobs and READ_AHEAD_BYTES of host copies
+                while pending and (
+                    len(pending) >= READ_WINDOW
+                    or (name is not None and held + entry.nbytes > READ_AHEAD_BYTES)
+                ):
+                    place_oldest()
+                if name is None:
+                    pending.append((pool.submit(_expert_job, reader, targets, entry, slices), None, 0))
+                else:
+                    pending.append((pool.submit(reader.tensor, entry), name, entry.nbytes))
+                    held += entry.nbytes
+            while pending:
+                place_oldest()
     finally:
         reader.close()
     stats.bytes_read = reader.bytes_read

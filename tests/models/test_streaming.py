@@ -189,13 +189,14 @@ def test_capacity_auto_and_what_cannot_fit(monkeypatch):
 RSS_SCRIPT = """
 import json, sys
 from moecache.models import load_model
-from moecache.models.loading import OffloadRequest
+from moecache.models.loading import OffloadRequest, describe_model
 
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 
+describe_model({"path": sys.argv[1]}, sys.argv[2])  # transformers' modeling code imported, a meta build
 before = status("VmRSS:")
 loaded = load_model({"path": sys.argv[1], "dtype": "bfloat16"}, sys.argv[2], "cpu", OffloadRequest(0, 0, "off"), False)
 dense = sum(p.numel() * p.element_size() for p in loaded.model.parameters() if p.device.type != "meta")
@@ -223,7 +224,7 @@ def test_peak_host_memory_of_an_offloaded_load_is_the_store_plus_the_rest(tmp_pa
         and 2 * m["dense"] > (64 << 20)
         and m["store"] + m["dense"] <= files // 2 + (1 << 20)
     )
-    margin = 64 << 20  # buffers, the thread pool and the reads in flight
+    margin = 96 << 20  # buffers, the thread pool, the reads in flight, first-call allocations
     assert m["peak"] - m["before"] <= m["store"] + m["dense"] + margin, m
 
 
