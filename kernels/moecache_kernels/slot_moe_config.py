@@ -33,10 +33,9 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Up to this many tokens the decode path runs (one GEMV program per (token, k, block of I)); above it, the
 # prefill path sorts (token, k) pairs by expert and runs tensor-core tiles.
 DECODE_MAX_T = 16
-# A tuned entry is used for token counts within this factor of its own T, else `default_config`: an entry
-# tuned for T = 4096 (BLOCK_M 128) ran a 64-token prefill of the DeepSeek-V2-Lite shape on the H200 with
-# each expert's few rows padded to 128, and validate's all-resident prefill took 1.54 ms per token where
-# entries tuned at 64 and 512 gave 1.20 (docs/benchmarks.md, ninth session).
+# A tuned entry is used for token counts within this factor of its own T, else `default_config`: an entry's
+# block sizes suit token counts near its T; far below it each expert's few rows are padded to its BLOCK_M
+# (a T = 4096 entry, BLOCK_M 128, on a 64-token prefill), which wastes most of every tile.
 NEAREST_MAX_RATIO = 4
 
 # the decode (its one variant, "two_stage": gate/up launch, then down launch): stage -> its keys
