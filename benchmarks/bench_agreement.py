@@ -8,6 +8,12 @@ against its `grouped_mm` path (and `batched_mm` with `--impls`). moecache offloa
 it on every figure (moecache/validation/agreement.py): max and mean |logit - baseline logit| over all
 positions x vocabulary, and teacher-forced top-1 agreement.
 
+With `--fp32` (the default) the same baseline in float32 is the common truth: the unmodified model's
+bfloat16 weights widened to float32 in place (every bf16 value is exact in float32, so narrowing them
+back afterwards restores the model bit for bit), eager, the same tokens and routing; every run, eager
+included, is also compared with it (rows `vs fp32`): both transformers implementations' and moecache's
+errors against the same truth.
+
 One model of the `--model` yaml's shape (all its widths, the first `--layers` decoder layers, random
 weights in bf16 on the device: moecache/models/random_full.py). Every run is trace-forced (moecache/
 runtime/forced_routing.py), so all route the same (token, expert) entries with the same weights:
@@ -95,6 +101,29 @@ def prompt_of(rid: str, prompt: int, vocab: int) -> list[int]:
     return one.input_ids(rid, vocab)[0].tolist()
 
 
+def float32_logits(model, prompts: dict, feed: dict, forced) -> dict:
+    """The model's teacher-forced logits with its bfloat16 parameters and buffers widened to float32
+    for the pass and narrowed back after it (exact both ways: module docstring)."""
+    from moecache.validation.agreement import teacher_forced_all
+
+    lowered = [t for t in (*model.parameters(), *model.buffers()) if t.dtype == torch.bfloat16]
+    for t in lowered:
+        t.data = t.data.float()
+    try:
+        return teacher_forced_all(model, prompts, feed, forced)
+    finally:
+        for t in lowered:
+            t.data = t.data.to(torch.bfloat16)
+
+
+def vs_fp32(run: str, logits: dict, truth: dict) -> dict:
+    """A transformers implementation's row against the float32 truth."""
+    from moecache.validation.agreement import logit_errors
+
+    return {"run": run, "vs": "fp32", **logit_errors(logits, truth).figures(), "cpu_entries": None,
+            "gpu_entries": None}  # fmt: skip
+
+
 def progress(started: float, what: str) -> None:
     print(f"  [{time.perf_counter() - started:6.0f} s] {what}", file=sys.stderr, flush=True)
 
@@ -114,6 +143,10 @@ def main() -> None:
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--impls", nargs="+", default=["grouped_mm"], help="transformers paths held to eager")
     ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--fp32", action=argparse.BooleanOptionalAction, default=True,
+        help="also compare every run with the eager baseline in float32 (module docstring)",
+    )  # fmt: skip
     args = ap.parse_args()
     from moecache.models.adapter import adapter_for
     from moecache.offloading import offload_model
@@ -166,25 +199,33 @@ def main() -> None:
         progress(started, f"{impl} done")
     base = logits["eager"]
     scale = float(torch.cat(list(base.values())).std())
+    truth = None
+    if args.fp32:
+        model.set_experts_implementation("eager")
+        truth = float32_logits(model, prompts, feed, forced)
+        progress(started, "float32 eager done")
     rows = [
         {"run": impl, "vs": "eager", **logit_errors(logits[impl], base).figures(), "cpu_entries": None,
          "gpu_entries": None}
         for impl in args.impls
     ]  # fmt: skip
     tolerance = {r["run"]: logit_errors(logits[r["run"]], base) for r in rows}
+    if truth is not None:
+        rows += [vs_fp32(run, logits[run], truth) for run in ["eager", *args.impls]]
 
     # 3. moecache offloaded (the model's experts go to the host store), a new cold cache per capacity
     gc.collect()
     offload_model(model, capacity=0, policy="static_cold", device=str(device))
     for capacity in args.capacities:
         session = model.moecache.reconfigure(capacity=capacity, policy=args.policy)
-        stats = session.runtime.stats
+        stats = session.runtime.counters
         cpu0, gpu0 = stats.cpu_entries, stats.gpu_entries
         got = teacher_forced_all(model, prompts, feed, forced)
         errors = logit_errors(got, base)
         progress(started, f"moecache {capacity} done")
         within = {impl: errors.within(tol) for impl, tol in tolerance.items()}
-        for vs, ref in [("eager", base)] + [(impl, logits[impl]) for impl in args.impls]:
+        refs = [("eager", base)] + [(impl, logits[impl]) for impl in args.impls]
+        for vs, ref in refs + ([("fp32", truth)] if truth is not None else []):
             rows.append({
                 "run": f"moecache {capacity} {args.policy}", "vs": vs, **logit_errors(got, ref).figures(),
                 "cpu_entries": stats.cpu_entries - cpu0, "gpu_entries": stats.gpu_entries - gpu0,

@@ -165,7 +165,9 @@ def run_fast(model, prompt, new: int, graphs: str, host_points: str = "auto", co
         "graphs_per_step": result.graphs_per_step,
         "warmup_s": first.warmup_s,
         "manager_us_per_visit": result.manager_us_per_visit,
-        "readback_wait_us_per_visit": 1e6 * result.readback_wait_s / result.visits if result.visits else None,
+        "readback_wait_us_per_visit": (
+            result.host.readback_wait_ns / 1e3 / result.host.visits if result.host.visits else None
+        ),
         "tokens": result.tokens[0, prompt.numel() :].tolist(),
     }
 
@@ -316,8 +318,8 @@ def run_strategy(
     stats = _stats_since(before, model.moecache.stats())
     timed, decode_s = sum(r.timed_steps for r in results), sum(r.decode_s for r in results)
     ms = 1e3 * decode_s / timed
-    visits = sum(r.visits for r in results)
-    calls = sum(r.cpu_calls for r in results)
+    visits = sum(r.host.visits for r in results)
+    calls = sum(r.host.cpu_calls for r in results)
     return {
         **{k: spec[k] for k in ("strategy", "capacity", "on_miss")},
         "policy": stats["policy"], "slots": stats["capacity"],
@@ -328,8 +330,8 @@ def run_strategy(
         "reconfigure_s": reconfigure_s, "hit_rate": stats["hit_rate"], "copies": stats["copies"],
         "waited_copies": stats["waited_copies"], "fallback_entries": stats["fallback_entries"],
         "gpu_entries": stats["gpu_entries"],
-        "manager_us_per_visit": 1e6 * sum(r.manager_s for r in results) / visits if visits else None,
-        "cpu_path_us_per_call": 1e6 * sum(r.cpu_s for r in results) / calls if calls else None,
+        "manager_us_per_visit": sum(r.host.manager_ns for r in results) / 1e3 / visits if visits else None,
+        "cpu_path_us_per_call": sum(r.host.cpu_ns for r in results) / 1e3 / calls if calls else None,
         "tokens": [r.tokens[0, r.prompt_tokens :].tolist() for r in results],
     }  # fmt: skip
 

@@ -415,7 +415,7 @@ def time_slot_moe(
     *,
     graphs: bool = False,
 ) -> Timing:
-    """One call of the runtime's GPU half (`ExpertsRuntime._gpu_part`: `slot_moe` on CUDA, its torch
+    """One call of the runtime's GPU half (`ExpertsRuntime.resident`: `slot_moe` on CUDA, its torch
     reference queued and run on the stand-in) for a step of `tokens` tokens with `entries` resident
     entries. CUDA: device time between events around the call, launched eagerly or (`graphs`, as the
     fast loop runs it) as a CUDA graph of the call replayed; stand-in: host wall time."""
@@ -426,7 +426,7 @@ def time_slot_moe(
 
     def one(n: int):
         ids_TK, w_TK = calls[n % len(calls)]
-        return runtime._gpu_part(x_TH, ids_TK, w_TK, slot_of_E)
+        return runtime.resident(x_TH, ids_TK, w_TK, slot_of_E)
 
     if device.is_cuda and graphs:
         return _time_graphs(dev, [lambda n=n: one(n) for n in range(len(calls))], repeats, warmup)
@@ -512,7 +512,7 @@ def time_slot_moe_in_model(
 
     def call(n, x_TH):
         ids_TK, w_TK = calls[n % len(calls)]
-        runtime._gpu_part(x_TH, ids_TK, w_TK, slot_of_E)
+        runtime.resident(x_TH, ids_TK, w_TK, slot_of_E)
 
     return time_in_model(model, adapter, tokens, call, repeats, warmup, **kw)
 
@@ -531,7 +531,7 @@ def time_cpu_path_in_model(
     def call(n, x_TH):
         first = (n * u) % (store_experts - u + 1)
         ids_TU = np.tile(np.arange(first, first + u, dtype=np.int64), (m, 1))
-        runtime._cpu_part(0, x_TH, ids_TU, w_TU, miss_TU)
+        cpu_half(runtime, x_TH, ids_TU, w_TU, miss_TU)
 
     return time_in_model(model, adapter, m, call, repeats, warmup, **kw)
 
@@ -556,7 +556,7 @@ def time_layer_call_in_model(
 def time_cpu_path(
     runtime, shape: RuntimeShape, tokens_per_expert: int, experts: int, repeats: int, warmup: int
 ) -> Timing:
-    """Host wall time of the runtime's CPU half (`ExpertsRuntime._cpu_part`: the routing's missed
+    """Host wall time of the runtime's CPU half (`cpu_half`: the x read to the host, the routing's missed
     entries gathered, `CpuExperts.run`, the result back on x's device) for `experts` missed experts of
     `tokens_per_expert` tokens each (every token selects all of them). Successive calls rotate over the
     store, so weights come from memory as the run's own do when its store outgrows the cache."""
@@ -573,7 +573,7 @@ def time_cpu_path(
         for first in ((n * u) % (store_experts - u + 1) for n in range(warmup + repeats))
     ]
     return time_calls(
-        lambda n: runtime._cpu_part(0, x_TH, ids_nTU[n], w_TU, miss_TU), repeats, warmup, HostClock(device)
+        lambda n: cpu_half(runtime, x_TH, ids_nTU[n], w_TU, miss_TU), repeats, warmup, HostClock(device)
     )
 
 
@@ -626,22 +626,29 @@ def time_layer_call(
     return time_calls(lambda n: stubbed.run(0, x_TH, *calls[n]), repeats, warmup, HostClock(runtime.device))
 
 
-_NO_KEYS = torch.zeros(0, dtype=torch.int64)  # a stubbed CPU half's keys: none computed
+def cpu_half(runtime, x_TH, ids_host_TK, weights_TK, hit_TK) -> torch.Tensor:
+    """The runtime's CPU half as the eager layer step runs it (`ExpertsRuntime.run`): x read to the host,
+    the missed entries (`hit_TK` False) run from the store, their sum back on x's device."""
+    y_TH, _ = runtime.cpu_half(
+        0, x_TH.detach().to("cpu"), ids_host_TK, weights_TK, hit_TK,
+        place=lambda y_host_TH: y_host_TH.to(x_TH.device, non_blocking=False),
+    )  # fmt: skip
+    return y_TH
 
 
 def halves_stubbed(runtime, zeros_TH: torch.Tensor | None = None):
-    """An `ExpertsRuntime` over `runtime`'s manager and CPU executor whose two halves (the GPU half,
-    `_gpu_part`, and the CPU half, `_cpu_part`) return zeros (`zeros_TH` when given, else zeros like x)
-    and no keys: `run` then costs the routing read-back, the manager's visit and commit, the split and
-    the combine only (time_layer_call*). A subclass, so the runtime given is left as it is."""
+    """An `ExpertsRuntime` over `runtime`'s manager and CPU executor whose two halves (`resident` and
+    `cpu_half`) return zeros (`zeros_TH` when given, else zeros like x) without computing: `run` then
+    costs the routing read-back, the manager's visit and commit, the split and the combine only
+    (time_layer_call*). A subclass over the public pieces, so the runtime given is left as it is."""
     from moecache.runtime.experts_module import ExpertsRuntime
 
     class HalvesStubbed(ExpertsRuntime):
-        def _gpu_part(self, x_TH, *args, **kwargs):
+        def resident(self, x_TH, *args, **kwargs):
             return zeros_TH if zeros_TH is not None else torch.zeros_like(x_TH)
 
-        def _cpu_part(self, layer, x_TH, *args):
-            return (zeros_TH if zeros_TH is not None else torch.zeros_like(x_TH)), _NO_KEYS
+        def cpu_half(self, layer, x_host_TH, *args, **kwargs):
+            return (zeros_TH if zeros_TH is not None else torch.zeros_like(x_host_TH)), 0
 
     return HalvesStubbed(runtime.manager, runtime.cpu)
 
@@ -722,7 +729,7 @@ def resident_operator_work(runtime, shape: RuntimeShape, seed: int = 0):
     def work(x_TH):
         t = x_TH.shape[0]
         ids_TK = torch.stack([torch.randperm(resident, generator=gen)[:k] for _ in range(t)]).to(dev)
-        runtime._gpu_part(x_TH, ids_TK, _weights(t, k, gen).to(device=dev, dtype=x_TH.dtype), slot_of_E)
+        runtime.resident(x_TH, ids_TK, _weights(t, k, gen).to(device=dev, dtype=x_TH.dtype), slot_of_E)
 
     return work
 
@@ -808,10 +815,17 @@ def random_routing(shape, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.nd
     return ids_LNK, w_LNK
 
 
+# A timed whole-model run (a prefill and its decode steps) costs as much as many calls of one piece: it
+# is repeated a quarter as often as cost.runtime.repeats says, at least MODEL_RUN_MIN_REPEATS times (a
+# median), after at most MODEL_RUN_WARMUP untimed runs (the first pays the one-time costs).
+MODEL_RUN_REPEATS_DIVISOR, MODEL_RUN_MIN_REPEATS, MODEL_RUN_WARMUP = 4, 3, 1
+
+
 def in_loop_repeats(rs: dict) -> int:
-    """Timed generations of each in-loop run of step=fast (the CPU-path runs, the split-host run), from
-    the cost.runtime settings `rs`; the fit replays those runs' routing (calibration_fit)."""
-    return max(3, int(rs["repeats"]) // 4)
+    """Timed runs of each whole-model measurement (the non-expert runs, the in-loop CPU-path and
+    split-host runs of step=fast), from the cost.runtime settings `rs`; the fit replays the in-loop
+    runs' routing (calibration_fit)."""
+    return max(MODEL_RUN_MIN_REPEATS, int(rs["repeats"]) // MODEL_RUN_REPEATS_DIVISOR)
 
 
 def decode_steps_per_generation(decode_steps: int, repeats: int) -> int:

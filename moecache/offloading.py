@@ -55,6 +55,7 @@ class OffloadSession:
         self.architecture = architecture
         self._model = weakref.ref(model) if model is not None else None  # no cycle through model.moecache
         self._baseline = dataclasses.replace(manager.stats)
+        self._counters_base = runtime.counters.copy()
         self._replaced = False
 
     def stats(self) -> dict:
@@ -67,7 +68,7 @@ class OffloadSession:
         now, base = self.manager.stats, self._baseline
         delta = {f.name: getattr(now, f.name) - getattr(base, f.name) for f in dataclasses.fields(now)}
         accesses = delta["hits"] + delta["misses"]
-        exec_stats = self.runtime.stats
+        counters = self.runtime.counters.since(self._counters_base)
         return {
             "policy": self.manager.policy.label(),
             "on_miss": self.manager.on_miss,
@@ -85,8 +86,8 @@ class OffloadSession:
             "deferred_copies": delta["deferred_copies"],
             "wasted_copies": delta["wasted_copies"],
             "waited_copies": delta["waited_copies"],
-            "fallback_entries": exec_stats.cpu_entries,
-            "gpu_entries": exec_stats.gpu_entries,
+            "fallback_entries": counters.cpu_entries,
+            "gpu_entries": counters.gpu_entries,
             "residents_per_layer": (self.manager.published_LE >= 0).sum(axis=1).astype(np.int64).tolist(),
         }
 
@@ -95,7 +96,7 @@ class OffloadSession:
         self._check_live("reset")
         self.manager.reset()
         self._baseline = dataclasses.replace(self.manager.stats)
-        self.runtime.stats = type(self.runtime.stats)()
+        self._counters_base = self.runtime.counters.copy()
 
     def begin_request(self) -> None:
         """The next forward passes belong to a new request (policies with per-request state read it)."""

@@ -770,7 +770,7 @@ def test_the_layer_call_is_timed_with_stubbed_halves_leaving_the_runtime_as_it_w
     shape = cal.RuntimeShape(8, 2, 64, 32, torch.float32)
     runtime = cal.synthetic_runtime(shape, 8, 4, _runtime_device("cpu"), cpu_backend="torch")
     timing = cal.time_layer_call(runtime, shape, 2, 3, 1)
-    assert timing.repeats == 3 and not {"_gpu_part", "_cpu_part"} & set(vars(runtime))
+    assert timing.repeats == 3 and not {"resident", "cpu_half"} & set(vars(runtime))
     stubbed = cal.halves_stubbed(runtime)
     x_TH = torch.ones(2, 64)
     ids_TK = torch.tensor([[0, 5], [6, 7]])

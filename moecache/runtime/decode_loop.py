@@ -43,6 +43,7 @@ Legend: T prompt tokens, N generated tokens (the token buffer holds max_cache_le
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass
@@ -51,7 +52,8 @@ import torch
 from torch import nn
 
 from moecache.errors import MoecacheError
-from moecache.runtime.segments import HOST_TIMES, Segments
+from moecache.runtime.experts_module import LayerCounters
+from moecache.runtime.segments import Segments
 
 GRAPHS = ("auto", "on", "off")
 HOST_POINTS = ("auto", "always")
@@ -72,16 +74,9 @@ class DecodeResult:
     warmup_s: float
     decode_s: float
     timed_steps: int
-    # Host time of the expert path's host points over the timed steps (offloaded, split mode; else 0):
-    # in the cache manager's calls (prepare, visit, commit), waiting for routing read-backs to land
-    # (the GPU not there yet), and the number of layer visits.
-    manager_s: float = 0.0
-    readback_wait_s: float = 0.0
-    visits: int = 0
-    # The CPU path at those host points: seconds, calls (visits with misses), (token, k) entries run
-    cpu_s: float = 0.0
-    cpu_calls: int = 0
-    cpu_entries: int = 0
+    # The layer steps' counters over the timed steps (offloaded, split mode; else zeros): the host time
+    # in the manager's calls, waiting for routing read-backs and on the CPU path, visits, CPU calls
+    host: LayerCounters = dataclasses.field(default_factory=LayerCounters)
 
     @property
     def new_tokens(self) -> int:
@@ -93,7 +88,7 @@ class DecodeResult:
 
     @property
     def manager_us_per_visit(self) -> float | None:
-        return 1e6 * self.manager_s / self.visits if self.visits else None
+        return self.host.manager_ns / 1e3 / self.host.visits if self.host.visits else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -174,12 +169,11 @@ class FastDecoder:
 
     def log_cpu_calls(self, log: list | None) -> None:
         """Log every CPU-path call of the offloaded model, the decode steps' host points' and the prefill's,
-        into `log` as (tokens, entries, ns, uses) (ExpertsTaps.cpu_log, ExpertsRuntime.cpu_log:
-        calibrate's in-loop CPU-path rows); None: stop."""
+        into `log` as (tokens, entries, ns, uses) (ExpertsRuntime.cpu_log: calibrate's in-loop CPU-path
+        rows); None: stop."""
         if self._taps is None:
             raise MoecacheError("fast decode: an unmodified model has no CPU path to log")
-        self._taps.cpu_log = log
-        self._taps.runtime.cpu_log = log  # the prefill's calls: transformers' forward, the experts module
+        self._taps.runtime.cpu_log = log
 
     def _compiled_step(self):
         """`torch.compile` of the step, compiled (at the warm-up step) with a recompile limit above the
@@ -240,9 +234,7 @@ class FastDecoder:
         return DecodeResult(
             tokens=tokens, logits=logits, prompt_tokens=int(prompt_T.numel()), mode=mode,
             graphs_per_step=len(self._segments[mode].graphs), prefill_s=prefill_s, warmup_s=warmup_s,
-            decode_s=decode_s, timed_steps=timed, manager_s=host["manager"] / 1e9,
-            readback_wait_s=host["wait"] / 1e9, visits=host["visits"], cpu_s=host["cpu"] / 1e9,
-            cpu_calls=host["cpu_calls"], cpu_entries=host["cpu_entries"],
+            decode_s=decode_s, timed_steps=timed, host=host,
         )  # fmt: skip
 
     def static_buffers(self) -> dict[str, torch.Tensor]:
@@ -267,12 +259,14 @@ class FastDecoder:
             return "split"
         return "fused" if self._taps.frozen() else "split"
 
-    def _decode(self, mode: str, budget: int, eos: set[int], streamer) -> tuple[int, float, float, int, dict]:
+    def _decode(
+        self, mode: str, budget: int, eos: set[int], streamer
+    ) -> tuple[int, float, float, int, LayerCounters]:
         """Up to `budget` decode steps (stopping after an `eos` token): eager warm-up steps, the capture
         and its first replay (warm-up too: a streamer's gap for that step holds the capture), then
         replays (graphs on); eager steps otherwise. Returns (steps, warmup_s, decode_s, timed, the
-        host points' times over the timed steps: ExpertsTaps.host_ns)."""
-        host = dict.fromkeys(HOST_TIMES, 0)
+        layer steps' counters over the timed steps)."""
+        host = LayerCounters()
         segments = self._segments[mode]
         warmup_s = 0.0
         timed, t_start = 0, None
@@ -296,7 +290,7 @@ class FastDecoder:
                     self._sync()
                     t_start = time.perf_counter()
                     if self._taps is not None:
-                        host_start = dict(self._taps.host_ns)
+                        host_start = self._taps.runtime.counters.copy()
                 segments.replay() if segments.graphs else self._run_step()
                 timed += 1
             if eos or streamer is not None:
@@ -313,7 +307,7 @@ class FastDecoder:
             self._sync()
             decode_s = time.perf_counter() - t_start
             if self._taps is not None:
-                host = {k: v - host_start[k] for k, v in self._taps.host_ns.items()}
+                host = self._taps.runtime.counters.since(host_start)
         return budget, warmup_s, decode_s, timed, host
 
     def _forward(self, input_ids, position_ids=None, cache_position=None, last_only=False):

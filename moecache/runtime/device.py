@@ -13,9 +13,8 @@ Semantics shared by both (those of CUDA):
 - `copy(dst, src, stream)` enqueues `dst.copy_(src)` on `stream` (asynchronous from pinned host memory).
 
 On CUDA the transfer engine's expert copies go straight to the driver's `cuMemcpyAsync` (`DriverCopies`,
-`CudaDevice.driver`): torch's `copy_` inside the copy stream's context took 6.3 us of host time per
-expert copy on the H200 host (docs/benchmarks.md, round 5), its dispatch and stream context around the
-same driver call. Copies on the current stream (mapping-row uploads, which may be captured into a CUDA
+`CudaDevice.driver`): torch's `copy_` inside the copy stream's context costs 6.3 us of host time per
+expert copy on the H200 host (its dispatch and the stream context around the same driver call). Copies on the current stream (mapping-row uploads, which may be captured into a CUDA
 graph) stay torch's.
 """
 
@@ -59,6 +58,22 @@ class Device:
         """Called by the cache manager before each layer visit (the stand-in may complete work here).
         True: everything enqueued so far has completed."""
         return False
+
+    def launch(self, stream, op: Callable[[], object], *, after_copies: bool = False):
+        """Run the compute operation `op` on `stream`, in that stream's order, and return its result.
+        CUDA: `op` enqueues its kernels now (on the current stream, which is `stream`). The stand-in
+        queues `op` on `stream` and runs that stream, or every stream (`after_copies`: the copies that
+        `stream` waits for run first), so `op` reads what was enqueued before it."""
+        return op()
+
+    def drain(self, stream=None) -> None:
+        """The stand-in: run what is queued on `stream` (None: every stream) now, as a GPU would by the
+        time the host reads its results. CUDA: nothing (the GPU runs it on its own)."""
+
+    def host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed host tensor the device copies to and from: pinned on CUDA (asynchronous copies),
+        plain on the stand-in."""
+        return torch.zeros(shape, dtype=dtype)
 
     def synchronize(self) -> None:
         """Wait for (stand-in: execute) everything enqueued on every stream."""
@@ -184,6 +199,9 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
 
 
 def plain_pair(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -318,6 +336,15 @@ class StandinDevice(Device):
 
     def pending(self) -> int:
         return sum(len(s.ops) for s in self.streams)
+
+    def launch(self, stream: StandinStream, op: Callable[[], object], *, after_copies: bool = False):
+        result: list = []
+        stream.enqueue(lambda: result.append(op()))
+        self.run(None if after_copies else stream)
+        return result[0]
+
+    def drain(self, stream: StandinStream | None = None) -> None:
+        self.run(stream)
 
     def on_visit(self) -> bool:
         if self.mode != "before_visit":

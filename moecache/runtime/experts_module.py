@@ -18,6 +18,12 @@ One call is one layer visit of the cache manager (docs/runtime.md):
 4. the misses run on the CPU from the store (`CpuExperts.run`, keys = layer * E + expert) and are added.
 Both halves sum only their own entries, so y = GPU part + CPU part is every entry's weighted sum.
 
+Each step is a public method of `ExpertsRuntime` (`visit`, `resident`, `waited`, `commit`, `cpu_half`;
+`prepare` publishes a mapping ahead of the routing) with its counting in one `LayerCounters`. `run` is
+the eager driver: the whole sequence in one call. The fast decode loop (moecache/runtime/segments.py)
+runs the same methods, cut at the host points of a step captured as CUDA graphs; the device differences
+(a stand-in runs its queued work when a result is read) are the device's (`Device.launch`, `drain`).
+
 One rounding: a visit whose entries run in more than one part (hits and misses, or hits and waited
 copies) has every part write its float32 sums (the kernel into a float32 `out`, the CPU path into a
 float32 buffer), added in float32 and rounded to x's dtype once, so the result is the float32 sum over
@@ -29,6 +35,7 @@ Legend: T tokens, H hidden, K top-k, E experts, M (token, expert) entries run on
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -76,17 +83,42 @@ def _gather_misses(base, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
 
 
 @dataclass
-class ExecStats:
-    """What the experts modules themselves count (the manager counts hits, misses and copies)."""
+class LayerCounters:
+    """What the layer steps count, whichever driver runs them (the eager call, `ExpertsRuntime.run`, or
+    the fast loop's host points, moecache/runtime/segments.py); the manager counts hits, misses and
+    copies (ManagerStats). `since(start)`: the counts between two snapshots (`copy()`)."""
 
+    visits: int = 0  # layer visits (manager.visit calls)
+    gpu_entries: int = 0  # (token, k) entries computed from the slot pool (hits and waited copies)
     cpu_entries: int = 0  # (token, k) entries computed on the CPU (fallbacks)
-    gpu_entries: int = 0  # (token, k) entries computed from the slot pool
-    kernel_calls: int = 0  # visits with at least one hit (the slot-pool operator ran)
+    cpu_calls: int = 0  # visits with CPU entries (CPU-half calls)
+    manager_ns: int = 0  # host ns in the manager's calls: prepare, visit, commit, a split's waits
+    readback_wait_ns: int = 0  # host ns waiting for a routing read-back to land (the fast loop on CUDA)
+    cpu_ns: int = 0  # host ns of the CPU half: gather, CpuExperts.run, the sum placed on the device
+
+    def copy(self) -> LayerCounters:
+        return dataclasses.replace(self)
+
+    def since(self, start: LayerCounters) -> LayerCounters:
+        return LayerCounters(
+            **{f.name: getattr(self, f.name) - getattr(start, f.name) for f in dataclasses.fields(self)}
+        )
+
+    def host_summary(self) -> dict:
+        """The host-time columns validate and the benchmarks report: seconds and counts."""
+        return {
+            "manager_s": self.manager_ns / 1e9, "readback_wait_s": self.readback_wait_ns / 1e9,
+            "visits": self.visits, "cpu_s": self.cpu_ns / 1e9, "cpu_calls": self.cpu_calls,
+            "cpu_entries": self.cpu_entries,
+        }  # fmt: skip
 
 
 class ExpertsRuntime:
-    """What every layer's experts module shares: the manager (its store and slot pool) and the CPU
-    executor. Calls are serialised by the model's forward (one layer after the other)."""
+    """What every layer's experts module shares: the manager (its store and slot pool), the CPU executor
+    and the counters; the pieces of one layer visit (module docstring), public so that both drivers run
+    the same ones: `visit`, `prepare`, `resident`, `waited`, `commit`, `cpu_half`; and `run`, the eager
+    driver (one whole visit per call). Calls are serialised by the model's forward (one layer after the
+    other)."""
 
     def __init__(self, manager: CacheManager, cpu: CpuExperts):
         self.manager = manager
@@ -94,60 +126,60 @@ class ExpertsRuntime:
         self.device = manager.device
         self.pool = manager.pool
         self.num_experts = manager.shape.num_experts
-        self.stats = ExecStats()
-        # When a list: one (tokens, entries, ns, uses) per CPU-path call (as ExpertsTaps.cpu_log: the
-        # fast loop's prefill runs through here; calibrate's in-loop CPU-path rows)
+        self.counters = LayerCounters()
+        # When a list: one (tokens, entries, ns, uses) per CPU-half call, uses the token count of each of
+        # its experts (calibrate's in-loop CPU-path rows, from the prefill's calls and the fast loop's)
         self.cpu_log: list[tuple[int, int, int, tuple]] | None = None
         if self.device.is_cuda:
             from moecache_kernels import slot_moe
 
-            self._slot_moe = slot_moe
+            self.kernel = slot_moe
         else:
             from moecache_kernels import slot_moe_reference
 
-            self._slot_moe = slot_moe_reference
+            self.kernel = slot_moe_reference
+
+    # ---- the eager driver ------------------------------------------------------------------------
 
     def run(self, layer: int, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
         """y_TH for one layer visit (module docstring), in x's dtype, on x's device."""
         ids_host_TK = ids_TK.detach().to("cpu", torch.int64).numpy()  # a blocking read on CUDA
-        visit = self.manager.visit(layer, ids_host_TK, compute_done=ids_TK.is_cuda)
+        visit = self.visit(layer, ids_host_TK)
         hit_TK = visit.hit_TK  # with waited copies (on_miss="split"): their entries too
-        n_hit = int(hit_TK.sum())
+        cpu_part = not hit_TK.all()
         x_host_TH, w_host_TK = None, weights_TK
-        if n_hit < hit_TK.size and x_TH.is_cuda:
+        if cpu_part and x_TH.is_cuda:
             # the CPU half's inputs read now, before the GPU half is enqueued: read after it, they would
             # wait for it (the hits' kernel, the waited copies), and the two halves would not overlap
             x_host_TH = x_TH.detach().to("cpu")
             w_host_TK = weights_TK.detach().to("cpu", torch.float32)
         cache_hits = bool((visit.cache_hit_TK if visit.waited else hit_TK).any())
-        cpu_part = n_hit < hit_TK.size
         # more than one part: each writes float32, summed in float32, rounded once (module docstring)
         wide = cache_hits + bool(visit.waited) + cpu_part > 1
+
+        def out_TH(device):
+            return torch.empty(x_TH.shape, dtype=torch.float32, device=device) if wide else None
+
         y_TH = None
         if cache_hits:
             timed = self.manager.time_gpu
             if timed:
                 visit.gpu_events = self._record_event(None)
-            y_TH = self._gpu_part(x_TH, ids_TK, weights_TK, visit.slot_of_E, wide=wide)
+            y_TH = self.resident(x_TH, ids_TK, weights_TK, visit.slot_of_E, out_TH(x_TH.device))
             if timed:
                 visit.gpu_events = self._record_event(visit.gpu_events[0])
-        if visit.waited:
-            row_E = self.manager.enqueue_waits(visit)  # after the hits: they do not wait for the copies
-            launched = time.perf_counter_ns()
-            y_wait_TH = self._gpu_part(x_TH, ids_TK, weights_TK, row_E, waits=True, wide=wide)
-            if self.device.is_cuda:  # the launches are the visit's host time (the stand-in's: compute)
-                self.manager.stats.split_wait_ns += time.perf_counter_ns() - launched
+        if visit.waited:  # after the hits: they do not wait for the copies
+            y_wait_TH = self.waited(visit, x_TH, ids_TK, weights_TK, out_TH(x_TH.device))
             y_TH = y_wait_TH if y_TH is None else y_TH.add_(y_wait_TH)
-        self.manager.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
+        self.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
         if cpu_part:
-            started_ns = time.perf_counter_ns()
-            cpu_TH, keys_M = self._cpu_part(layer, x_TH, ids_host_TK, w_host_TK, hit_TK, x_host_TH, wide)
-            visit.cpu_duration_ns = time.perf_counter_ns() - started_ns
-            if self.cpu_log is not None:
-                log_cpu_call(self.cpu_log, hit_TK.shape[0], keys_M, visit.cpu_duration_ns)
+            if x_host_TH is None:
+                x_host_TH = x_TH.detach().to("cpu")
+            cpu_TH, visit.cpu_duration_ns = self.cpu_half(
+                layer, x_host_TH, ids_host_TK, w_host_TK, hit_TK, out_TH("cpu"),
+                place=lambda y_host_TH: y_host_TH.to(x_TH.device, non_blocking=False),
+            )  # fmt: skip
             y_TH = cpu_TH if y_TH is None else y_TH.add_(cpu_TH)
-        self.stats.gpu_entries += n_hit
-        self.stats.cpu_entries += hit_TK.size - n_hit
         if y_TH is None:
             return torch.zeros_like(x_TH)
         return y_TH.to(x_TH.dtype)  # the one rounding (a no-op for a part that wrote x's dtype)
@@ -157,43 +189,84 @@ class ExpertsRuntime:
         On the stand-in it completes at once (its kernels ran when enqueued)."""
         event = self.device.new_event(timing=True)
         event.record(self.manager.compute)
-        if not self.device.is_cuda:
-            self.device.run(self.manager.compute)
+        self.device.drain(self.manager.compute)
         return (event,) if start is None else (start, event)
 
-    def _gpu_part(
-        self, x_TH, ids_TK, weights_TK, slot_of_E, waits: bool = False, wide: bool = False
-    ) -> torch.Tensor:
-        """The resident entries from the slot pool, on the compute stream after the mapping's upload.
-        `waits`: the call over a split visit's wait row (the stand-in runs the copies it waits for).
-        `wide`: the float32 sums (for the one-rounding combine), else x's dtype."""
-        self.stats.kernel_calls += 1
-        pool = self.pool
-        out_TH = torch.empty(x_TH.shape, dtype=torch.float32, device=x_TH.device) if wide else None
-        if self.device.is_cuda:
-            return self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI, out=out_TH)
-        # The stand-in: the operator is queued on its compute stream behind the mapping row's upload and
-        # run there now, so it reads exactly the mapping this visit published.
-        out: list[torch.Tensor] = []
-        compute = self.manager.compute
-        self.device.enqueue(
-            compute,
-            lambda: out.append(
-                self._slot_moe(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI, out=out_TH)
-            ),
-        )
-        self.device.run(None if waits else compute)
-        return out[0]
+    # ---- the pieces of a layer visit ---------------------------------------------------------------
 
-    def _cpu_part(self, layer, x_TH, ids_host_TK, weights_TK, hit_TK, x_host_TH=None, wide: bool = False):
-        """The entries the visit leaves to the CPU (`hit_TK` False), from the host store: (their sum on
-        x's device, float32 when `wide` else x's dtype; their keys)."""
-        keys_M, token_t, weights_M = miss_entries(layer, self.num_experts, ids_host_TK, weights_TK, hit_TK)
-        if x_host_TH is None:
-            x_host_TH = x_TH.detach().to("cpu")
-        out_TH = torch.empty(x_host_TH.shape, dtype=torch.float32) if wide else None
-        y_host_TH = self.cpu.run(x_host_TH, keys_M, token_t, weights_M, out_TH)
-        return y_host_TH.to(x_TH.device, non_blocking=False), keys_M
+    def prepare(self, layer: int) -> None:
+        """Publish the layer's mapping before its routing is known (`manager.prepare`; the fast loop)."""
+        started = time.perf_counter_ns()
+        self.manager.prepare(layer)
+        self.counters.manager_ns += time.perf_counter_ns() - started
+        self.device.drain(self.manager.compute)  # the stand-in: the row's upload, before a kernel reads it
+
+    def visit(self, layer: int, ids_host_TK: np.ndarray):
+        """The manager's visit on the layer's routing (host int64 [T, K]): the VisitResult."""
+        started = time.perf_counter_ns()
+        visit = self.manager.visit(layer, ids_host_TK, compute_done=self.device.is_cuda)
+        counters = self.counters
+        counters.manager_ns += time.perf_counter_ns() - started
+        counters.visits += 1
+        counters.gpu_entries += int(visit.hit_TK.sum())
+        self.device.drain(self.manager.compute)  # the stand-in: the row's upload, before a kernel reads it
+        return visit
+
+    def commit(self) -> None:
+        """The visit's kernels are enqueued: the manager may reuse its slots (`manager.commit`)."""
+        started = time.perf_counter_ns()
+        self.manager.commit()
+        self.counters.manager_ns += time.perf_counter_ns() - started
+
+    def resident(self, x_TH, ids_TK, weights_TK, slot_of_E, out_TH=None) -> torch.Tensor:
+        """The entries resident in mapping row `slot_of_E`, from the slot pool, on the compute stream after
+        the row's upload: float32 into `out_TH` when given, else x's dtype."""
+        pool = self.pool
+        return self.device.launch(
+            self.manager.compute,
+            lambda: self.kernel(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI, out=out_TH),
+        )
+
+    def waited(self, visit, x_TH, ids_TK, weights_TK, out_TH=None, replay=None):
+        """on_miss="split": the entries whose copies the visit waits for. The manager enqueues the compute
+        stream's wait on those copies and their mapping row; then one more operator call over that row,
+        or `replay()` (the same call captured as a graph, writing its own buffer: returns None). On CUDA
+        the launch is the visit's host time, counted in the split's (the stand-in's is its compute)."""
+        started = time.perf_counter_ns()
+        row_E = self.manager.enqueue_waits(visit)  # counts its own host time in the split's stats
+        launched = time.perf_counter_ns()
+        if replay is not None:
+            replay()
+            y_TH = None
+        else:
+            pool = self.pool
+            y_TH = self.device.launch(
+                self.manager.compute,
+                lambda: self.kernel(x_TH, ids_TK, weights_TK, row_E, pool.w13_SIH, pool.w2_SHI, out=out_TH),
+                after_copies=True,
+            )
+        done = time.perf_counter_ns()
+        if self.device.is_cuda:
+            self.manager.stats.split_wait_ns += done - launched
+        self.counters.manager_ns += done - started
+        return y_TH
+
+    def cpu_half(self, layer, x_host_TH, ids_host_TK, weights_TK, hit_TK, out_TH=None, *, place):
+        """The entries a visit leaves to the CPU (`hit_TK` False) from the host store: `CpuExperts.run`
+        over their gathered (key, token, weight) triples on the host `x_host_TH` (float32 into `out_TH`
+        when given), then `place(y_host_TH)` (onto the device, or into a buffer there). Returns
+        (place's result, the host ns of it all: the visit's `cpu_duration_ns`)."""
+        started = time.perf_counter_ns()
+        keys_M, token_M, weights_M = miss_entries(layer, self.num_experts, ids_host_TK, weights_TK, hit_TK)
+        y_TH = place(self.cpu.run(x_host_TH, keys_M, token_M, weights_M, out_TH))
+        spent_ns = time.perf_counter_ns() - started
+        counters = self.counters
+        counters.cpu_ns += spent_ns
+        counters.cpu_calls += 1
+        counters.cpu_entries += int(keys_M.numel())
+        if self.cpu_log is not None:
+            log_cpu_call(self.cpu_log, hit_TK.shape[0], keys_M, spent_ns)
+        return y_TH, spent_ns
 
 
 class OffloadedExperts(nn.Module):

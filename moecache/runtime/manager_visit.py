@@ -13,9 +13,10 @@ Routing in, placement changes out, every array of the manager's bookkeeping upda
    read (flag ADMIT_DEFERRED: the copy follows those kernels, at commit); such slots left over go to the
    free stack (their last reader is this visit: a later copy into one waits for it).
 The caller (Python) then enqueues the copies (each after its slot's last reader: the manager's
-`_slot_free_after`, the one place that rule lives) and keeps the Copy objects and the loading set. Why one call: each call
-into compiled code from Python costs ~0.05 us per array argument and ~1 us for the policy's state; the
-manager's visit used two such calls and a few microseconds of Python bookkeeping around them.
+`_slot_free_after`, the one place that rule lives) and keeps the Copy objects and the loading set. One
+call because each call into compiled code from Python costs ~0.05 us per array argument and ~1 us for
+the policy's state: a visit split over several calls, with Python bookkeeping between them, would pay
+that several times per layer.
 
 Legend: T tokens, K top-k, E experts, L layers, G global keys, U a visit's distinct experts, S slots.
 """

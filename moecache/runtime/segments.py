@@ -35,8 +35,8 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
 
 The read-back is ordered by the stream, not by an event: A(l)'s copies run in order, so once the
 counter's copy has landed (its host value is the one `_route` expects) the routing and x before it have
-too. The host's only cost is the spin; the CUDA calls it replaced (a copy, an event record, a
-synchronize) cost 9-13 us per visit on the H200 host (docs/benchmarks.md, "Runtime round 4").
+too. The host's only cost is the spin; ordering by an event instead (a copy, an event record, a
+synchronize) costs 9-13 us of CUDA calls per visit on the H200 host.
 
 Trace-forced routing (`ExpertsTaps.forced`, a ForcedRouting, split mode only): at `_route(l)` the layer's
 next forced rows (`forced.take(l, T)`, weights rounded to the dtype the router gave the experts call) are
@@ -64,11 +64,11 @@ import numpy as np
 import torch
 
 from moecache.errors import MoecacheError
-from moecache.runtime.experts_module import log_cpu_call, miss_entries
 
-# what ExpertsTaps.host_ns adds up: ns in the manager's calls, ns waiting for read-backs, visits; ns of
-# the CPU path (a visit with misses: gather, CpuExperts.run, result to the device), its calls, its entries
-HOST_TIMES = ("manager", "wait", "visits", "cpu", "cpu_calls", "cpu_entries")
+# Host-side spins on the read-back counter before `_wait_readback` falls back to synchronizing the compute
+# stream (a device busy with other work): ~100 us of polling on the H200 host, far above a read-back's
+# usual latency (a few us behind segment A's last kernel).
+READBACK_SPINS = 100_000
 
 
 class Segments:
@@ -144,18 +144,16 @@ class ExpertsTaps:
     """The offloaded experts' side of the fast loop: static buffers, host points, the tap function.
 
     One instance serves every MoE layer of one offloaded model (layers run one after the other, so the
-    buffers are shared). `runtime` is the model's `ExpertsRuntime` (manager, CPU executor, counters)."""
+    buffers are shared). `runtime` is the model's `ExpertsRuntime`: the pieces of a layer visit (visit,
+    prepare, resident, waited, commit, cpu_half) and their counters, which the eager call runs too; the
+    taps only cut them at the host points."""
 
     def __init__(self, runtime, segments: Segments, num_tokens: int = 1):
-        from moecache_kernels import slot_moe, slot_moe_reference
-
         self.runtime, self.segments = runtime, segments
-        self.manager, self.cpu, self.device = runtime.manager, runtime.cpu, runtime.device
+        self.manager, self.device = runtime.manager, runtime.device
         self.pool = runtime.pool
-        self.num_experts = runtime.num_experts
         self.num_slots = self.pool.capacity
         self.is_cuda = self.device.is_cuda
-        self._kernel = slot_moe if self.is_cuda else slot_moe_reference
         store, top_k = self.manager.store, self.manager.shape.top_k
         T, K, H = num_tokens, top_k, store.hidden_size
         dtype, where = store.dtype, self.device.torch_device
@@ -165,7 +163,8 @@ class ExpertsTaps:
         x_at = -(-(w_at + w_bytes) // 8) * 8
         total = x_at + x_bytes
         self.tap_B = torch.zeros(total, dtype=torch.uint8, device=where)
-        self.host_B = torch.zeros(total, dtype=torch.uint8, pin_memory=True) if self.is_cuda else self.tap_B
+        # the read-back's destination; on the stand-in the tap buffer is host memory already
+        self.host_B = self.device.host_buffer(total, torch.uint8) if self.is_cuda else self.tap_B
 
         def views(buf):
             return (
@@ -184,22 +183,16 @@ class ExpertsTaps:
         self.y_TH = torch.zeros((T, H), dtype=wide, device=where)
         self.cpu_TH = torch.zeros((T, H), dtype=wide, device=where)
         self.wait_TH = torch.zeros((T, H), dtype=wide, device=where)
-        self._staging_TH = torch.zeros((T, H), dtype=wide, pin_memory=True) if self.is_cuda else None
+        self._staging_TH = self.device.host_buffer((T, H), wide) if self.is_cuda else None
         self._visit_result = None
         # (layer, its routing) whose visit `_combine` left to the next host point: the routing copied out,
         # since the next segment's read-back rewrites the host buffer before that host point
         self._deferred: tuple[int, np.ndarray] | None = None
         if self.is_cuda:  # the read-back's step counter: bumped on the device, copied after the routing
             self._count_dev = torch.zeros(1, dtype=torch.int64, device=where)
-            self._count_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._count_host = self.device.host_buffer(1, torch.int64)
             self._count_np = self._count_host.numpy()
         self._expected = 0  # read-backs the host points have asked for (the counter's value to wait for)
-        # Host time of the host points, for the benchmarks (FastDecoder's DecodeResult): in the manager's
-        # calls (prepare, visit, commit), waiting for read-backs to land, and the visits made.
-        self.host_ns = dict.fromkeys(HOST_TIMES, 0)
-        # When a list (calibrate's in-loop CPU-path rows): one (tokens, entries, ns, uses) per CPU-path
-        # call, uses the token count of each of its experts.
-        self.cpu_log: list[tuple[int, int, int, tuple]] | None = None
         self.mode = "split"
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
@@ -208,9 +201,7 @@ class ExpertsTaps:
         self._weights_dtype_L: dict[int, torch.dtype] = {}
         # Two pinned buffers of forced rows, used in turn: the one written at a host point was last
         # uploaded two layer visits ago, and the read-back waited for since then ran behind that upload.
-        self._forced_B = [
-            torch.zeros(self._routing_bytes, dtype=torch.uint8, pin_memory=self.is_cuda) for _ in range(2)
-        ]
+        self._forced_B = [self.device.host_buffer(self._routing_bytes, torch.uint8) for _ in range(2)]
         self._forced_views = [
             (buf[:ids_bytes].view(torch.int64).view(T, K), buf[w_at:].view(torch.float32).view(T, K))
             for buf in self._forced_B
@@ -235,13 +226,10 @@ class ExpertsTaps:
             self.segments.cut(lambda: self._route_and_combine(layer))
             return self.cpu_TH.to(x_TH.dtype, copy=True)
         self.segments.cut(lambda: self._route(layer))
-        if self.is_cuda:
-            manager = self.manager
-            if manager.row_uploads == "executor":  # the row as `_route`'s prepare (or visit) left it
-                manager.slot_of_LE[layer].copy_(manager.staging_row(layer), non_blocking=True)
-            self._kernel(*self._operands(manager.slot_of_LE[layer]), out=self.y_TH)
-        else:
-            self._kernel(*self._operands(self.manager.slot_of_LE[layer]), out=self.y_TH)
+        manager = self.manager
+        if manager.row_uploads == "executor":  # the row as `_route`'s prepare (or visit) left it
+            manager.slot_of_LE[layer].copy_(manager.staging_row(layer), non_blocking=True)
+        self.runtime.resident(*self._operands(manager.slot_of_LE[layer]), out_TH=self.y_TH)
         self.segments.cut(lambda: self._combine(layer))
         # the CPU misses were added into y_TH at `_combine` (when there were any); the one rounding, in the
         # next segment (a float32 model gets the static buffer itself)
@@ -258,13 +246,11 @@ class ExpertsTaps:
         )
 
     def _operands(self, slot_of_E: torch.Tensor):
-        """The operator's arguments over the static buffers, the pool and the mapping row `slot_of_E`."""
-        pool = self.pool
-        return self.x_TH, self.ids_TK, self.weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI
+        """The resident call's arguments over the static buffers and the mapping row `slot_of_E`."""
+        return self.x_TH, self.ids_TK, self.weights_TK, slot_of_E
 
     def _resident(self, x_TH, ids_TK, weights_TK, layer: int) -> torch.Tensor:
-        pool, slot_of_E = self.pool, self.manager.slot_of_LE[layer]
-        return self._kernel(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI)
+        return self.runtime.resident(x_TH, ids_TK, weights_TK, self.manager.slot_of_LE[layer])
 
     # ---- host points -----------------------------------------------------------------------------
 
@@ -288,12 +274,12 @@ class ExpertsTaps:
             return
         count, expected = self._count_np, self._expected
         started = time.perf_counter_ns()
-        for _ in range(100_000):
+        for _ in range(READBACK_SPINS):
             if count[0] >= expected:
                 break
         else:
             self.manager.compute.stream.synchronize()
-        self.host_ns["wait"] += time.perf_counter_ns() - started
+        self.runtime.counters.readback_wait_ns += time.perf_counter_ns() - started
         if count[0] != expected:
             raise MoecacheError(
                 f"fast decode: read-back counter {int(count[0])}, expected {expected}: a segment ran "
@@ -311,11 +297,7 @@ class ExpertsTaps:
         if self.forced is not None:
             self._substitute(layer)
         if self.manager.on_miss != "wait":
-            started = time.perf_counter_ns()
-            self.manager.prepare(layer)
-            self.host_ns["manager"] += time.perf_counter_ns() - started
-            if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
-                self.device.run(self.manager.compute)
+            self.runtime.prepare(layer)
             return
         self._visit(layer)
 
@@ -330,7 +312,7 @@ class ExpertsTaps:
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
             self._visit(*deferred)
-            self._commit()
+            self.runtime.commit()
             self._visit_result = None
 
     def _visit(self, layer: int, ids_TK: np.ndarray | None = None) -> None:
@@ -339,18 +321,7 @@ class ExpertsTaps:
         if ids_TK is None:
             self._wait_readback()
             ids_TK = self._ids_src_TK.numpy()
-        started = time.perf_counter_ns()
-        visit = self.manager.visit(layer, ids_TK, compute_done=self.is_cuda)  # the read-back waited for A
-        self.host_ns["manager"] += time.perf_counter_ns() - started
-        self.host_ns["visits"] += 1
-        if not self.is_cuda:  # the stand-in: the row's upload runs before the stand-in kernel reads it
-            self.device.run(self.manager.compute)
-        n_hit = int(visit.hit_TK.sum())
-        stats = self.runtime.stats
-        stats.gpu_entries += n_hit
-        stats.cpu_entries += visit.hit_TK.size - n_hit
-        stats.kernel_calls += n_hit > 0
-        self._visit_result = visit
+        self._visit_result = self.runtime.visit(layer, ids_TK)  # the read-back waited for A
 
     def _substitute(self, layer: int) -> None:
         """The layer's forced rows into the next forced buffer and (in place) into the device buffer, on
@@ -382,52 +353,36 @@ class ExpertsTaps:
                 self._deferred = (layer, ids_TK.copy())
                 return
             self._visit(layer, ids_TK)
-        if self._visit_result.waited:  # before commit: the visit reads those slots until then
-            self._run_waited(self._visit_result)
-        self._commit()
-        hit_TK = self._visit_result.hit_TK
-        if not hit_TK.all():
-            started_ns = time.perf_counter_ns()
-            keys_M, token_t, weights_M = miss_entries(
-                layer, self.num_experts, self._ids_src_TK.numpy(), self._weights_src_TK, hit_TK
-            )
-            if self.is_cuda:
-                self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self._staging_TH)
-                self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
-            else:
-                self.cpu.run(self.host_x_TH, keys_M, token_t, weights_M, out_TH=self.cpu_TH)
-            if self.num_slots:  # after B(l) on the compute stream; with no slots cpu_TH is the result
-                self.y_TH.add_(self.cpu_TH)
-            spent_ns = time.perf_counter_ns() - started_ns
-            self._visit_result.cpu_duration_ns = spent_ns  # the trace's column
-            self.host_ns["cpu"] += spent_ns
-            self.host_ns["cpu_calls"] += 1
-            self.host_ns["cpu_entries"] += int(keys_M.numel())
-            if self.cpu_log is not None:
-                log_cpu_call(self.cpu_log, hit_TK.shape[0], keys_M, spent_ns)
+        visit = self._visit_result
+        if visit.waited:  # before commit: the visit reads those slots until then
+            self._run_waited(visit)
+        self.runtime.commit()
+        if not visit.hit_TK.all():
+            _, visit.cpu_duration_ns = self.runtime.cpu_half(
+                layer, self.host_x_TH, self._ids_src_TK.numpy(), self._weights_src_TK, visit.hit_TK,
+                self._staging_TH if self.is_cuda else self.cpu_TH, place=self._place_cpu_sum,
+            )  # fmt: skip
         self._visit_result = None
 
+    def _place_cpu_sum(self, y_host_TH: torch.Tensor) -> None:
+        """The CPU half's float32 sum into `cpu_TH` (on CUDA from its pinned staging buffer) and added into
+        y_TH on the compute stream, after B(l); with no slots `cpu_TH` is the layer's result."""
+        if y_host_TH is not self.cpu_TH:
+            self.cpu_TH.copy_(y_host_TH, non_blocking=True)
+        if self.num_slots:
+            self.y_TH.add_(self.cpu_TH)
+
     def _run_waited(self, visit) -> None:
-        """on_miss="split": the experts whose copies the compute stream waits for (the manager enqueued the
-        wait and their row), one more operator call over that row, added into y_TH; the host goes on to
-        the CPU misses at once."""
-        started = time.perf_counter_ns()
-        row_E = self.manager.enqueue_waits(visit)  # counts its own host time in the split's stats
-        launched = time.perf_counter_ns()
+        """on_miss="split": the experts whose copies the compute stream waits for, one more operator call
+        over their row (`ExpertsRuntime.waited`; its captured graph once there is one), added into y_TH;
+        the host goes on to the CPU misses at once."""
         graph = self._wait_graphs.get(visit.layer)
-        if graph is not None:
-            graph.replay()
-        elif self.is_cuda:
-            self._kernel(*self._operands(row_E), out=self.wait_TH)
-            self.y_TH.add_(self.wait_TH)
-        else:  # the stand-in: the copies, the stream's wait and the row's upload run first
-            self.device.run()
-            self.y_TH.add_(self._kernel(*self._operands(row_E), out=self.wait_TH))
-        self.runtime.stats.kernel_calls += 1
-        done = time.perf_counter_ns()
-        if self.is_cuda:  # the wait call's launch is the visit's host time (the stand-in's: its compute)
-            self.manager.stats.split_wait_ns += done - launched
-        self.host_ns["manager"] += done - started
+        if graph is not None:  # the graph adds into y_TH itself
+            self.runtime.waited(visit, None, None, None, replay=graph.replay)
+            return
+        self.y_TH.add_(
+            self.runtime.waited(visit, self.x_TH, self.ids_TK, self.weights_TK, out_TH=self.wait_TH)
+        )
 
     def capture_waits(self) -> None:
         """on_miss="split" on CUDA, after the step's capture: each MoE layer's wait call (`_run_waited`) as
@@ -436,22 +391,17 @@ class ExpertsTaps:
         eager call costs the H200 host ~180 us per waiting visit (two Triton launches and an add)."""
         if not self.is_cuda or self.manager.on_miss != "split" or not self.num_slots:
             return
-        rows = self.manager.wait_slot_of_LE
+        rows, pool = self.manager.wait_slot_of_LE, self.pool
         handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         for layer in sorted(self._weights_dtype_L):  # the MoE layers the step ran
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=handle, stream=stream):
-                self._kernel(*self._operands(rows[layer]), out=self.wait_TH)
+                self.runtime.kernel(*self._operands(rows[layer]), pool.w13_SIH, pool.w2_SHI, out=self.wait_TH)
                 self.y_TH.add_(self.wait_TH)
             self._wait_graphs[layer] = graph
         torch.cuda.current_stream().wait_stream(stream)
-
-    def _commit(self) -> None:
-        started = time.perf_counter_ns()
-        self.manager.commit()
-        self.host_ns["manager"] += time.perf_counter_ns() - started
 
     def _route_and_combine(self, layer: int) -> None:
         self._route(layer)

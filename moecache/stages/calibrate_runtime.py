@@ -81,14 +81,14 @@ def _non_expert_zeroed(loaded, runtime, shape: cal.RuntimeShape, rs: dict, vocab
     work = None if rdev.is_cuda else cal.resident_operator_work(runtime, shape)
     layers = cal.zero_experts(loaded.adapter, work, spent_s)
     lengths = sorted({int(t) for t in rs["prompt_tokens"]})
-    repeats, warmup = int(rs["repeats"]), int(rs["warmup"])
+    warmup = int(rs["warmup"])
     timed = [
         cal.time_model_steps(
             loaded.model,
             prompt_tokens=t,
             decode_steps=int(rs["decode_steps"]),
-            repeats=max(3, repeats // 4),
-            warmup=min(warmup, 1),
+            repeats=cal.in_loop_repeats(rs),
+            warmup=min(warmup, cal.MODEL_RUN_WARMUP),
             vocab_size=vocab,
             step=step,
             spent_s=spent_s,
@@ -123,15 +123,15 @@ def _time_all_resident(loaded, rs: dict, device: str, vocab: int) -> tuple[int, 
     gc.collect()
     model = _all_resident(loaded.model, device, rs)
     lengths = sorted({int(t) for t in rs["prompt_tokens"]})
-    repeats, warmup = int(rs["repeats"]), int(rs["warmup"])
+    warmup = int(rs["warmup"])
     measured = [
         cal.time_fast_steps(
             model,
             make_loop=FastLoop,
             prompt_tokens=t,
             decode_steps=int(rs["decode_steps"]),
-            repeats=max(3, repeats // 4),
-            warmup=min(warmup, 1),
+            repeats=cal.in_loop_repeats(rs),
+            warmup=min(warmup, cal.MODEL_RUN_WARMUP),
             vocab_size=vocab,
         )  # fmt: skip
         for t in lengths

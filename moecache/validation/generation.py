@@ -32,10 +32,6 @@ from moecache.token_clock import TokenStamps
 LOOPS = ("transformers", "fast")
 
 
-# DecodeResult fields a fast-loop generation reports (Generated.host)
-HOST_FIELDS = ("manager_s", "readback_wait_s", "visits", "cpu_s", "cpu_calls", "cpu_entries")
-
-
 @dataclass
 class Generated:
     tokens: list[int]
@@ -44,8 +40,8 @@ class Generated:
     gaps_s: list[float]  # N - 1 gaps between consecutive generated tokens
     warmup_gaps: int  # the first gaps that were the decoder's warm-up (eager steps, graph capture)
     loop: str
-    # the fast loop's host points over its timed decode steps (DecodeResult): manager_s, readback_wait_s,
-    # visits, cpu_s, cpu_calls, cpu_entries; None for transformers
+    # the fast loop's layer steps over its timed decode steps (LayerCounters.host_summary): manager_s,
+    # readback_wait_s, visits, cpu_s, cpu_calls, cpu_entries; None for transformers
     host: dict | None = None
 
 
@@ -125,7 +121,7 @@ class FastLoop:
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         warmup = len(gaps) - int(result.timed_steps)
         loop = "fast-graphs" if result.graphs_per_step else "fast-eager"
-        host = {k: getattr(result, k) for k in HOST_FIELDS}
+        host = result.host.host_summary()
         return Generated(tokens, result.logits, times[0] - start, gaps, warmup, loop, host)
 
     def close(self) -> None:

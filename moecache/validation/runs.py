@@ -273,7 +273,7 @@ def _cache_counts(session, before) -> dict:
     now = session.manager.stats
     d = {f.name: getattr(now, f.name) - getattr(before, f.name) for f in dataclasses.fields(now)}
     accesses = d["hits"] + d["misses"]
-    runtime = session.runtime.stats
+    runtime = session.runtime.counters
     return {
         "hit_rate": d["hits"] / accesses if accesses else None,
         "accesses": accesses,

@@ -69,10 +69,10 @@ def test_fast_loop_equals_transformers_generate(reference, capacity):
     # the CPU: eager steps, the first decode step is the warm-up, the others are timed
     assert result.graphs_per_step == 0 and result.timed_steps == NEW - 2 and result.new_tokens == NEW
     if capacity is None:
-        assert result.visits == 0 and result.manager_us_per_visit is None
+        assert result.host.visits == 0 and result.manager_us_per_visit is None
         return
     # the host points' own times over the timed steps: a visit per MoE layer per step, in the manager
-    assert result.visits == result.timed_steps * L and result.manager_s > 0
+    assert result.host.visits == result.timed_steps * L and result.host.manager_ns > 0
     s = model.moecache.stats()
     assert s["visits"] == NEW * L  # the prefill, then one visit per MoE layer per decode step
     assert s["gpu_entries"] + s["fallback_entries"] == (len(PROMPT_T) + NEW - 1) * L * K
@@ -217,19 +217,19 @@ def test_a_step_cut_short_by_an_error_leaves_the_session_usable():
     want, _ = hf_greedy(plain, new=NEW)
     model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
     decoder = FastDecoder(model, max_cache_len=len(PROMPT_T) + NEW)
-    taps = decoder._taps
-    kernel, calls = taps._kernel, []
+    runtime = decoder._taps.runtime
+    kernel, calls = runtime.kernel, []
 
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
+    def failing(x_TH, *args, **kwargs):
+        calls.append(x_TH.shape[0] == 1)  # a decode step's call (the prefill's have the prompt's tokens)
+        if sum(calls) == 3:
             raise RuntimeError("kernel failed")
-        return kernel(*args, **kwargs)
+        return kernel(x_TH, *args, **kwargs)
 
-    taps._kernel = failing
+    runtime.kernel = failing
     with pytest.raises(RuntimeError, match="kernel failed"):
         decoder.generate(torch.tensor([PROMPT_T]), NEW)
-    taps._kernel = kernel
+    runtime.kernel = kernel
     got = decoder.generate(torch.tensor([PROMPT_T]), NEW)  # no reset: the cache goes on as it was
     assert torch.equal(got.tokens, want)
 
