@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from moecache.analysis.correlation import average_ranks, spearman  # noqa: F401 (re-exported)
 from moecache.analysis.frequency import expert_counts, keys_TLK, order_by_count
+from moecache.analysis.schema import F64, I64, STR, schema
 from moecache.analysis.tokens import TokenTrace
 from moecache.errors import MoecacheError
 
@@ -269,16 +270,8 @@ def convergence_table(tt: TokenTrace, capacities: list[int]) -> tuple[pa.Table, 
             rows.append({"tokens_seen": point, "spearman": rho, "capacity": c, "overlap": overlap})
         if not caps:
             rows.append({"tokens_seen": point, "spearman": rho, "capacity": None, "overlap": None})
-    schema = pa.schema(
-        [
-            ("trace", pa.string()),
-            ("tokens_seen", pa.int64()),
-            ("spearman", pa.float64()),
-            ("capacity", pa.int64()),
-            ("overlap", pa.float64()),
-        ]
-    )
-    table = pa.Table.from_pylist([{"trace": tt.name, **row} for row in rows], schema=schema)
+    columns = schema(trace=STR, tokens_seen=I64, spearman=F64, capacity=I64, overlap=F64)
+    table = pa.Table.from_pylist([{"trace": tt.name, **row} for row in rows], schema=columns)
     summary: dict = {
         "tokens_to_spearman_0.9": _first_from_which(points, [rho is not None and rho >= 0.9 for rho in rho_P])
     }

@@ -15,19 +15,11 @@ from fractions import Fraction
 import numpy as np
 import pyarrow as pa
 
+from moecache.analysis.schema import F64, I64, STR, schema
 from moecache.analysis.tokens import TokenTrace
 from moecache.errors import MoecacheError
 
-FREQUENCY_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("layer", pa.int64()),
-        ("expert", pa.int64()),
-        ("count", pa.int64()),
-        ("share", pa.float64()),
-        ("global_rank", pa.int64()),
-    ]
-)
+FREQUENCY_SCHEMA = schema(trace=STR, layer=I64, expert=I64, count=I64, share=F64, global_rank=I64)
 
 # the fraction whose cover placement defines global_top_share and the per-layer cover summary
 PLACEMENT_FRACTION = 0.8
@@ -160,21 +152,19 @@ def concentration_table(
         share = None if placement_size is None else int(placed_per_layer_L[layer]) / placement_size
         rows.append({"scope": "layer", "layer": layer, **row, "global_top_share": share})
 
-    schema = pa.schema(
-        [
-            ("trace", pa.string()),
-            ("scope", pa.string()),
-            ("layer", pa.int64()),
-            ("selections", pa.int64()),
-            ("entropy_bits", pa.float64()),
-            ("normalized_entropy", pa.float64()),
-            ("effective_experts", pa.float64()),
-            ("gini", pa.float64()),
-            *[(name, pa.int64()) for name in names],
-            ("global_top_share", pa.float64()),
-        ]
+    columns = schema(
+        trace=STR,
+        scope=STR,
+        layer=I64,
+        selections=I64,
+        entropy_bits=F64,
+        normalized_entropy=F64,
+        effective_experts=F64,
+        gini=F64,
+        **dict.fromkeys(names, I64),
+        global_top_share=F64,
     )
-    table = pa.Table.from_pylist([{"trace": tt.name, **r} for r in rows], schema=schema)
+    table = pa.Table.from_pylist([{"trace": tt.name, **r} for r in rows], schema=columns)
 
     g = rows[0]
     summary: dict = {

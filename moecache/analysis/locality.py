@@ -16,10 +16,11 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from moecache.analysis.schema import I64, STR, schema
 from moecache.analysis.tokens import TokenTrace
 
-REUSE_SCHEMA = pa.schema([("trace", pa.string()), ("distance", pa.int64()), ("count", pa.int64())])
-RUN_SCHEMA = pa.schema([("trace", pa.string()), ("run_length", pa.int64()), ("count", pa.int64())])
+REUSE_SCHEMA = schema(trace=STR, distance=I64, count=I64)
+RUN_SCHEMA = schema(trace=STR, run_length=I64, count=I64)
 
 
 def _key_ordered(tt: TokenTrace) -> tuple[np.ndarray, np.ndarray]:

@@ -14,21 +14,20 @@ import numpy as np
 import pyarrow as pa
 
 from moecache.analysis.correlation import average_ranks, pearson, spearman  # noqa: F401
+from moecache.analysis.schema import F64, I64, STR, schema
 from moecache.analysis.tokens import TokenTrace
 from moecache.errors import MoecacheError
 
 WINDOW = 8
-ROUTER_WEIGHT_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("by", pa.string()),
-        ("bin", pa.int64()),
-        ("weight_lo", pa.float64()),
-        ("weight_hi", pa.float64()),
-        ("selections", pa.int64()),
-        ("reuse_next_rate", pa.float64()),
-        ("reuse_within_8_rate", pa.float64()),
-    ]
+ROUTER_WEIGHT_SCHEMA = schema(
+    trace=STR,
+    by=STR,
+    bin=I64,
+    weight_lo=F64,
+    weight_hi=F64,
+    selections=I64,
+    reuse_next_rate=F64,
+    reuse_within_8_rate=F64,
 )
 
 

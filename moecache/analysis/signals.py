@@ -34,32 +34,12 @@ import numba as nb
 import numpy as np
 import pyarrow as pa
 
+from moecache.analysis.schema import F64, I64, STR, schema
 from moecache.analysis.tokens import TokenTrace
 from moecache.analysis.transitions import _top_k_hits
 from moecache.errors import MoecacheError
 
-LEAD_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("lead_layers", pa.int64()),
-        ("recall", pa.float64()),
-        ("tokens", pa.int64()),
-        ("lead_us", pa.float64()),
-    ]
-)
-TOKEN_SIGNAL_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("layer", pa.int64()),
-        ("samples", pa.int64()),
-        ("mi_bits", pa.float64()),
-        ("mi_shuffled_bits", pa.float64()),
-        ("cmi_bits", pa.float64()),
-        ("cmi_shuffled_bits", pa.float64()),
-        ("recall_layer", pa.float64()),
-        ("recall_layer_token", pa.float64()),
-    ]
-)
+LEAD_SCHEMA = schema(trace=STR, lead_layers=I64, recall=F64, tokens=I64, lead_us=F64)
 TOKEN_SIGNAL_KEYS = (
     "mi_bits",
     "mi_shuffled_bits",
@@ -68,6 +48,7 @@ TOKEN_SIGNAL_KEYS = (
     "recall_layer",
     "recall_layer_token",
 )
+TOKEN_SIGNAL_SCHEMA = schema(trace=STR, layer=I64, samples=I64, **dict.fromkeys(TOKEN_SIGNAL_KEYS, F64))
 
 
 # ------------------------------------------------------------------------------------------ lead

@@ -15,57 +15,18 @@ import numba as nb
 import numpy as np
 import pyarrow as pa
 
+from moecache.analysis.schema import BOOL, F64, I64, STR, schema
 from moecache.analysis.tokens import TokenTrace
 
 PREDICTORS = ("frequency", "repeat", "lag1", "lag1+lag2", "layer")
 LAGS = (1, 2)
 
-TOKEN_TRANSITION_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("layer", pa.int64()),
-        ("lag", pa.int64()),
-        ("from_expert", pa.int64()),
-        ("to_expert", pa.int64()),
-        ("count", pa.int64()),
-    ]
-)
-LAYER_TRANSITION_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("layer", pa.int64()),
-        ("from_expert", pa.int64()),
-        ("to_expert", pa.int64()),
-        ("count", pa.int64()),
-    ]
-)
-LAYER_MI_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("layer", pa.int64()),
-        ("pairs", pa.int64()),
-        ("mi_bits", pa.float64()),
-        ("mi_shuffled_bits", pa.float64()),
-    ]
-)
-PREDICTOR_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("layer", pa.int64()),
-        ("predictor", pa.string()),
-        ("tokens", pa.int64()),
-        ("recall", pa.float64()),
-    ]
-)
-RECURRENCE_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("in_t", pa.bool_()),
-        ("in_t_minus_1", pa.bool_()),
-        ("cases", pa.int64()),
-        ("reused_next", pa.int64()),
-        ("probability", pa.float64()),
-    ]
+TOKEN_TRANSITION_SCHEMA = schema(trace=STR, layer=I64, lag=I64, from_expert=I64, to_expert=I64, count=I64)
+LAYER_TRANSITION_SCHEMA = schema(trace=STR, layer=I64, from_expert=I64, to_expert=I64, count=I64)
+LAYER_MI_SCHEMA = schema(trace=STR, layer=I64, pairs=I64, mi_bits=F64, mi_shuffled_bits=F64)
+PREDICTOR_SCHEMA = schema(trace=STR, layer=I64, predictor=STR, tokens=I64, recall=F64)
+RECURRENCE_SCHEMA = schema(
+    trace=STR, in_t=BOOL, in_t_minus_1=BOOL, cases=I64, reused_next=I64, probability=F64
 )
 
 

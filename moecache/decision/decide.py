@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from moecache.analysis.schema import BOOL, F64, I64, STR, schema
 from moecache.decision.bootstrap import paired_ratio_bootstrap
 from moecache.decision.rule import COMPETITIVE, METRICS, MIN_UNITS, Rule, classify
 from moecache.errors import MoecacheError
@@ -53,31 +54,30 @@ BLOCK_COLUMNS = (
     "h2d_bytes",
     "est_us",
 )
-VERDICT_SCHEMA = pa.schema(
-    [
-        ("trace", pa.string()),
-        ("workload", pa.string()),
-        ("capacity", pa.int64()),
-        ("label", pa.string()),
-        ("role", pa.string()),
-        ("unit", pa.string()),
-        ("units", pa.int64()),
-        ("metric", pa.float64()),
-        ("baseline_metric", pa.float64()),
-        ("rel_diff", pa.float64()),
-        ("ci_lo", pa.float64()),
-        ("ci_hi", pa.float64()),
-        ("verdict", pa.string()),
-        ("competitive", pa.bool_()),
-        ("hit_rate", pa.float64()),
-        ("baseline_hit_rate", pa.float64()),
-        ("bytes_per_token", pa.float64()),
-        ("link_busy", pa.float64()),
-        ("passes_limits", pa.bool_()),
-        ("reasons", pa.string()),
-        ("in_useful_range", pa.bool_()),
-    ]
-)
+
+
+def comparison_columns(reference: str) -> dict[str, pa.DataType]:
+    """The columns of one paired comparison of a label with a reference, whose metric is the column
+    `<reference>_metric`: the bootstrap unit and the number of units, the label's metric and the
+    reference's, the relative difference and its confidence interval, the verdict."""
+    return {
+        "unit": STR,
+        "units": I64,
+        "metric": F64,
+        f"{reference}_metric": F64,
+        "rel_diff": F64,
+        "ci_lo": F64,
+        "ci_hi": F64,
+        "verdict": STR,
+    }
+
+
+VERDICT_SCHEMA = schema(
+    trace=STR, workload=STR, capacity=I64, label=STR, role=STR,
+    **comparison_columns("baseline"),
+    competitive=BOOL, hit_rate=F64, baseline_hit_rate=F64, bytes_per_token=F64, link_busy=F64,
+    passes_limits=BOOL, reasons=STR, in_useful_range=BOOL,
+)  # fmt: skip
 
 
 def _require_columns(table: pa.Table, columns, name: str) -> None:

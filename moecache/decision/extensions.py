@@ -37,34 +37,18 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
+from moecache.analysis.schema import BOOL, F64, I64, STR, schema
 from moecache.decision.bootstrap import paired_ratio_bootstrap
-from moecache.decision.decide import BlockIndex, cell_seed, finite_or_none, policy_labels
+from moecache.decision.decide import BlockIndex, cell_seed, comparison_columns, finite_or_none, policy_labels
 from moecache.decision.rule import COMPETITIVE, MIN_UNITS, Rule, classify
 from moecache.sim.sweep import base_rows
 
-SCHEMA = pa.schema(
-    [
-        ("policy", pa.string()),
-        ("label", pa.string()),
-        ("chosen_on", pa.string()),
-        ("trace", pa.string()),
-        ("workload", pa.string()),
-        ("split", pa.string()),
-        ("capacity", pa.int64()),
-        ("capacity_fraction", pa.float64()),
-        ("reference", pa.string()),
-        ("unit", pa.string()),
-        ("units", pa.int64()),
-        ("metric", pa.float64()),
-        ("reference_metric", pa.float64()),
-        ("rel_diff", pa.float64()),
-        ("ci_lo", pa.float64()),
-        ("ci_hi", pa.float64()),
-        ("verdict", pa.string()),
-        ("passes_limits", pa.bool_()),
-        ("limits", pa.string()),
-    ]
-)
+SCHEMA = schema(
+    policy=STR, label=STR, chosen_on=STR, trace=STR, workload=STR, split=STR, capacity=I64,
+    capacity_fraction=F64, reference=STR,
+    **comparison_columns("reference"),
+    passes_limits=BOOL, limits=STR,
+)  # fmt: skip
 
 
 def _prefix_mask(blocks: BlockIndex, sl: slice, fraction: float) -> np.ndarray:

@@ -1,10 +1,11 @@
 """Admission filters over any online base policy (second_touch, prefill_admit): the shared machinery.
 
-A filter decides which of a layer step's misses its base policy may consider. Its compiled step writes
-the *view* (the step's hits and the misses it lets through, in access order, with their uses, which a
-filter may reweigh) into scratch arrays of its state and calls the base's `step` on that view. A miss
-left out of the view is never heard of by the base: it is not counted, not admitted, and runs on the
-CPU. The base keeps its own rules for everything it sees (recency, counts, victims, prefetches).
+A filter decides which of a layer step's misses its base policy may consider. Its compiled step
+(`make_view_step`) writes the *view* (the step's hits and the misses it lets through, in access order,
+with their uses, which a filter may reweigh) into scratch arrays of its state and calls the base's
+`step` on that view. A miss left out of the view is never heard of by the base: it is not counted, not
+admitted, and runs on the CPU. The base keeps its own rules for everything it sees (recency, counts,
+victims, prefetches).
 
 State: the base's members, in the base's order, then the filter's own (`own_fields`, prefixed with the
 filter's name so that filters can be stacked); the step passes `state[:n]` (a plain tuple of the base's
@@ -25,8 +26,40 @@ import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import numba as nb
+
 from moecache.errors import MoecacheError
 from moecache.sim.policy import Policy, make_policy
+
+
+@nb.njit(cache=True, inline="always")
+def add_to_view(view_key, view_uses, view_hit, m, k, uses, hit):
+    """Put key k, with its uses and hit flag, at index m of the view; returns the view's new length."""
+    view_key[m] = k
+    view_uses[m] = uses
+    view_hit[m] = hit
+    return m + 1
+
+
+def make_view_step(base_step, n: int, i_view: int, fill_view):
+    """The compiled step of a filter over the base whose step is `base_step` and whose state has n
+    members. `fill_view(state, key_U, uses_U, hit_U, clock, view_key, view_uses, view_hit)`, a compiled
+    function inlined into the step, writes the view into the filter's members i_view, i_view + 1 and
+    i_view + 2 (keys, uses, hits) and returns its length; the base then steps on that view."""
+    i_uses, i_hit = i_view + 1, i_view + 2  # constants: static getitem
+
+    @nb.njit(_nrt=False)  # no reference counting: see lfu.py
+    def view_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+        view_key = state[i_view]
+        view_uses = state[i_uses]
+        view_hit = state[i_hit]
+        m = fill_view(state, key_U, uses_U, hit_U, clock, view_key, view_uses, view_hit)
+        return base_step(
+            state[:n], view_key[:m], view_uses[:m], view_hit[:m], a0, clock, request, resident_G,
+            admit_out, evict_out,
+        )  # fmt: skip
+
+    return view_step
 
 
 def _base_params(value, where: str) -> dict:

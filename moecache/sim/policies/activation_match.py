@@ -66,12 +66,10 @@ and how this policy simplifies it:
 
 from __future__ import annotations
 
-import numbers
-
 import numba as nb
 import numpy as np
 
-from moecache.errors import MoecacheError
+from moecache.sim.policies._params import require_ints
 from moecache.sim.policy import Policy, register
 
 # meta indices
@@ -104,14 +102,18 @@ def _victim(held_H, n, stamp_G, serial, cur_G, stored_KM, last_G, m):
 
 
 @nb.njit(cache=True, inline="always")
-def _hold(held_H, hpos_G, n, k):
+def _admit(held_H, hpos_G, n, k, admit_out, na):
+    """Hold key k (held_H[:n] holds n keys) and list it as admitted; returns (n + 1, na + 1)."""
     held_H[n] = k
     hpos_G[k] = n
-    return n + 1
+    admit_out[na] = k
+    return n + 1, na + 1
 
 
 @nb.njit(cache=True, inline="always")
-def _unhold(held_H, hpos_G, n, k):
+def _evict(held_H, hpos_G, n, k, evict_out, ne):
+    """Release held key k (the last held key takes its place) and list it as evicted; returns
+    (n - 1, ne + 1)."""
     i = hpos_G[k]
     hpos_G[k] = -1
     n -= 1
@@ -119,7 +121,8 @@ def _unhold(held_H, hpos_G, n, k):
     if i < n:
         held_H[i] = last
         hpos_G[last] = i
-    return n
+    evict_out[ne] = k
+    return n, ne + 1
 
 
 @nb.njit(_nrt=False)  # no reference counting: see lfu.py
@@ -197,13 +200,9 @@ def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resid
             if v < 0 or _prio(cur_G, stored_KM, ms, k) < _prio(cur_G, stored_KM, ms, v):
                 j = nm  # later misses rank no better
                 continue
-            n = _unhold(held_H, hpos_G, n, v)
-            evict_out[ne] = v
-            ne += 1
+            n, ne = _evict(held_H, hpos_G, n, v, evict_out, ne)
             v = -2
-        n = _hold(held_H, hpos_G, n, k)
-        admit_out[na] = k
-        na += 1
+        n, na = _admit(held_H, hpos_G, n, k, admit_out, na)
     # 5. prefetch the matched request's best keys of the next layer
     E = meta[NUM_E]
     if ms >= 0 and nu > 0 and meta[BUDGET] > 0 and cap > 0 and key_U[0] // E + 1 < meta[NUM_L]:
@@ -233,21 +232,13 @@ def activation_match_step(state, key_U, uses_U, hit_U, a0, clock, request, resid
                 if v < 0 or not stored_KM[k, ms] > stored_KM[v, ms]:
                     c = nc  # stop prefetching for this step
                     continue
-                n = _unhold(held_H, hpos_G, n, v)
-                evict_out[ne] = v
-                ne += 1
+                n, ne = _evict(held_H, hpos_G, n, v, evict_out, ne)
                 v = -2
-            n = _hold(held_H, hpos_G, n, k)
+            n, na = _admit(held_H, hpos_G, n, k, admit_out, na)
             stamp_G[k] = serial
-            admit_out[na] = k
-            na += 1
             npf += 1
     meta[HELD] = n
     return na, ne
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
 
 
 @register
@@ -255,27 +246,16 @@ class ActivationMatch(Policy):
     name = "activation_match"
     step = activation_match_step
     state_fields = (
-        "cur_G",
-        "stored_KM",
-        "nrm_M",
-        "dot_M",
-        "last_G",
-        "stamp_G",
-        "held_H",
-        "hpos_G",
-        "miss",
-        "cand",
-        "meta",
-    )
+        "cur_G", "stored_KM", "nrm_M", "dot_M",  # the current and the stored matrices, norms, dot products
+        "last_G", "stamp_G", "held_H", "hpos_G",  # recency, the held keys
+        "miss", "cand", "meta",  # the step's scratch, scalars
+    )  # fmt: skip
     defaults = {"history": 32, "top": 8, "budget": 2}
     prefetches = True
 
     def __init__(self, **params):
         super().__init__(**params)
-        for key, low in (("history", 1), ("top", 1), ("budget", 0)):
-            x = self.params[key]
-            if not _is_int(x) or x < low:
-                raise MoecacheError(f"policy activation_match: {key} must be an integer >= {low}, got {x!r}")
+        require_ints(self, history=1, top=1, budget=0)
 
     def init_state(self, trace, capacity: int) -> tuple:
         L, E = trace.num_layers, trace.num_experts

@@ -77,13 +77,12 @@ Implementation (O(keys of the step x log E + L) per step, plus O(E) when a layer
 from __future__ import annotations
 
 import math
-import numbers
 
 import numba as nb
 import numpy as np
 
-from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
+from moecache.sim.policies._params import require_ints, require_number
 from moecache.sim.policies.lfu import sort_ranked
 from moecache.sim.policy import Policy, register
 
@@ -299,50 +298,27 @@ def impact_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, adm
     return na, ne
 
 
-def _real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
-
-
 @register
 class Impact(Policy):
     name = "impact"
     step = impact_step
     state_fields = (
-        "x_G",
-        "p_G",
-        "q_J",
-        "mu_G",
-        "res_heap",
-        "res_pos_G",
-        "res_n_L",
-        "non_heap",
-        "non_pos_J",
-        "non_n_L",
-        "visits_L",
-        "scale_L",
-        "w_L",
-        "prev_G",
-        "prev_n_L",
-        "sav_M",
-        "miss",
-        "meta",
-        "fmeta",
-    )
+        "x_G", "p_G", "q_J", "mu_G",  # scores, impacts (held and mirrored), call sizes
+        "res_heap", "res_pos_G", "res_n_L",  # the residents' heaps, one per layer
+        "non_heap", "non_pos_J", "non_n_L",  # the non-held keys' heaps, one per layer
+        "visits_L", "scale_L", "w_L",  # the layers' clocks and lazy-decay weights
+        "prev_G", "prev_n_L",  # the keys of every layer's last visit
+        "sav_M", "miss", "meta", "fmeta",  # the saving table, the step's scratch, scalars
+    )  # fmt: skip
     defaults = {"alpha": 0.3, "horizon": 8, "budget": 1}
     prefetches = True
     weighs_costs = True
 
     def __init__(self, **params):
         super().__init__(**params)
-        a = self.params["alpha"]
-        if not _real(a) or not math.isfinite(a) or not 0 < a <= 1:
-            raise MoecacheError(f"policy impact: alpha must be a number with 0 < alpha <= 1, got {a!r}")
-        h = self.params["horizon"]
-        if not _real(h) or not math.isfinite(h) or not h > 0:
-            raise MoecacheError(f"policy impact: horizon must be a positive number of visits, got {h!r}")
-        b = self.params["budget"]
-        if not isinstance(b, numbers.Integral) or isinstance(b, bool | np.bool_) or b < 0:
-            raise MoecacheError(f"policy impact: budget must be an integer >= 0, got {b!r}")
+        require_number(self, "alpha", lambda a: 0 < a <= 1, "a number with 0 < alpha <= 1")
+        require_number(self, "horizon", lambda h: h > 0, "a positive number of visits")
+        require_ints(self, budget=0)
 
     def init_state(self, trace, capacity: int) -> tuple:
         cost = self.require_cost()

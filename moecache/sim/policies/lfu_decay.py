@@ -15,13 +15,12 @@ the order, except that scores older than about 1000 half-lives fall to zero.
 from __future__ import annotations
 
 import math
-import numbers
 
 import numba as nb
 import numpy as np
 
-from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
+from moecache.sim.policies._params import require_number
 from moecache.sim.policies.lfu import frequency_arrays, note_use, settle
 from moecache.sim.policy import Policy, register
 
@@ -33,7 +32,7 @@ def decayed_weight(score_G, heap, pos_G, n, meta, x):
     """The stored weight of a use at decay exponent x (age 1 = one halving), 2^(x - m), where
     stored scores are true scores x 2^m (m = meta[2]). Before 2^(x - m) overflows, every stored score
     (and so the heap of the n residents) is divided by the same power of two: exact, order-keeping,
-    until old scores underflow. Shared by lfu_decay and lrfu."""
+    until old scores underflow."""
     q = math.floor(x)
     e = np.int64(q) - meta[2]
     if e > RENORM_EXPONENT:
@@ -46,17 +45,38 @@ def decayed_weight(score_G, heap, pos_G, n, meta, x):
     return 2.0 ** (x - q) * 2.0**e
 
 
-@nb.njit(_nrt=False)  # no reference counting: see lfu.py
-def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
-    score_G, heap, pos_G, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
-    n = meta[0]
-    w = decayed_weight(score_G, heap, pos_G, n, meta, clock / fmeta[0])  # fmeta[0]: half-life in tokens
+@nb.njit(cache=True, inline="always", _nrt=False)
+def note_decayed_uses(score_G, heap, pos_G, n, meta, x, key_U, uses_U, miss):
+    """The step's uses, each weighing decayed_weight(x), added to its keys' stored scores; then, as
+    note_use does it, the held keys' heap order restored and the others listed in miss[:nm]. Returns
+    (nm, best): the number of misses and their greatest score (-1.0: none). Shared by lfu_decay, lrfu
+    and lfu_hysteresis."""
+    w = decayed_weight(score_G, heap, pos_G, n, meta, x)
     nm = 0
-    best = -1
+    best = -1.0
     for i in range(key_U.shape[0]):
         k = key_U[i]
         score_G[k] += uses_U[i] * w
         nm, best = note_use(heap, pos_G, score_G, n, miss, nm, best, k)
+    return nm, best
+
+
+def decayed_score_state(num_keys: int, capacity: int, rate: float) -> tuple:
+    """Fresh state of a decayed-score policy (lfu_decay, lrfu): stored scores (float64, all 0), the
+    residents' heap, the misses' scratch, meta [held, capacity, scale exponent m] and fmeta [rate],
+    the parameter its step turns the token clock into a decay exponent with."""
+    heap, pos_G, miss = frequency_arrays(num_keys, capacity)
+    meta = np.array([0, capacity, 0], np.int64)
+    fmeta = np.array([float(rate)], np.float64)
+    return np.zeros(num_keys, np.float64), heap, pos_G, miss, meta, fmeta
+
+
+@nb.njit(_nrt=False)  # no reference counting: see lfu.py
+def lfu_decay_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    score_G, heap, pos_G, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
+    n = meta[0]
+    # fmeta[0]: the half-life in tokens
+    nm, best = note_decayed_uses(score_G, heap, pos_G, n, meta, clock / fmeta[0], key_U, uses_U, miss)
     n, na, ne = settle(heap, pos_G, score_G, n, meta[1], miss, nm, best, admit_out, evict_out)
     meta[0] = n
     return na, ne
@@ -71,13 +91,7 @@ class LFUDecay(Policy):
 
     def __init__(self, **params):
         super().__init__(**params)
-        h = self.params["half_life_tokens"]
-        if isinstance(h, bool) or not isinstance(h, numbers.Real) or not math.isfinite(h) or h <= 0:
-            raise MoecacheError(f"policy lfu_decay: half_life_tokens must be a positive number, got {h!r}")
+        require_number(self, "half_life_tokens", lambda h: h > 0, "a positive number")
 
     def init_state(self, trace, capacity: int) -> tuple:
-        n = trace.num_keys
-        heap, pos_G, miss = frequency_arrays(n, capacity)
-        meta = np.array([0, capacity, 0], np.int64)
-        fmeta = np.array([float(self.params["half_life_tokens"])], np.float64)
-        return np.zeros(n, np.float64), heap, pos_G, miss, meta, fmeta
+        return decayed_score_state(trace.num_keys, capacity, self.params["half_life_tokens"])

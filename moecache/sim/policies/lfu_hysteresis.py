@@ -13,16 +13,13 @@ victim below the top (the top too young) is found by a scan of the residents.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import numba as nb
 import numpy as np
 
-from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
-from moecache.sim.policies.lfu import frequency_arrays, note_use, sort_ranked
-from moecache.sim.policies.lfu_decay import decayed_weight
+from moecache.sim.policies._params import require_ints, require_number
+from moecache.sim.policies.lfu import frequency_arrays, sort_ranked
+from moecache.sim.policies.lfu_decay import note_decayed_uses
 from moecache.sim.policy import Policy, register
 
 
@@ -34,13 +31,7 @@ def lfu_hysteresis_step(state, key_U, uses_U, hit_U, a0, clock, request, residen
     cap = meta[1]
     young = meta[3]
     margin = fmeta[1]
-    w = decayed_weight(score_G, heap, pos_G, n, meta, clock / fmeta[0])
-    nm = 0
-    best = -1.0
-    for i in range(key_U.shape[0]):
-        k = key_U[i]
-        score_G[k] += uses_U[i] * w
-        nm, best = note_use(heap, pos_G, score_G, n, miss, nm, best, k)
+    nm, best = note_decayed_uses(score_G, heap, pos_G, n, meta, clock / fmeta[0], key_U, uses_U, miss)
     na = 0
     ne = 0
     # The heap's top has the lowest score of all residents: a miss that does not clear the margin over
@@ -93,17 +84,9 @@ class LFUHysteresis(Policy):
 
     def __init__(self, **params):
         super().__init__(**params)
-        h, m, r = (self.params[k] for k in ("half_life_tokens", "hysteresis", "min_residency_tokens"))
-        if isinstance(h, bool) or not isinstance(h, numbers.Real) or not math.isfinite(h) or h <= 0:
-            raise MoecacheError(
-                f"policy lfu_hysteresis: half_life_tokens must be a positive number, got {h!r}"
-            )
-        if isinstance(m, bool) or not isinstance(m, numbers.Real) or not math.isfinite(m) or m < 0:
-            raise MoecacheError(f"policy lfu_hysteresis: hysteresis must be a number >= 0, got {m!r}")
-        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0:
-            raise MoecacheError(
-                f"policy lfu_hysteresis: min_residency_tokens must be an integer >= 0, got {r!r}"
-            )
+        require_number(self, "half_life_tokens", lambda h: h > 0, "a positive number")
+        require_number(self, "hysteresis", lambda m: m >= 0, "a number >= 0")
+        require_ints(self, min_residency_tokens=0)
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys

@@ -35,12 +35,10 @@ less than a rounding error; their order is then the rounded one.
 from __future__ import annotations
 
 import numba as nb
-import numpy as np
 
-from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
-from moecache.sim.policies.lfu import frequency_arrays, note_use
-from moecache.sim.policies.lfu_decay import decayed_weight
+from moecache.sim.policies._params import require_number
+from moecache.sim.policies.lfu_decay import LFUDecay, decayed_score_state, note_decayed_uses
 from moecache.sim.policy import Policy, register
 
 
@@ -49,13 +47,9 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit
     score_G, heap, pos_G, miss, meta, fmeta = state  # meta: [held, capacity, scale exponent m]
     n = meta[0]
     cap = meta[1]
-    w = decayed_weight(score_G, heap, pos_G, n, meta, fmeta[0] * clock)  # fmeta[0]: lambda_
-    nm = 0
-    best = -1.0  # unused: always-admit needs no "can any miss win" test
-    for i in range(key_U.shape[0]):  # every CRF first (hits sift down), misses kept in router order
-        k = key_U[i]
-        score_G[k] += uses_U[i] * w
-        nm, best = note_use(heap, pos_G, score_G, n, miss, nm, best, k)
+    # Every CRF first (hits sift down), misses kept in router order; fmeta[0]: lambda_. The misses'
+    # best score goes unused: always-admit needs no "can any miss win" test.
+    nm, _ = note_decayed_uses(score_G, heap, pos_G, n, meta, fmeta[0] * clock, key_U, uses_U, miss)
     na = 0
     ne = 0
     if cap > 0:
@@ -76,18 +70,12 @@ def lrfu_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit
 class LRFU(Policy):
     name = "lrfu"
     step = lrfu_step
-    state_fields = ("score_G", "heap", "pos_G", "miss", "meta", "fmeta")
+    state_fields = LFUDecay.state_fields  # lfu_decay's storage, lambda_ in place of the half-life
     defaults = {"lambda_": 0.01}
 
     def __init__(self, **params):
         super().__init__(**params)
-        lam = self.params["lambda_"]
-        if isinstance(lam, bool) or not isinstance(lam, int | float) or not 0 <= lam <= 1:
-            raise MoecacheError(f"policy lrfu: lambda_ must be a number from 0 to 1, got {lam!r}")
+        require_number(self, "lambda_", lambda lam: 0 <= lam <= 1, "a number from 0 to 1")
 
     def init_state(self, trace, capacity: int) -> tuple:
-        n = trace.num_keys
-        heap, pos_G, miss = frequency_arrays(n, capacity)
-        meta = np.array([0, capacity, 0], np.int64)
-        fmeta = np.array([float(self.params["lambda_"])], np.float64)
-        return np.zeros(n, np.float64), heap, pos_G, miss, meta, fmeta
+        return decayed_score_state(trace.num_keys, capacity, self.params["lambda_"])

@@ -19,26 +19,23 @@ design). Hits always reach the base.
 from __future__ import annotations
 
 import math
-import numbers
 
 import numba as nb
 import numpy as np
 
-from moecache.errors import MoecacheError
-from moecache.sim.policies._wrap import AdmissionFilter, register_filter
+from moecache.sim.policies._params import is_int, require, require_number
+from moecache.sim.policies._wrap import AdmissionFilter, add_to_view, make_view_step, register_filter
 from moecache.sim.policies.lru import LRU
 from moecache.sim.policy import register
 
 
 def make_prefill_admit_step(base_step, n):
     """The step of prefill_admit over the base whose step is `base_step` and state has n members."""
-    i_uses, i_hit, i_rank, i_allow, i_meta, i_weight = range(n + 1, n + 7)  # constants: static getitem
+    # members n .. n + 2 are the view (make_view_step); constants: static getitem
+    i_rank, i_allow, i_meta, i_weight = range(n + 3, n + 7)
 
-    @nb.njit(_nrt=False)
-    def prefill_admit_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
-        view_key = state[n]
-        view_uses = state[i_uses]
-        view_hit = state[i_hit]
+    @nb.njit(inline="always")
+    def prefill_admit_view(state, key_U, uses_U, hit_U, clock, view_key, view_uses, view_hit):
         rank_U = state[i_rank]  # scratch: the step's misses, most uses first
         allow_U = state[i_allow]  # scratch: which of the step's misses reach the base
         meta = state[i_meta]  # [top_k, prefill_max_admits (-1: no cap), decode_admits]
@@ -71,16 +68,10 @@ def make_prefill_admit_step(base_step, n):
                 keep = hit_U[i] or meta[2] != 0
                 u = uses_U[i]
             if keep:
-                view_key[m] = key_U[i]
-                view_uses[m] = u
-                view_hit[m] = hit_U[i]
-                m += 1
-        return base_step(
-            state[:n], view_key[:m], view_uses[:m], view_hit[:m], a0, clock, request, resident_G,
-            admit_out, evict_out,
-        )  # fmt: skip
+                m = add_to_view(view_key, view_uses, view_hit, m, key_U[i], u, hit_U[i])
+        return m
 
-    return prefill_admit_step
+    return make_view_step(base_step, n, n, prefill_admit_view)
 
 
 class PrefillAdmit(AdmissionFilter):
@@ -105,15 +96,10 @@ class PrefillAdmit(AdmissionFilter):
 
     def __init__(self, **params):
         super().__init__(**params)
-        cap, w, d = (self.params[k] for k in ("prefill_max_admits", "prefill_weight", "decode_admits"))
-        if isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < -1:
-            raise MoecacheError(
-                f"policy prefill_admit: prefill_max_admits must be an integer >= -1 (-1: no cap), got {cap!r}"
-            )
-        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
-            raise MoecacheError(f"policy prefill_admit: prefill_weight must be a number >= 0, got {w!r}")
-        if not isinstance(d, bool | np.bool_):
-            raise MoecacheError(f"policy prefill_admit: decode_admits must be true or false, got {d!r}")
+        cap, d = self.params["prefill_max_admits"], self.params["decode_admits"]
+        require(self, "prefill_max_admits", is_int(cap) and cap >= -1, "an integer >= -1 (-1: no cap)")
+        require_number(self, "prefill_weight", lambda w: w >= 0, "a number >= 0")
+        require(self, "decode_admits", isinstance(d, bool | np.bool_), "true or false")
 
     def own_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys

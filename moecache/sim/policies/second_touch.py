@@ -11,27 +11,22 @@ Ties: none of the filter's own (the base's tie rules apply to what it sees).
 
 from __future__ import annotations
 
-import numbers
-
 import numba as nb
 import numpy as np
 
-from moecache.errors import MoecacheError
-from moecache.sim.policies._wrap import AdmissionFilter, register_filter
+from moecache.sim.policies._params import require_ints
+from moecache.sim.policies._wrap import AdmissionFilter, add_to_view, make_view_step, register_filter
 from moecache.sim.policies.lru import LRU
 from moecache.sim.policy import register
 
 
 def make_second_touch_step(base_step, n):
     """The step of second_touch over the base whose step is `base_step` and state has n members."""
-    i_view_key, i_view_uses, i_view_hit, i_meta = n + 1, n + 2, n + 3, n + 4  # constants: static getitem
+    i_meta = n + 4  # after touch_G (n) and the view (n + 1 .. n + 3); a constant: static getitem
 
-    @nb.njit(_nrt=False)
-    def second_touch_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    @nb.njit(inline="always")
+    def second_touch_view(state, key_U, uses_U, hit_U, clock, view_key, view_uses, view_hit):
         touch_G = state[n]  # clock of each key's last miss (-1: none)
-        view_key = state[i_view_key]
-        view_uses = state[i_view_uses]
-        view_hit = state[i_view_hit]
         window = state[i_meta][0]
         m = 0
         for i in range(key_U.shape[0]):
@@ -42,16 +37,10 @@ def make_second_touch_step(base_step, n):
                 keep = last >= 0 and clock - last <= window
                 touch_G[k] = clock
             if keep:
-                view_key[m] = k
-                view_uses[m] = uses_U[i]
-                view_hit[m] = hit_U[i]
-                m += 1
-        return base_step(
-            state[:n], view_key[:m], view_uses[:m], view_hit[:m], a0, clock, request, resident_G,
-            admit_out, evict_out,
-        )  # fmt: skip
+                m = add_to_view(view_key, view_uses, view_hit, m, k, uses_U[i], hit_U[i])
+        return m
 
-    return second_touch_step
+    return make_view_step(base_step, n, n + 1, second_touch_view)
 
 
 class SecondTouch(AdmissionFilter):
@@ -68,9 +57,7 @@ class SecondTouch(AdmissionFilter):
 
     def __init__(self, **params):
         super().__init__(**params)
-        w = self.params["window_tokens"]
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0:
-            raise MoecacheError(f"policy second_touch: window_tokens must be an integer >= 0, got {w!r}")
+        require_ints(self, window_tokens=0)
 
     def own_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys

@@ -42,13 +42,11 @@ every replacement.
 
 from __future__ import annotations
 
-import numbers
-
 import numba as nb
 import numpy as np
 
-from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
+from moecache.sim.policies._params import require_ints, require_number
 from moecache.sim.policies.lfu import frequency_arrays, note_use, settle
 from moecache.sim.policy import Policy, register
 
@@ -157,46 +155,23 @@ def transition_prefetch_step(
     return na, ne
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
-
-
 @register
 class TransitionPrefetch(Policy):
     name = "transition_prefetch"
     step = transition_prefetch_step
     state_fields = (
-        "count_G",
-        "heap",
-        "pos_G",
-        "miss",
-        "trans",
-        "succ",
-        "prev_E",
-        "p_E",
-        "cand",
-        "pf",
-        "meta",
-        "fmeta",
-    )
+        "count_G", "heap", "pos_G", "miss",  # lfu's demand caching
+        "trans", "succ", "prev_E",  # the transition counts, the previous step's experts
+        "p_E", "cand", "pf",  # the prediction, the step's prefetches
+        "meta", "fmeta",
+    )  # fmt: skip
     defaults = {"top": 8, "budget": 2, "min_probability": 0.1}
     prefetches = True
 
     def __init__(self, **params):
         super().__init__(**params)
-        top, budget, minp = self.params["top"], self.params["budget"], self.params["min_probability"]
-        if not _is_int(top) or top < 1:
-            raise MoecacheError(f"policy transition_prefetch: top must be an integer >= 1, got {top!r}")
-        if not _is_int(budget) or budget < 0:
-            raise MoecacheError(f"policy transition_prefetch: budget must be an integer >= 0, got {budget!r}")
-        if (
-            isinstance(minp, bool | np.bool_)
-            or not isinstance(minp, numbers.Real)
-            or not 0 <= minp <= 1  # also rejects nan
-        ):
-            raise MoecacheError(
-                f"policy transition_prefetch: min_probability must be a number in [0, 1], got {minp!r}"
-            )
+        require_ints(self, top=1, budget=0)
+        require_number(self, "min_probability", lambda p: 0 <= p <= 1, "a number in [0, 1]")
 
     def init_state(self, trace, capacity: int) -> tuple:
         L, E = trace.num_layers, trace.num_experts
