@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from moecache.runtime.device import CudaDevice
-from moecache.runtime.expert_store import ExpertStore
+from moecache.models.expert_store import ExpertStore
 
 REPS, WARM = 30, 5
 

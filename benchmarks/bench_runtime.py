@@ -39,7 +39,7 @@ import torch
 from moecache.errors import MoecacheError
 from moecache.offloading import runtime_cost
 from moecache.runtime.device import Device, make_device
-from moecache.runtime.expert_store import ExpertStore
+from moecache.models.expert_store import ExpertStore
 from moecache.runtime.manager import CacheManager
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import TransferEngine

@@ -336,7 +336,7 @@ def synthetic_runtime(
     its manager running `policy`. `device`: a runtime Device (CudaDevice or StandinDevice). The store is
     pinned on CUDA, as `moecache.offload` pins it."""
     from moecache.runtime.cpu_experts import CpuExperts
-    from moecache.runtime.expert_store import ExpertStore
+    from moecache.models.expert_store import ExpertStore
     from moecache.runtime.experts_module import ExpertsRuntime
     from moecache.runtime.manager import CacheManager
 

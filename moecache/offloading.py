@@ -355,7 +355,7 @@ def _pin_mode(target: torch.device) -> str:
 
 def _store_from_model(adapter, target: torch.device):
     """Every expert of a model in memory, copied layer by layer into one host store."""
-    from moecache.runtime.expert_store import ExpertStore
+    from moecache.models.expert_store import ExpertStore
 
     E, H, inter = adapter.num_experts, adapter.hidden_size, adapter.moe_intermediate_size
     store = ExpertStore.allocate(adapter.num_layers, E, H, inter, adapter.dtype)

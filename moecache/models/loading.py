@@ -477,7 +477,7 @@ def load_model(
 
     store = fit = None
     if offload is not None:
-        from moecache.runtime.expert_store import ExpertStore
+        from moecache.models.expert_store import ExpertStore
 
         fit = fit_offload(
             offload.capacity, num_keys=adapter.num_layers * adapter.num_experts,

@@ -329,7 +329,7 @@ def load_random(model_cfg: dict, device: str, offload=None, bars=None):
     adapter = adapter_for(model)
     store = None
     if offload is not None:
-        from moecache.runtime.expert_store import ExpertStore
+        from moecache.models.expert_store import ExpertStore
 
         E, H, inter = adapter.num_experts, adapter.hidden_size, adapter.moe_intermediate_size
         store = ExpertStore.allocate(adapter.num_layers, E, H, inter, adapter.dtype)

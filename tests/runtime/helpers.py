@@ -14,7 +14,7 @@ import transformers
 
 from moecache.models import ADAPTERS
 from moecache.runtime.device import StandinDevice
-from moecache.runtime.expert_store import ExpertStore
+from moecache.models.expert_store import ExpertStore
 from moecache.runtime.manager import CacheManager
 
 
