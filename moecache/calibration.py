@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from moecache_kernels import expert_forward
 
+from moecache.generation import fast_generate, transformers_generate
 from moecache.token_clock import TokenStamps
 
 MiB = 1 << 20
@@ -335,8 +336,8 @@ def synthetic_runtime(
     `store_experts` random experts of `shape` and a slot pool of `slots` filled with the first of them,
     its manager running `policy`. `device`: a runtime Device (CudaDevice or StandinDevice). The store is
     pinned on CUDA, as `moecache.offload` pins it."""
-    from moecache.runtime.cpu_experts import CpuExperts
     from moecache.models.expert_store import ExpertStore
+    from moecache.runtime.cpu_experts import CpuExperts
     from moecache.runtime.experts_module import ExpertsRuntime
     from moecache.runtime.manager import CacheManager
 
@@ -747,50 +748,17 @@ class _StampsLess(TokenStamps):
         return scores
 
 
-def transformers_generate(model, prompt_1T: torch.Tensor, new_tokens: int, stamp) -> None:
-    """The plain transformers execution path: greedy `model.generate` of `new_tokens` tokens, `stamp`
-    (a logits processor) called as each token's logits are ready. The decode loop `time_model_steps`
-    times; a faster decode loop takes the same arguments."""
-    from transformers import LogitsProcessorList
-
-    model.generate(
-        input_ids=prompt_1T, attention_mask=torch.ones_like(prompt_1T), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-        eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([stamp]),
-    )  # fmt: skip
-
-
-class _StampStreamer:
-    """A streamer (transformers' put/end protocol) calling `stamp` as each generated token is put (the
-    decoder puts the prompt first: skipped)."""
-
-    def __init__(self, stamp):
-        self._stamp, self._prompt_seen = stamp, False
-
-    def put(self, value) -> None:
-        if self._prompt_seen:
-            self._stamp(None, None)
-        self._prompt_seen = True
-
-    def end(self) -> None:
-        pass
-
-
-def fast_generate(model, prompt_1T: torch.Tensor, new_tokens: int, stamp) -> None:
-    """moecache's fast decode loop (`FastDecoder`, a StaticCache and static buffers) in
-    `transformers_generate`'s arguments, eager (graphs off): `time_in_model` runs it with a probe as
-    every layer's experts (`ZeroExperts`), whose routing read-back no CUDA graph could hold. The
-    offloaded model's own fast loop is timed by `time_fast_steps`."""
-    from moecache.runtime.decode_loop import FastDecoder
-
-    decoder = FastDecoder(model, max_cache_len=int(prompt_1T.shape[-1]) + new_tokens, graphs="off")
-    decoder.generate(prompt_1T, new_tokens, streamer=_StampStreamer(stamp))
+def fast_eager_generate(model, prompt_1T: torch.Tensor, new_tokens: int, stamp) -> None:
+    """moecache's fast decode loop (`generation.fast_generate`) eager (graphs off): `time_in_model` runs
+    it with a probe as every layer's experts (`ZeroExperts`), whose routing read-back no CUDA graph
+    could hold. The offloaded model's own fast loop is timed by `time_fast_steps`."""
+    fast_generate(model, prompt_1T, new_tokens, stamp, graphs="off")
 
 
 # The decode loop of each cost.runtime.step: the non-expert time of step=transformers (time_model_steps)
 # and, on the stand-in, the loop the in-model host timings run in (time_in_model); step=fast times its
 # non-expert time on the offloaded model instead (time_fast_steps).
-STEP_FUNCTIONS = {"transformers": transformers_generate, "fast": fast_generate}
+STEP_FUNCTIONS = {"transformers": transformers_generate, "fast": fast_eager_generate}
 
 
 def random_forcing(shape, prompt_tokens: int, tokens: int, seed: int = 0):

@@ -3,7 +3,7 @@ expert path's host points, over the Hugging Face model's own modules and forward
 
     decoder = FastDecoder(model, max_cache_len=prompt_len + 64)   # a moecache.offload'ed model or not
     result = decoder.generate(input_ids, max_new_tokens=64)       # result.tokens [1, prompt + 64]
-    fast_generate(model, input_ids, 64)                           # the same, one shot
+    fast_generate(model, input_ids, 64)     # the same, one shot: a DecodeResult (moecache/generation.py)
 
 What runs (docs/runtime.md, "Fast decode loop"):
 1. Prefill, eagerly, by transformers' own forward on the whole prompt into a `transformers.StaticCache`
@@ -419,16 +419,6 @@ class FastDecoder:
                 f"decoder's max_cache_len={self.max_cache_len}"
             )
         return ids.to(self.device, torch.long)
-
-
-def fast_generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
-    """Greedy tokens [1, T + N] of `model` through a FastDecoder sized for this call (`options` go to
-    FastDecoder and to its generate: graphs, host_points, eos_token_id, streamer)."""
-    run_keys = ("eos_token_id", "streamer")
-    run = {k: options.pop(k) for k in run_keys if k in options}
-    prompt = torch.as_tensor(input_ids)
-    decoder = FastDecoder(model, max_cache_len=int(prompt.shape[-1]) + int(max_new_tokens), **options)
-    return decoder.generate(input_ids, max_new_tokens, **run).tokens
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moecache.artifacts import artifact_id
 from moecache.env_info import machine_info, package_versions
 from moecache.errors import MoecacheError
+from moecache.generation import transformers_generate
 from moecache.models import load_model
 from moecache.stages.base import StageResult, prepare, reusable, store_for, torch_device
 from moecache.trace.hooks import RoutingRecorder
@@ -66,31 +67,9 @@ def _artifact_config(c: dict, device: str, revision: str) -> dict:
     }
 
 
-def sampling_kwargs(gen: dict) -> dict:
-    """`model.generate` keywords of the `generation` group's sampling keys (shared with `moecache
-    generate`): temperature and top-p when sampling, the model's own sampling defaults switched off
-    otherwise, and no EOS stop under `ignore_eos`."""
-    if gen["do_sample"]:
-        kwargs = dict(temperature=float(gen["temperature"]), top_p=float(gen["top_p"]))
-    else:
-        kwargs = dict(temperature=None, top_p=None, top_k=None)
-    if gen["ignore_eos"]:
-        kwargs["eos_token_id"] = None
-    return kwargs
-
-
 def _generate(model, ids: list[int], gen: dict, max_new_tokens: int, device: str, pad_id: int) -> list[int]:
     input_ids = torch.tensor([ids], device=device)
-    kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=bool(gen["do_sample"]),
-        pad_token_id=pad_id,
-    )
-    kwargs.update(sampling_kwargs(gen))
-    with torch.inference_mode():
-        out = model.generate(**kwargs)
+    out = transformers_generate(model, input_ids, max_new_tokens, gen=gen, pad_token_id=pad_id)
     return out[0, input_ids.shape[1] :].tolist()
 
 

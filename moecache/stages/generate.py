@@ -157,33 +157,28 @@ def _streamer(tokenizer, out):
 def _generate_fast(model, tokenizer, input_ids, gen: dict, out, compile: bool = False):
     """Greedy, through moecache's fast decode loop (its step through torch.compile with `compile`), the
     text streamed to `out`; returns the loop's DecodeResult (its prefill and decode times)."""
-    from moecache.runtime.decode_loop import FastDecoder
+    from moecache.generation import fast_generate
 
-    new = int(gen["max_new_tokens"])
     eos = None if gen["ignore_eos"] else model.generation_config.eos_token_id
-    decoder = FastDecoder(model, max_cache_len=int(input_ids.shape[1]) + new, compile=compile)
-    return decoder.generate(input_ids, new, eos_token_id=eos, streamer=_streamer(tokenizer, out))
+    return fast_generate(
+        model, input_ids, int(gen["max_new_tokens"]), streamer=_streamer(tokenizer, out), eos_token_id=eos,
+        compile=compile,
+    )  # fmt: skip
 
 
 def _generate(model, tokenizer, input_ids, gen: dict, seed: int, out) -> int:
-    """Generate with the text streamed to `out`; returns the number of new tokens."""
+    """transformers' loop as the `generation` group says, the text streamed to `out`; returns the number of
+    new tokens."""
     import torch
 
-    from moecache.stages.collect import sampling_kwargs
+    from moecache.generation import transformers_generate
 
-    kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=int(gen["max_new_tokens"]),
-        do_sample=bool(gen["do_sample"]),
-        streamer=_streamer(tokenizer, out),
-        pad_token_id=model.generation_config.pad_token_id,
-    )
     if gen["do_sample"]:
         torch.manual_seed(seed)
-    kwargs.update(sampling_kwargs(gen))
-    with torch.inference_mode():
-        output = model.generate(**kwargs)
+    output = transformers_generate(
+        model, input_ids, int(gen["max_new_tokens"]), gen=gen, streamer=_streamer(tokenizer, out),
+        pad_token_id=model.generation_config.pad_token_id,
+    )  # fmt: skip
     return int(output.shape[1] - input_ids.shape[1])
 
 

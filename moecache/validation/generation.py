@@ -24,12 +24,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessorList
 
 from moecache.errors import MoecacheError
+from moecache.generation import LOOPS, fast_generate, transformers_generate
 from moecache.token_clock import TokenStamps
-
-LOOPS = ("transformers", "fast")
 
 
 @dataclass
@@ -56,14 +54,9 @@ class TransformersLoop:
         stamp = TokenStamps(self.cuda)
         input_ids = torch.tensor([list(prompt_ids)], device=self.device)
         start = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens, do_sample=False,
-                temperature=None, top_p=None, top_k=None, eos_token_id=None, pad_token_id=self.pad_id,
-                output_logits=True, return_dict_in_generate=True,
-                logits_processor=LogitsProcessorList([stamp]),
-            )  # fmt: skip
+        out = transformers_generate(
+            self.model, input_ids, max_new_tokens, stamp, pad_token_id=self.pad_id, output_logits=True
+        )
         tokens = out.sequences[0, input_ids.shape[1] :].tolist()
         times = stamp.times
         if len(times) != len(tokens):
@@ -73,23 +66,6 @@ class TransformersLoop:
         return Generated(tokens, logits, times[0] - start, gaps, 0, self.label)
 
     def close(self) -> None:
-        pass
-
-
-class _Stamps:
-    """A streamer (transformers' put/end protocol) that stamps every generated token."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if not self._prompt_seen:  # the decoder puts the prompt first
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
         pass
 
 
@@ -107,11 +83,9 @@ class FastLoop:
             self.decoder = FastDecoder(model, max_cache_len=max_cache_len, keep_logits=True, graphs=graphs)
 
     def generate(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> Generated:
-        stamps = _Stamps()
+        stamps = TokenStamps(False)  # the decoder reads each token back (a synchronize) before its stamp
         start = time.perf_counter()
-        result = self.decoder.generate(
-            torch.tensor([list(prompt_ids)]), max_new_tokens, eos_token_id=None, streamer=stamps
-        )
+        result = fast_generate(self.decoder, torch.tensor([list(prompt_ids)]), max_new_tokens, stamps)
         tokens = result.tokens[0, result.prompt_tokens :].tolist()
         times = stamps.times
         if len(times) != len(tokens) or len(tokens) != max_new_tokens:

@@ -23,8 +23,9 @@ from typer.testing import CliRunner
 import moecache
 from moecache.cli import app
 from moecache.errors import MoecacheError
+from moecache.generation import fast_generate
 from moecache.models import adapter_for
-from moecache.runtime.decode_loop import FastDecoder, fast_generate
+from moecache.runtime.decode_loop import FastDecoder
 from moecache.runtime.forced_routing import ForcedRouting
 from moecache.runtime.segments import ExpertsTaps
 from moecache.trace.esft_import import EsftArrays, esft_to_table
@@ -203,7 +204,7 @@ def test_eos_stops_like_transformers_and_the_streamer_sees_every_token():
     assert want.shape[1] < full.shape[1]  # transformers stopped there
     model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
     streamer = Recorder()
-    got = fast_generate(model, torch.tensor([PROMPT_T]), NEW, eos_token_id=[eos], streamer=streamer)
+    got = fast_generate(model, torch.tensor([PROMPT_T]), NEW, eos_token_id=[eos], streamer=streamer).tokens
     assert torch.equal(got, want)
     assert streamer.puts[0] == PROMPT_T and sum(streamer.puts[1:], []) == want[0, len(PROMPT_T) :].tolist()
     assert streamer.ended
