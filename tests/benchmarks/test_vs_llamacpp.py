@@ -1,0 +1,165 @@
+"""benchmarks/vs_llamacpp/bench.py: the pure parts of the llama.cpp comparison (no build, no network).
+
+The memory points must give both sides the same routed-expert bytes on the GPU: llama-bench's `-ncmoe N`
+(the experts of blocks 0 .. N-1 in host memory) and moecache's capacity as a memory budget, which moecache's
+own capacity parser must turn into exactly the slots those bytes hold. llama-bench's JSON / JSONL output
+must be read into medians of its samples; bad input is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from moecache.capacity import capacity_spec
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_llamacpp" / "bench.py"
+
+# DeepSeek-V2-Lite: 27 decoder blocks, block 0 dense, 64 experts of 3 x 2048 x 1408 bf16 weights.
+DSV2 = {"model_type": "deepseek_v2", "num_hidden_layers": 27, "first_k_dense_replace": 1, "n_routed_experts": 64,
+        "hidden_size": 2048, "moe_intermediate_size": 1408}  # fmt: skip
+# Qwen3.6-35B-A3B's text decoder cut to 20 of its 40 blocks, every block sparse, 256 experts of 3 x 2048 x 512.
+QWEN20 = {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 20, "num_experts": 256, "hidden_size": 2048,
+          "moe_intermediate_size": 512}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """bench.py as a module (registered first: its dataclasses look their module up by name)."""
+    spec = importlib.util.spec_from_file_location("vs_llamacpp_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def plan(bench, config):
+    blocks = bench.moe_blocks(config)
+    return blocks, bench.plan_points(
+        blocks, config["num_hidden_layers"], bench.num_experts(config), bench.expert_bytes(config)
+    )
+
+
+def test_moe_blocks_and_expert_bytes(bench):
+    assert bench.moe_blocks(DSV2) == list(range(1, 27))
+    assert bench.expert_bytes(DSV2) == 17301504  # conf/model/deepseek_v2_lite.yaml's expert_bytes
+    assert bench.moe_blocks(QWEN20) == list(range(20))
+    assert bench.expert_bytes(QWEN20) == 6291456  # conf/model/qwen3_6_35b_a3b.yaml's
+    wrapped = {"text_config": dict(QWEN20, model_type="qwen3_5_moe_text")}
+    assert bench.moe_blocks(wrapped) == list(range(20))
+    with pytest.raises(bench.BadInput, match="model_type 'llama'"):
+        bench.moe_blocks({"model_type": "llama", "num_hidden_layers": 2})
+
+
+def test_dsv2_points(bench):
+    blocks, points = plan(bench, DSV2)
+    layer = 64 * 17301504
+    got = [(p.label, p.gpu_layers, p.n_cpu_moe, p.gpu_expert_bytes, p.slots) for p in points]
+    assert got == [
+        ("all on GPU", 26, 0, 26 * layer, 26 * 64),
+        # 13 MoE layers (blocks 1..13) in host memory: -ncmoe 14 also covers the dense block 0
+        ("50%", 13, 14, 13 * layer, 13 * 64),
+        # 25% of 26 layers is 6.5: rounded down, 6 layers (23.1%) on the GPU, blocks 1..20 in host memory
+        ("25%", 6, 21, 6 * layer, 6 * 64),
+        # every block's experts in host memory, as llama.cpp's --cpu-moe
+        ("all in host", 0, 27, 0, 0),
+    ]
+    assert points[2].gpu_fraction == pytest.approx(6 / 26)
+
+
+@pytest.mark.parametrize("config", [DSV2, QWEN20, dict(QWEN20, num_hidden_layers=40)])
+def test_both_sides_hold_the_same_expert_bytes(bench, config):
+    """llama-bench's rule (the last blocks' experts on the GPU) and moecache's capacity parser both give
+    exactly the planned layers / slots, and the bytes are the same."""
+    blocks, points = plan(bench, config)
+    experts, size = bench.num_experts(config), bench.expert_bytes(config)
+    for p in points:
+        assert bench.gpu_layers_of(blocks, p.n_cpu_moe) == p.gpu_layers
+        slots = capacity_spec(p.capacity, key="capacity").slots(
+            key="capacity", num_keys=len(blocks) * experts, expert_bytes=size
+        )
+        assert slots == p.slots == p.gpu_layers * experts
+        assert slots * size == p.gpu_expert_bytes
+        assert p.gpu_layers == int(p.share * len(blocks))
+
+
+def test_qwen_points(bench):
+    _, points = plan(bench, QWEN20)
+    assert [(p.gpu_layers, p.n_cpu_moe) for p in points] == [(20, 0), (10, 10), (5, 15), (0, 20)]
+    _, points = plan(bench, dict(QWEN20, num_hidden_layers=40))
+    assert [(p.gpu_layers, p.n_cpu_moe) for p in points] == [(40, 0), (20, 20), (10, 30), (0, 40)]
+
+
+def test_bad_plans(bench):
+    with pytest.raises(bench.BadInput, match="increasing"):
+        bench.plan_points([3, 1], 4, 8, 10)
+    with pytest.raises(bench.BadInput, match="below 4"):
+        bench.plan_points([1, 4], 4, 8, 10)
+    with pytest.raises(bench.BadInput, match="share 1.5"):
+        bench.plan_points([0, 1], 2, 8, 10, shares=(("too much", 1.5),))
+    with pytest.raises(bench.BadInput, match="cpu_layers=3"):
+        bench.n_cpu_moe_for([0, 1], 3)
+
+
+def llama_row(n_cpu_moe: int, n_prompt: int, n_gen: int, samples: list[float]) -> dict:
+    """One test object as llama-bench (llama.cpp 0c1e57098) writes it with -o jsonl, every field."""
+    return {
+        "build_commit": "0c1e57098", "build_number": 0, "cpu_info": "AMD EPYC", "gpu_info": "", "backends": "CPU",
+        "model_filename": "dsv2-27l-tiny.bf16.gguf", "model_type": "deepseek2 16B BF16", "model_size": 347395840,
+        "model_n_params": 173256128, "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "cpu_mask": "0x0",
+        "cpu_strict": False, "poll": 50, "type_k": "f16", "type_v": "f16", "n_gpu_layers": 99,
+        "n_cpu_moe": n_cpu_moe, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False, "flash_attn": -1,
+        "devices": "auto", "tensor_split": "0.00", "tensor_buft_overrides": "none", "load_mode": "auto",
+        "lazy_mode": "auto", "embeddings": False, "no_op_offload": 0, "no_host": False, "repack": True,
+        "fit_target": 0, "fit_min_ctx": 0, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": 0,
+        "test_time": "2026-12-05T07:51:39Z", "avg_ns": int(1e9 / (sum(samples) / len(samples))), "stddev_ns": 0,
+        "avg_ts": sum(samples) / len(samples), "stddev_ts": 0.0, "samples_ns": [int(1e9 / s) for s in samples],
+        "samples_ts": samples,
+    }  # fmt: skip
+
+
+def test_parse_llama_bench_jsonl_and_json(bench):
+    rows = [llama_row(0, 512, 0, [900.0, 1000.0, 950.0]), llama_row(0, 0, 128, [80.0, 70.0, 90.0]),
+            llama_row(14, 512, 0, [500.0, 400.0, 450.0]), llama_row(14, 0, 128, [30.0, 31.0, 29.0])]  # fmt: skip
+    jsonl = "\n".join(json.dumps(r) for r in rows) + "\n"
+    for text in (jsonl, json.dumps(rows, indent=2)):
+        parsed = bench.parse_llama_bench(text)
+        assert parsed == rows
+        by_n = bench.summarize_llama(parsed)
+        assert by_n[0]["pp"]["median_ts"] == 950.0 and by_n[0]["pp"]["test"] == "pp512"
+        assert by_n[0]["tg"]["median_ts"] == 80.0 and by_n[0]["tg"]["test"] == "tg128"
+        assert by_n[14]["pp"]["median_ts"] == 450.0 and by_n[14]["tg"]["samples_ts"] == [30.0, 31.0, 29.0]
+    assert bench.parse_llama_bench("") == []
+    # a run stopped at the device call's limit: the lines it finished are kept, a cut last line dropped
+    assert bench.parse_llama_bench(jsonl + '{"build_commit": "0c1e5') == rows
+    assert bench.llama_test_label(llama_row(0, 512, 128, [1.0])) == "pp512+tg128"
+    assert bench.summarize_llama([llama_row(0, 512, 128, [1.0])]) == {}  # -pg tests are not pp or tg
+
+
+def test_parse_llama_bench_refuses_other_text(bench):
+    with pytest.raises(bench.BadInput, match="line 1: not JSON"):
+        bench.parse_llama_bench("| model | size |\n| --- | --- |\n")
+    with pytest.raises(bench.BadInput, match="without samples_ts"):
+        bench.parse_llama_bench(json.dumps([{"n_prompt": 512}]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["llama", "--shape", "dsv2", "--checkpoint", "/nonexistent", "--gguf", "x", "--llama-bench", "y"],
+         "config.json"),
+        (["moecache", "--shape", "dsv2", "--checkpoint", "/nonexistent", "--reps", "0"], "--reps 0"),
+        (["report", "--results", "/nonexistent", "--shapes", "qwen"], "no results of qwen"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(bench, capsys, argv, message):
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and err.startswith("vs_llamacpp: ")
