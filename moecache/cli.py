@@ -1,8 +1,9 @@
 """The `moecache` command: a thin Typer layer over the stage functions in `moecache/stages/`.
 
 Each stage subcommand takes Hydra overrides (`moecache collect model=tiny generation.max_new_tokens=64`)
-and `-m/--multirun` for a Hydra sweep. Progress and the summary table go to stderr; the last line on
-stdout is the output artifact's path. Every bad input, also under `-m`, is one line on stderr
+and `-m/--multirun` for a Hydra sweep, on its own root config conf/<stage>.yaml, which holds only what the
+stage reads. Progress and the summary table go to stderr; the last line on stdout is the output
+artifact's path. Every bad input, also under `-m`, is one line on stderr
 (`moecache <stage>: error: ...`) and exit code 2, before any computation: config values before anything
 is read, a capacity against a trace's expert count right after that trace is read.
 
@@ -14,18 +15,17 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from pathlib import Path
 
 import typer
+from typer.core import TyperCommand
 
+from moecache.config_tree import group_options, groups, root_name, stage_keys
 from moecache.errors import MoecacheError
-from moecache.stage_keys import STAGE_KEYS, check_overrides, group_options, stage_reads
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.splitlines()[0])
 artifacts_app = typer.Typer(no_args_is_help=True, help="List and inspect artifacts under output_root.")
 app.add_typer(artifacts_app, name="artifacts")
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # moecache.config.CONF_DIR, without importing Hydra
 LAUNCHERS = "basic (default), joblib, submitit_local, submitit_slurm"
 
 # subcommand -> (module in moecache.stages, help)
@@ -70,38 +70,33 @@ def _print_summary(stage: str, result) -> None:
 
 
 def _stage_config_yaml(stage: str, overrides: list[str], what: str, resolve: bool) -> str:
-    """The composed config as YAML: `job` the keys `stage` reads, `all` the whole tree, `hydra` Hydra's."""
+    """The composed config as YAML: `job` the stage's (only the keys it reads), `hydra` Hydra's, `all`
+    both."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from moecache.config import compose
 
-    cfg = compose(overrides, with_hydra=what == "hydra")
+    cfg = compose(overrides, with_hydra=what != "job", stage=stage)
     try:
-        if what == "hydra":
-            node = cfg.hydra
-        else:
-            node = OmegaConf.masked_copy(cfg, [k for k in cfg if what == "all" or stage_reads(stage, str(k))])
-        return OmegaConf.to_yaml(node, resolve=resolve)
+        return OmegaConf.to_yaml(cfg.hydra if what == "hydra" else cfg, resolve=resolve)
     except OmegaConfBaseException as exc:
         raise MoecacheError(f"--cfg {what}: {' '.join(str(exc).split())}") from exc
 
 
-def _checked_or_printed(stage: str, overrides: list[str], show_cfg: str | None, resolve: bool) -> bool:
-    """Check the overrides against what `stage` reads; with `--cfg`, print the composed config instead of
-    running. True: the command is done (the config was printed)."""
-    if show_cfg is not None and show_cfg not in ("job", "all", "hydra"):
-        raise MoecacheError(f"--cfg {show_cfg}: expected job, all or hydra")
-    check_overrides(stage, overrides, CONF_DIR)
+def _printed(stage: str, overrides: list[str], show_cfg: str | None, resolve: bool) -> bool:
+    """With `--cfg`, print the composed config instead of running. True: the command is done."""
     if show_cfg is None:
         return False
+    if show_cfg not in ("job", "all", "hydra"):
+        raise MoecacheError(f"--cfg {show_cfg}: expected job, all or hydra")
     print(_stage_config_yaml(stage, overrides, show_cfg, resolve), end="")
     return True
 
 
 def _run_stage(stage: str, overrides: list[str], multirun: bool, show_cfg: str | None, resolve: bool) -> None:
     try:
-        if _checked_or_printed(stage, overrides, show_cfg, resolve):
+        if _printed(stage, overrides, show_cfg, resolve):
             return
         from moecache.config import compose
         from moecache.config import multirun as hydra_multirun
@@ -119,25 +114,35 @@ def _run_stage(stage: str, overrides: list[str], multirun: bool, show_cfg: str |
         if multirun:
             hydra_multirun(stage, once, overrides, preflight=lambda cfg: prepare(cfg, stage))
         else:
-            once(compose(overrides))
+            once(compose(overrides, stage=stage))
     except MoecacheError as exc:
         _fail(stage, exc)
 
 
 def _stage_epilog(stage: str) -> str:
-    """The stage's config groups and their options (read from conf/), and how to see its config."""
-    lines = [f"Config keys it reads: {', '.join(STAGE_KEYS[stage])}, output_root, force."]
-    for key in STAGE_KEYS[stage]:
-        if (CONF_DIR / key).is_dir():
-            lines.append(
-                f"Group {key}: {', '.join(group_options(CONF_DIR, key))} (select with {key}=OPTION)."
-            )
+    """The keys the stage reads and its groups' options (read from conf/), and how to see its config."""
+    lines = [f"Config keys it reads (conf/{root_name(stage)}.yaml): {', '.join(stage_keys(stage))}."]
+    for group in groups(stage):
+        lines.append(f"Group {group}: {', '.join(group_options(group))} (select with {group}=OPTION).")
     lines.append(f"Launchers (with -m, hydra/launcher=NAME): {LAUNCHERS}.")
     lines.append(
         f"Print the composed config without running: moecache {stage} --cfg job [OVERRIDES] "
-        "(--cfg all: the whole tree; --cfg hydra: Hydra's; --resolve: interpolations resolved)."
+        "(--cfg hydra: Hydra's; --cfg all: both; --resolve: interpolations resolved)."
     )
     return "\n\n".join(lines)
+
+
+class StageCommand(TyperCommand):
+    """A stage's command, whose epilog (`_stage_epilog`: read from conf/) is built only when its help is
+    shown, not at every start of the CLI."""
+
+    @property
+    def epilog(self) -> str:
+        return _stage_epilog(self.name)
+
+    @epilog.setter
+    def epilog(self, value) -> None:
+        pass  # always built from conf/
 
 
 # The options every command that composes the config takes besides its overrides.
@@ -145,7 +150,7 @@ CFG_OPTION = typer.Option(
     None,
     "--cfg",
     "-c",
-    help="Print the composed config and exit: job (the keys the command reads), all, or hydra.",
+    help="Print the composed config and exit: job (the keys the command reads), hydra (Hydra's), or all.",
 )
 RESOLVE_OPTION = typer.Option(False, "--resolve", help="With --cfg: resolve interpolations.")
 
@@ -154,7 +159,7 @@ def _make_stage_command(stage: str, help_text: str) -> None:
     @app.command(
         stage,
         help=help_text + " Extra arguments are Hydra overrides (key=value, group=option).",
-        epilog=_stage_epilog(stage),
+        cls=StageCommand,
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     )
     def _command(
@@ -182,19 +187,19 @@ GENERATE_HELP = (
 @app.command(
     "generate",
     help=GENERATE_HELP,
-    epilog=_stage_epilog("generate"),
+    cls=StageCommand,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
 def generate_command(ctx: typer.Context, cfg: str = CFG_OPTION, resolve: bool = RESOLVE_OPTION) -> None:
     """The stages' composition and one-line errors, without an artifact (nor a multirun: one prompt)."""
     stage, overrides = "generate", list(ctx.args)
     try:
-        if _checked_or_printed(stage, overrides, cfg, resolve):
+        if _printed(stage, overrides, cfg, resolve):
             return
         from moecache.config import compose
         from moecache.stages.generate import run
 
-        run(compose(overrides))
+        run(compose(overrides, stage=stage))
     except MoecacheError as exc:
         _fail(stage, exc)
 

@@ -7,6 +7,7 @@ that covers everything the result depends on:
 
 - the bytes of every file under the config directory (and their paths), so an edited, added or removed
   YAML file gives a new key;
+- the root config composed (a stage's conf/<stage>.yaml, or conf/config.yaml);
 - the overrides, in order, exactly as given;
 - the versions of hydra-core and omegaconf (from the installed distributions' metadata);
 - this module's format version.
@@ -49,10 +50,17 @@ def _dist_version(name: str) -> str:
         return "absent"
 
 
-def key(conf_dir: Path, overrides: list[str]) -> str:
-    """The cache key of composing `conf_dir`'s `config` with `overrides` (module docstring)."""
+def key(conf_dir: Path, config_name: str, overrides: list[str]) -> str:
+    """The cache key of composing `conf_dir`'s root `config_name` with `overrides` (module docstring)."""
     h = hashlib.sha256()
-    for part in (f"format={FORMAT}", _dist_version("hydra-core"), _dist_version("omegaconf"), str(conf_dir)):
+    parts = (
+        f"format={FORMAT}",
+        _dist_version("hydra-core"),
+        _dist_version("omegaconf"),
+        str(conf_dir),
+        config_name,
+    )
+    for part in parts:
         h.update(part.encode() + b"\0")
     for path in sorted(p for p in conf_dir.rglob("*") if p.is_file()):
         h.update(str(path.relative_to(conf_dir)).encode() + b"\0")

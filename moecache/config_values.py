@@ -6,8 +6,8 @@ fails deep inside a stage with a traceback. Here every value is checked against 
 exactly that is refused with one line naming the key and the value: never coerced.
 
 The rules are a table per config group (`RULES`); `check_config(stage, c)` applies those of the keys
-`stage` reads (moecache/stage_keys.py). A group's own semantic checks (a policy's parameters, a trace's
-contents) stay with the code that owns them.
+`stage` reads (its root config, conf/<stage>.yaml: moecache/config_tree.py). A group's own semantic
+checks (a policy's parameters, a trace's contents) stay with the code that owns them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import math
 from collections.abc import Callable
 
 from moecache.capacity import capacity_specs
+from moecache.config_tree import stage_keys
 from moecache.errors import MoecacheError
-from moecache.stage_keys import STAGE_KEYS
 
 Check = Callable[[str, object], None]
 MODES = ("instant", "timed")  # moecache.sim.sweep.MODES; repeated so checking needs no numba import
@@ -307,7 +307,7 @@ _ABSENT = object()
 def check_config(stage: str, c: dict) -> None:
     """Check every value `stage` reads in the resolved config `c` (a plain dict); one line on failure."""
     rules = dict(COMMON)
-    for group in STAGE_KEYS[stage]:
+    for group in stage_keys(stage):
         rules.update(RULES.get(group, {}))
     if stage in CAPACITY:
         rules["capacity"] = CAPACITY[stage]

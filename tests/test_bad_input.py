@@ -150,6 +150,12 @@ CASES = [
         "`moecache simulate` does not read `model`",
     ),
     ("report-reads-report", ["report", "sweep.workers=2"], "`moecache report` does not read `sweep`"),
+    (
+        "appended-other-stage-key",
+        ["simulate", T, "capacity=4", "+decide.margin=9"],
+        "+decide.margin=9: `moecache simulate` does not read `decide`",
+    ),
+    ("analyze-sweep-key", ["analyze", T, "sweep.targets=[0.5]"], "does not read `sweep.targets`"),
     # collect exists to log
     ("collect-logging-off", ["collect", "logging.enabled=false"], "logging.enabled=false"),
     # an unwritable output root fails before the computation
@@ -160,7 +166,11 @@ CASES = [
     ),
     # Hydra's own failures are one line too
     ("override-syntax", ["simulate", T, "capacity=[4"], "bad config override"),
-    ("unknown-key", ["simulate", T, "capacity=4", "sim.bandwith_scale=2"], "sim.bandwith_scale"),
+    (
+        "unknown-key",
+        ["simulate", T, "capacity=4", "sim.bandwith_scale=2"],
+        "no such key `sim.bandwith_scale` (did you mean sim.bandwidth_scale?)",
+    ),
     ("cfg-kind", ["simulate", "--cfg", "jobs"], "--cfg jobs: expected job, all or hydra"),
     # under -m: bad overrides, a bad value at any point, a job's own error
     ("multirun-policy-typo", ["simulate", "-m", T, "capacity=4", "policy=lru,lruu"], "policy=lruu"),

@@ -12,31 +12,34 @@ from typer.testing import CliRunner
 
 from moecache.artifacts import ArtifactStore
 from moecache.cli import STAGES, app
-from moecache.config import CONF_DIR
-from moecache.stage_keys import STAGE_KEYS
+from moecache.config_tree import group_options, groups, stage_keys
 
 SMALL = ["workload.num_requests=1", "generation.max_new_tokens=2", "workload.max_prompt_tokens=32"]
 
 
 def test_every_stage_has_help():
-    for stage in STAGES:
+    for stage in [*STAGES, "generate"]:
         res = CliRunner().invoke(app, [stage, "--help"], env={"COLUMNS": "200"})
         assert res.exit_code == 0 and "Hydra overrides" in res.output
         assert f"moecache {stage} --cfg job" in res.output
-        for group in STAGE_KEYS[stage]:
-            if (CONF_DIR / group).is_dir():
-                options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-                assert f"Group {group}: {', '.join(options)}" in " ".join(res.output.split())  # unwrapped
+        unwrapped = " ".join(res.output.split())
+        assert f"Config keys it reads (conf/{stage.replace('-', '_')}.yaml): " in unwrapped
+        assert groups(stage)
+        for group in groups(stage):
+            assert f"Group {group}: {', '.join(group_options(group))}" in unwrapped
 
 
-@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("stage", [*STAGES, "generate"])
 def test_cfg_job_prints_the_keys_the_stage_reads(stage):
     res = CliRunner().invoke(app, [stage, "--cfg", "job"])
     assert res.exit_code == 0, res.output
     printed = yaml.safe_load(res.stdout)
-    tops = {k.split(".")[0] for k in STAGE_KEYS[stage]}
+    tops = {k.split(".")[0] for k in stage_keys(stage)}
     # policy: no option is selected by default, so the composed config has no policy node
-    assert set(printed) == (tops | {"output_root", "force"}) - {"policy"}
+    assert set(printed) == tops - {"policy"} and {"output_root", "force"} <= tops
+    assert "hydra" not in printed
+    both = yaml.safe_load(CliRunner().invoke(app, [stage, "--cfg", "all"]).stdout)
+    assert both == {**printed, "hydra": both["hydra"]} and "run" in both["hydra"]
 
 
 def test_cfg_job_shows_overrides_and_resolves():

@@ -1,4 +1,5 @@
-"""The real Hydra config tree: every option of every group composes; bad input is a clear error."""
+"""The real Hydra config tree: every option of every group composes, each stage's root holds what the stage
+reads and nothing else; bad input is a clear error."""
 
 import re
 from pathlib import Path
@@ -7,11 +8,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from moecache.config import CONF_DIR, compose, to_container
+from moecache.config_tree import COMMON, stage_keys, stages
 from moecache.config_values import check_config
 from moecache.errors import MoecacheError
-from moecache.stage_keys import STAGE_KEYS, check_overrides, stage_reads
 
-GROUPS = sorted(p.name for p in Path(CONF_DIR).iterdir() if p.is_dir())
+GROUPS = sorted(p.name for p in Path(CONF_DIR).iterdir() if p.is_dir() and p.name != COMMON)
+STAGES = stages()
 
 
 @pytest.mark.parametrize(
@@ -24,6 +26,12 @@ def test_every_config_option_composes(group, option, tmp_path):
     if OmegaConf.is_missing(cfg[group], "path"):
         return  # real checkpoints and external traces need a path; see test_missing_checkpoint_path_is_named
     to_container(cfg)
+
+
+def test_every_command_has_a_root():
+    from moecache.cli import STAGES as COMMANDS
+
+    assert set(STAGES) == {*COMMANDS, "generate"}
 
 
 def test_groups_exist():
@@ -53,49 +61,88 @@ def test_output_root_follows_env(monkeypatch, tmp_path):
 
 def test_an_unknown_policy_option_is_an_error_not_lfu():
     """`policy` is not an `optional` group: Hydra would skip a missing option of one silently."""
-    with pytest.raises(MoecacheError, match="policy/lruu"):
+    with pytest.raises(
+        MoecacheError, match=re.escape("policy=lruu: no such option (did you mean lru?); known: ")
+    ):
         compose(["policy=lruu"])
-    with pytest.raises(MoecacheError, match="policy/LRU"):
-        compose(["policy=LRU"])
+    with pytest.raises(MoecacheError, match=re.escape("policy=LRU: no such option (did you mean lru?);")):
+        compose(["policy=LRU"], stage="simulate")
     assert "policy" not in compose([])
 
 
-@pytest.mark.parametrize("stage", list(STAGE_KEYS))
-def test_every_key_a_stage_reads_exists_and_its_defaults_pass(stage, tmp_path):
-    """The table of moecache/stage_keys.py names real config keys, and the shipped defaults pass every
-    value check of the stage (only `capacity`, which simulate requires, needs to be given)."""
-    c = to_container(compose([f"output_root={tmp_path}"]))
-    for key in STAGE_KEYS[stage]:
-        node = c
-        for part in key.split("."):
-            if key == "policy":
-                break  # selected by policy=<name>; absent by default
-            assert part in node, f"{stage} reads {key}, which the config does not have"
-            node = node[part]
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_root_is_what_the_stage_reads_and_its_defaults_pass(stage, tmp_path):
+    """conf/<stage>.yaml composes exactly the keys moecache/config_tree.py lists for it (a group with no
+    option selected, `policy`, composes to nothing); every interpolation in it resolves, so a stage's
+    group never refers to a key the stage does not read; and the shipped defaults pass every value check
+    of the stage (only `capacity`, which simulate requires, needs to be given)."""
+    cfg = compose([f"output_root={tmp_path}"], stage=stage)
+    keys = stage_keys(stage)
+    assert {str(k) for k in cfg} == {k.split(".")[0] for k in keys} - {"policy"}
+    parts = [k.split(".", 1) for k in keys if "." in k]  # analyze: sweep.capacities, sweep.policies
+    for top in {top for top, _ in parts}:
+        assert set(cfg[top]) == {sub for t, sub in parts if t == top}
+    c = to_container(cfg)
     check_config(stage, {**c, "capacity": 4} if stage == "simulate" else c)
 
 
-def test_check_overrides_accepts_what_a_stage_reads():
-    check_overrides(
-        "simulate", ["capacity=4", "+policy.name=lru", "sim.mode=instant", "hydra/launcher=joblib"], CONF_DIR
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_tree_is_part_of_the_whole_tree(stage):
+    """conf/config.yaml (the Python API's root) holds every stage's keys with the same defaults, so a
+    stage run from `compose(overrides)` and from its command computes the same thing."""
+    whole = to_container(compose([]))
+    part = to_container(compose([], stage=stage))
+    for key, value in part.items():
+        if key == "sweep" and stage == "analyze":
+            assert {k: whole["sweep"][k] for k in value} == value
+        else:
+            assert whole[key] == value, key
+
+
+def test_a_stage_accepts_what_it_reads_and_refuses_the_rest():
+    cfg = compose(
+        ["capacity=4", "+policy.name=lru", "sim.mode=instant", "hydra/launcher=joblib"], stage="simulate"
     )
-    check_overrides("analyze", ["sweep.capacities.dense_step=4", "seed=3"], CONF_DIR)
-    check_overrides("sweep", ["policy=lru,lfu", "capacity=4,8", "hydra.launcher.n_jobs=2"], CONF_DIR)
-    with pytest.raises(MoecacheError, match="does not read `sweep`"):
-        check_overrides("analyze", ["sweep.targets=[0.5]"], CONF_DIR)
-    with pytest.raises(MoecacheError, match="unknown stage"):
-        check_overrides("simulat", [], CONF_DIR)
-
-
-@pytest.mark.parametrize("stage", list(STAGE_KEYS))
-def test_every_interpolation_in_a_stage_group_is_a_key_the_stage_reads(stage):
-    """`seed: ${seed}` in conf/decide makes decide read `seed`; the table must say so, or the override
-    `moecache decide seed=3` would be refused although it changes the result."""
-    for group in STAGE_KEYS[stage]:
-        for path in sorted((Path(CONF_DIR) / group).glob("*.yaml")):
-            for ref in re.findall(r"\$\{(?:oc\.select:)?([A-Za-z_][\w.]*)", path.read_text()):
-                if not ref.startswith("oc.") and ref != "hydra":
-                    assert stage_reads(stage, ref), f"{path.name}: ${{{ref}}} is not in STAGE_KEYS[{stage!r}]"
+    assert cfg.policy.name == "lru" and cfg.sim.mode == "instant"
+    assert (
+        compose(["sweep.capacities.dense_step=4", "seed=3"], stage="analyze").sweep.capacities.dense_step == 4
+    )
+    assert compose(
+        ["policy=lru", "capacity=4", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], stage="sweep"
+    )
+    refused = [
+        (
+            "analyze",
+            "sweep.targets=[0.5]",
+            "sweep.targets=[0.5]: `moecache analyze` does not read `sweep.targets`",
+        ),
+        ("analyze", "+sweep.targets=[0.5]", "does not read `sweep.targets`"),
+        (
+            "simulate",
+            "decide.margin=9",
+            "decide.margin=9: `moecache simulate` does not read `decide` (it reads ",
+        ),
+        ("simulate", "+decide.margin=9", "+decide.margin=9: `moecache simulate` does not read `decide`"),
+        ("simulate", "~decide", "~decide: `moecache simulate` does not read `decide`"),
+        ("simulate", "model=tiny", "model=tiny: `moecache simulate` does not read `model`"),
+        ("simulate", "+model=tiny", "+model=tiny: `moecache simulate` does not read `model`"),
+        (
+            "report",
+            "seed=3",
+            "seed=3: `moecache report` does not read `seed` (it reads report, output_root, force)",
+        ),
+        (
+            "simulate",
+            "sim.bandwith_scale=2",
+            "no such key `sim.bandwith_scale` (did you mean sim.bandwidth_scale?)",
+        ),
+    ]
+    for stage, override, message in refused:
+        with pytest.raises(MoecacheError) as info:
+            compose([override], stage=stage)
+        assert message in str(info.value) and "\n" not in str(info.value), (stage, override, str(info.value))
+    with pytest.raises(MoecacheError, match="unknown stage 'simulat'; known: analyze, calibrate"):
+        compose([], stage="simulat")
 
 
 def test_value_checks_know_the_simulator_modes_and_scales():
