@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from moecache.runtime.device import CudaDevice
 from moecache.models.expert_store import ExpertStore
+from moecache.runtime.device import CudaDevice
 
 REPS, WARM = 30, 5
 

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from moecache.errors import MoecacheError
+from moecache.models.expert_store import ExpertStore
 from moecache.offloading import runtime_cost
 from moecache.runtime.device import Device, make_device
-from moecache.models.expert_store import ExpertStore
 from moecache.runtime.manager import CacheManager
 from moecache.runtime.slot_pool import SlotPool
 from moecache.runtime.transfer import TransferEngine

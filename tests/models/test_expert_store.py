@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from moecache.config import compose
 from moecache.errors import MoecacheError
 from moecache.models import build_tiny, load_model
-from moecache.models.loading import OffloadRequest
 from moecache.models.expert_store import PinWarning
+from moecache.models.loading import OffloadRequest
 from tests.runtime.helpers import random_store
 
 NO_CUDA = not torch.cuda.is_available()

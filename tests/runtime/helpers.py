@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from moecache.models import ADAPTERS
-from moecache.runtime.device import StandinDevice
 from moecache.models.expert_store import ExpertStore
+from moecache.runtime.device import StandinDevice
 from moecache.runtime.manager import CacheManager
 
 

@@ -121,9 +121,6 @@ def test_profile_static_ranks_the_profile(make_trace, make_trace_file, tmp_path)
             make_policy("profile_static", profile=str(path), split=split).init_state(trace, 4)[0].tolist()
             == want
         )
-    # without a profile: static_cold's placement
-    cold = replay_instant(trace, make_policy("static_cold"), 4).hit_A
-    assert np.array_equal(replay_instant(trace, make_policy("profile_static"), 4).hit_A, cold)
     with pytest.raises(MoecacheError, match="profile_static profile=.*trace has 2 layers x 3 experts"):
         make_policy("profile_static", profile=str(path)).init_state(make_trace(GOLDEN, 2, 4), 2)
 
@@ -141,12 +138,70 @@ def test_profile_static_ranks_the_profile(make_trace, make_trace_file, tmp_path)
         ("prefill_admit", {"decode_admits": 1}, "decode_admits"),
         ("lfu_hysteresis", {"hysteresis": -0.1}, "hysteresis"),
         ("lfu_hysteresis", {"min_residency_tokens": 1.5}, "min_residency_tokens"),
-        ("profile_static", {"split": "entropy"}, "split"),
+        ("profile_static", {"profile": "{trace}", "split": "entropy"}, "split"),
+        # no profile: the tie rule alone would place static_cold's keys, never what was meant
+        ("profile_static", {}, "profile_static: profile=null: give the trace"),
+        ("profile_static", {"profile": None, "split": "per_layer"}, "profile=null"),
+        ("profile_static", {"profile": ""}, "profile must be a path, got ''"),
+        ("profile_static", {"profile": 3}, "profile must be a path, got 3"),
+        ("profile_static", {"profile": "{tmp}/absent.parquet"}, "absent.parquet: no such file or folder"),
+        ("profile_static", {"profile": "{tmp}"}, "the folder holds no trace.parquet"),
     ],
 )
-def test_bad_parameters(name, params, word):
+def test_bad_parameters(name, params, word, make_trace_file, tmp_path):
+    trace = make_trace_file(tmp_path / "t.parquet", GOLDEN, 2, 3)
+    params = {
+        k: v.replace("{trace}", str(trace)).replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v
+        for k, v in params.items()
+    }
     with pytest.raises(MoecacheError, match=word):
         make_policy(name, **params)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "traces=[{trace}]", "capacity=4", "policy=profile_static"],
+        [
+            "simulate",
+            "traces=[{trace}]",
+            "capacity=4",
+            "policy=profile_static",
+            "policy.params.split=per_layer",
+        ],
+        ["sweep", "traces=[{trace}]", "policy=profile_static"],
+        ["sweep", "traces=[{trace}]", "~sweep.policies", "+sweep.policies={lru:[{}],profile_static:[{}]}"],
+        [
+            "generate",
+            "model=tiny",
+            "prompt=hi",
+            "generation.max_new_tokens=2",
+            "capacity=4",
+            "policy=profile_static",
+        ],
+    ],
+    ids=["simulate", "simulate-per-layer", "sweep-policy", "sweep-policies", "generate"],
+)
+def test_profile_static_without_a_profile_is_refused_in_one_line(
+    argv, make_trace_file, tmp_path, monkeypatch
+):
+    """Wherever profile_static is selected without a profile: exit code 2, one stderr line naming the key,
+    nothing written (the check runs before any trace or model is read)."""
+    from typer.testing import CliRunner
+
+    from moecache.cli import app
+
+    root = tmp_path / "out"
+    monkeypatch.setenv("MOECACHE_OUTPUT_ROOT", str(root))
+    trace = make_trace_file(tmp_path / "t.parquet", GOLDEN, 2, 3)
+    argv = [a.replace("{trace}", str(trace)) for a in argv]
+    res = CliRunner().invoke(app, argv)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"moecache {argv[0]}: error: policy profile_static: profile=null"), lines[0]
+    assert "policy.params.profile=PATH" in lines[0]
+    assert not root.exists() or not list(root.rglob("manifest.json"))
 
 
 def test_a_filter_is_one_class_per_base_and_pickles(make_trace):

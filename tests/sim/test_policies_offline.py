@@ -223,14 +223,10 @@ def test_belady_equals_exhaustive_search(make_trace, case):
         assert hits(trace, "belady", capacity, warm=True, bypass=False) <= warm
 
 
-def registry_policies():
-    """Every registered policy with its default parameters, plus the variants of this file's ones."""
-    out = []
-    for _, cls in sorted(POLICIES.items()):
-        try:
-            out.append(cls())
-        except MoecacheError:  # needs a parameter (a file) without a default
-            continue
+def registry_policies(trace, policy_params):
+    """Every registered policy with its default parameters (profile_static with a profile of the trace's
+    shape: it has no default one), plus the variants of this file's ones."""
+    out = [cls(**policy_params(name, trace)) for name, cls in sorted(POLICIES.items())]
     out += [make_policy(name, **params) for name, params in VARIANTS if params]
     out += [make_policy("lfu", reset_per_request=True)]
     return out
@@ -238,13 +234,13 @@ def registry_policies():
 
 @FAST
 @given(case=step_lists())
-def test_belady_bounds_every_policy(make_trace, case):
+def test_belady_bounds_every_policy(make_trace, policy_params, case):
     trace = make_trace(*case)
     for capacity in range(trace.num_keys + 1):
         cold = hits(trace, "belady", capacity)
         warm = hits(trace, "belady", capacity, warm=True)
         assert cold <= warm
-        for policy in registry_policies():
+        for policy in registry_policies(trace, policy_params):
             if policy.prefetches:  # Belady bounds demand caching; a prefetcher may load ahead of use
                 continue
             try:

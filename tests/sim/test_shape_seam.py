@@ -30,13 +30,14 @@ def trace():
 
 
 @pytest.mark.parametrize("name", ONLINE)
-def test_online_state_from_the_shape_equals_the_state_from_a_trace(name, trace):
+def test_online_state_from_the_shape_equals_the_state_from_a_trace(name, trace, policy_params):
     profile = next(BUNDLED_PROFILES.glob("*.json"))
     cost = cost_model(trace, CostProfile.load(profile), CostSettings())
     shape = ModelShape.of(trace)
     assert shape.num_keys == trace.num_keys
-    from_shape = make_policy(name).bind_cost(cost)
-    from_trace = make_policy(name).bind_cost(cost)
+    params = policy_params(name, trace)
+    from_shape = make_policy(name, **params).bind_cost(cost)
+    from_trace = make_policy(name, **params).bind_cost(cost)
     a = from_shape.named_state(from_shape.init_state(shape, 5))
     b = from_trace.named_state(from_trace.init_state(trace, 5))
     assert a._fields == b._fields

@@ -45,12 +45,13 @@ def _skew(n):
     return w / w.sum()
 
 
-def all_policies(trace, capacity):
-    """Every registered policy with default parameters (skipping any that cannot run on defaults)."""
+def all_policies(trace, capacity, policy_params):
+    """Every registered policy with default parameters (profile_static with a profile of the trace's
+    shape), skipping any that cannot run on them (a cost-aware policy without a bound cost model)."""
     out = []
     for name in sorted(POLICIES):
         try:
-            policy = make_policy(name)
+            policy = make_policy(name, **policy_params(name, trace))
             policy.init_state(trace, capacity)
         except MoecacheError:
             continue
@@ -62,14 +63,14 @@ def all_policies(trace, capacity):
 
 
 @pytest.mark.parametrize("capacity", [0, 1, 3, 7, 24])
-def test_infinite_bandwidth_equals_instant_for_every_policy(make_trace, capacity):
+def test_infinite_bandwidth_equals_instant_for_every_policy(make_trace, policy_params, capacity):
     trace = random_trace(make_trace)
     cost = hand_cost(cpu=np.linspace(0, 40, 5), gpu=np.linspace(0, 4, 5)).infinite_bandwidth()
-    policies = all_policies(trace, capacity)
-    assert "lru" in {p.name for p in policies}
+    policies = all_policies(trace, capacity, policy_params)
+    assert {"lru", "profile_static"} <= {p.name for p in policies}
     for policy in policies:
-        inst = replay_instant(trace, make_policy(policy.name), capacity)
-        timed = replay_timed(trace, make_policy(policy.name), capacity, cost)
+        inst = replay_instant(trace, make_policy(policy.name, **policy.params), capacity)
+        timed = replay_timed(trace, make_policy(policy.name, **policy.params), capacity, cost)
         assert np.array_equal(timed.hit_A, inst.hit_A), policy.name
         assert np.array_equal(timed.slot_A, inst.hit_A), policy.name
         assert np.array_equal(timed.admits_V, inst.admits_V), policy.name
@@ -80,23 +81,25 @@ def test_infinite_bandwidth_equals_instant_for_every_policy(make_trace, capacity
 
 
 @pytest.mark.parametrize("bandwidth", [1e-9, 10.0, 128.0])
-def test_placements_do_not_depend_on_bandwidth(make_trace, bandwidth):
+def test_placements_do_not_depend_on_bandwidth(make_trace, policy_params, bandwidth):
     """The policy sees every key holding a slot, loading or not: only usability depends on time."""
     trace = random_trace(make_trace, seed=1)
-    for policy in all_policies(trace, 5):
-        inst = replay_instant(trace, make_policy(policy.name), 5)
-        timed = replay_timed(trace, make_policy(policy.name), 5, hand_cost(bandwidth=bandwidth))
+    for policy in all_policies(trace, 5, policy_params):
+        inst = replay_instant(trace, make_policy(policy.name, **policy.params), 5)
+        timed = replay_timed(
+            trace, make_policy(policy.name, **policy.params), 5, hand_cost(bandwidth=bandwidth)
+        )
         assert np.array_equal(timed.slot_A, inst.hit_A), policy.name
         assert np.array_equal(timed.admits_V, inst.admits_V), policy.name
         assert not np.any(timed.hit_A & ~timed.slot_A)
 
 
-def test_tiny_bandwidth_no_copy_is_ever_ready(make_trace):
+def test_tiny_bandwidth_no_copy_is_ever_ready(make_trace, policy_params):
     trace = random_trace(make_trace, seed=2)
     cost = hand_cost(bandwidth=1e-12)
-    for policy in all_policies(trace, 6):
-        inst = replay_instant(trace, make_policy(policy.name), 6)
-        timed = replay_timed(trace, make_policy(policy.name), 6, cost)
+    for policy in all_policies(trace, 6, policy_params):
+        inst = replay_instant(trace, make_policy(policy.name, **policy.params), 6)
+        timed = replay_timed(trace, make_policy(policy.name, **policy.params), 6, cost)
         assert timed.copies_ready_next_visit == 0
         if policy.cold_start:
             assert not timed.hit_A.any(), policy.name

@@ -57,12 +57,13 @@ def visit_by_visit(trace, policy, capacity):
 
 @pytest.mark.parametrize("name", ONLINE)
 @pytest.mark.parametrize("capacity", [0, 1, 5, 18])
-def test_visit_from_python_equals_the_compiled_replay(make_trace, name, capacity):
+def test_visit_from_python_equals_the_compiled_replay(make_trace, policy_params, name, capacity):
     """The runtime's entry point, one visit per call, gives the instant replay's hits and placements."""
     trace = random_trace(make_trace)
     cost = hand_cost()
-    hit_A, admits, evicts = visit_by_visit(trace, make_policy(name).bind_cost(cost), capacity)
-    replay = replay_instant(trace, make_policy(name).bind_cost(cost), capacity)
+    params = policy_params(name, trace)
+    hit_A, admits, evicts = visit_by_visit(trace, make_policy(name, **params).bind_cost(cost), capacity)
+    replay = replay_instant(trace, make_policy(name, **params).bind_cost(cost), capacity)
     assert hit_A.tolist() == replay.hit_A.tolist()
     assert admits == replay.admits_V.tolist()
     assert evicts == replay.evicts_V.tolist()
@@ -165,7 +166,7 @@ def test_every_registered_policy_has_its_own_named_state():
     assert lru.__qualname__ == "LRU.State" and LRU.State is lru  # found again by name (pickle)
 
 
-def test_every_registered_policy_state_has_its_own_dispatch_fingerprint(make_trace):
+def test_every_registered_policy_state_has_its_own_dispatch_fingerprint(make_trace, policy_params):
     """numba's dispatcher recognises argument types by fingerprint (type name, field names and
     dtypes), not by class: two policies sharing one would make every visit of the second take numba's
     slow type resolution (lfu_decay and lrfu have the same fields and dtypes, static_cold and
@@ -175,7 +176,7 @@ def test_every_registered_policy_state_has_its_own_dispatch_fingerprint(make_tra
     trace = random_trace(make_trace)
     seen = {}
     for name, cls in POLICIES.items():
-        policy = cls().bind_cost(hand_cost())
+        policy = cls(**policy_params(name, trace)).bind_cost(hand_cost())
         state = policy.named_state(policy.init_state(trace, 3))
         seen.setdefault(compute_fingerprint(state), []).append(name)
     assert [names for names in seen.values() if len(names) > 1] == []

@@ -2,14 +2,15 @@
 workload: a recorded routing profile, as llama.cpp forks and KTransformers load one), resident from
 the start free of charge, never changed. Online: it reads the profile, never the replayed trace.
 
-`profile`: a canonical trace (a Parquet file or a trace artifact folder) of the same layers and
-experts; its per-key uses (tokens selecting the key) rank the keys by (-count, layer_id, expert_id).
+`profile` (required): a canonical trace (a Parquet file or a trace artifact folder) of the same layers
+and experts; its per-key uses (tokens selecting the key) rank the keys by (-count, layer_id, expert_id).
+Without one the tie rule alone would place the keys (static_cold's placement, not a profile's), so
+null, an empty path and a path that does not exist are refused when the policy is made: `moecache
+simulate` and `sweep` make it before reading a trace, `generate` and `validate` before loading the model.
 `split`:
 - global: the `capacity` best keys of the whole model;
 - per_layer: floor(capacity / layers) best keys of every layer, then the remaining slots to the best
   keys not yet chosen, ranked over the whole model.
-Without a profile (null) every count is zero and the tie rule alone places the keys: global is then
-static_cold's placement, per_layer the first experts of every layer.
 """
 
 from __future__ import annotations
@@ -46,20 +47,32 @@ class ProfileStatic(Policy):
     cold_start = False
     step = static_step
     state_fields = ("profile_keys",)
+    # null: not given (the conf/policy file's value, the class's default); refused below
     defaults = {"profile": None, "split": "global"}
 
     def __init__(self, **params):
         super().__init__(**params)
         profile, split = self.params["profile"], self.params["split"]
-        if profile is not None and not isinstance(profile, str | Path):
-            raise MoecacheError(f"policy profile_static: profile must be null or a path, got {profile!r}")
+        if profile is None:
+            raise MoecacheError(
+                "policy profile_static: profile=null: give the trace whose most used experts it places, a"
+                " trace artifact folder or Parquet file of the same model (policy.params.profile=PATH; in a"
+                " sweep, sweep.policies.profile_static=[{profile: PATH}])"
+            )
+        if not isinstance(profile, str | Path) or not str(profile):
+            raise MoecacheError(f"policy profile_static: profile must be a path, got {profile!r}")
+        path = Path(profile)
+        if not path.exists():
+            raise MoecacheError(f"policy profile_static: profile={profile}: no such file or folder")
+        if path.is_dir() and not (path / "trace.parquet").is_file():
+            raise MoecacheError(
+                f"policy profile_static: profile={profile}: the folder holds no trace.parquet"
+            )
         if split not in SPLITS:
             raise MoecacheError(f"policy profile_static: split must be one of {list(SPLITS)}, got {split!r}")
 
     def counts(self, trace) -> np.ndarray:
-        """The profile's per-key uses (zeros without a profile), loaded once per model shape."""
-        if self.params["profile"] is None:
-            return np.zeros(trace.num_keys, np.int64)
+        """The profile's per-key uses, loaded once per model shape."""
         shape = (trace.num_layers, trace.num_experts)
         cached = self.__dict__.setdefault("_counts", {})
         if shape not in cached:
