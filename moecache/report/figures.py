@@ -786,3 +786,66 @@ def prefetch_lead(lead: pa.Table | None, trace: str, copy_us: float | None, path
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=7)
     return _save(fig, path)
+
+
+@_styled
+def fidelity_scatter(fidelity: pa.Table | None, path: Path, time_target_pct: float) -> Path:
+    """validate's fidelity table (moecache/validation/holdout.py): measured (y) against predicted (x), one
+    point per row, time per token and hit rate side by side; a colour per direction (what the profile was
+    fitted on -> the workload predicted), filled for a predicted run, hollow for a fitted one (an anchor
+    of its profile: priced exactly by construction). The diagonal is a perfect prediction; on the time
+    panel the dotted lines are ±`time_target_pct`."""
+    fig = _figure(10.0, 4.6)
+    ax_t, ax_h = fig.subplots(1, 2)
+    panels = (
+        (ax_t, "time per token (ms)", "predicted_time_per_token_ms", "measured_time_per_token_ms"),
+        (ax_h, "hit rate", "predicted_hit_rate", "measured_hit_rate"),
+    )
+    if fidelity is None or fidelity.num_rows == 0:
+        for ax, title, _, _ in panels:
+            ax.set_title(title)
+            _note(ax, "no fidelity rows")
+        return _save(fig, path)
+    direction_R = [str(d) for d in fidelity["direction"].to_pylist()]
+    directions = list(dict.fromkeys(direction_R))
+    colors = plt.get_cmap("tab10")
+    fitted_R = np.array([r == "fitted" for r in fidelity["role"].to_pylist()])
+    handles = {}
+    for ax, title, x_col, y_col in panels:
+        ax.set_title(title)
+        ax.set_xlabel("predicted (simulator, the run's own trace)")
+        ax.set_ylabel("measured")
+        x_R, y_R = floats(fidelity, x_col), floats(fidelity, y_col)
+        ok_R = ~np.isnan(x_R) & ~np.isnan(y_R)
+        if not ok_R.any():
+            _note(ax, "no prediction (no cost profile)" if x_col.endswith("_ms") else "no prediction")
+            continue
+        for d, name in enumerate(directions):
+            mine_R = ok_R & np.array([x == name for x in direction_R])
+            color = colors(d % 10)
+            for fitted in (False, True):
+                sel = mine_R & (fitted_R == fitted)
+                if not sel.any():
+                    continue
+                label = f"{name}, {'fitted' if fitted else 'predicted'}"
+                handles[label] = ax.scatter(
+                    x_R[sel], y_R[sel], s=22 if fitted else 16, marker="s" if fitted else "o",
+                    facecolors="none" if fitted else color, edgecolors=color, linewidths=1.0, label=label,
+                )  # fmt: skip
+        lo = min(x_R[ok_R].min(), y_R[ok_R].min())
+        hi = max(x_R[ok_R].max(), y_R[ok_R].max())
+        if x_col.endswith("_ms"):
+            if lo > 0 and hi / lo > 10:  # an all-resident run and an all-CPU one: decades apart
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+            line = np.geomspace(lo * 0.9, hi * 1.1, 50) if lo > 0 else np.linspace(0, hi * 1.1, 50)
+            ax.plot(line, line, color="0.4", lw=0.8, ls="--")
+            for f in (1 - time_target_pct / 100, 1 + time_target_pct / 100):
+                ax.plot(line, line * f, color="0.6", lw=0.7, ls=":")
+        else:
+            pad = 0.02 + 0.05 * (hi - lo)
+            ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="0.4", lw=0.8, ls="--")
+        ax.grid(alpha=0.3)
+    if handles:
+        _legend_below(fig, list(handles.values()), ncol=2)
+    return _save(fig, path)

@@ -2,15 +2,18 @@
 
 Reads a decision artifact (`validate.decision`, null: the newest), runs on the `model` group's model (a
 checkpoint, or random weights: moecache/models/random_full.py), for every workload of `validate.workloads`
-(conf/workload/), or the one workload of `validate.forced_trace` (moecache/validation/forcing.py): first
-the unmodified model (the reference, before offloading; moecache/validation/pipeline.py), then
-every strategy of `validate.strategies` (moecache/validation/baselines.py) at every capacity of
-`validate.capacities` (the all_resident and all_cpu baselines once, at every expert / none). Each run's
-routing trace is logged with the cache columns filled; its measurements (moecache/validation/runs.py) and,
-where moecache/validation/fidelity.py exists, the simulator's prediction for the same trace, go to:
+(conf/workload/), or the workloads of `validate.forced_trace` (one per trace; moecache/validation/
+forcing.py): first the unmodified model (the reference, before offloading; moecache/validation/
+pipeline.py), then every strategy of `validate.strategies` (moecache/validation/baselines.py) at every
+capacity of `validate.capacities` (the all_resident and all_cpu baselines once, at every expert / none).
+Each run's routing trace is logged with the cache columns filled; its measurements (moecache/validation/
+runs.py), its output agreement teacher-forced against transformers' own tolerance (moecache/validation/
+agreement_runs.py) and the simulator's prediction of the same trace (moecache/validation/fidelity.py;
+on profiles fitted on another workload's runs: moecache/validation/holdout.py) go to:
 
-- `validation.json`: the inputs (decision, selected policy, model, device, execution path) and every run;
-- `runs.parquet`: the same runs as a table (moecache/validation/tables.py);
+- `validation.json`: the inputs (decision, selected policy, model, device, execution path), every run,
+  the agreement per workload and the fidelity per direction, each judged against its targets;
+- `runs.parquet`, `agreement.parquet`, `fidelity.parquet`: the tables (moecache/validation/tables.py);
 - `latency.parquet`: every generated token's latency (time to first token, then each gap);
 - `traces/<workload>/<strategy>-c<slots>/trace.parquet`: the runs' traces (canonical format).
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from moecache.artifacts import Artifact, ArtifactStore, artifact_id
-from moecache.config_values import integer, list_of, optional, string
+from moecache.config_values import boolean, integer, list_of, optional, string
 from moecache.errors import MoecacheError
 from moecache.stages.base import StageResult, prepare, reusable, store_for, torch_device
 
@@ -35,10 +38,11 @@ EXECUTION = {
     "transformers": "transformers generate (eager)",
     "fast": "moecache fast decode loop (FastDecoder; per run: the runs' loop column)",
 }
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
     "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss", "init",
+    "agreement_requests", "agreement_tokens", "agreement_impls", "agreement_float32",
 )  # fmt: skip
 WARMUPS = ("auto", "on", "off")  # validate.warmup: an untimed generation per strategy first (auto: on
 # CUDA, or where the runs' times are predicted: a cost profile given)
@@ -70,10 +74,22 @@ def _checked(c: dict) -> dict:
     for key, allowed in (("loop", LOOPS), ("reference", REFERENCES), ("warmup", WARMUPS)):
         if v[key] not in allowed:
             raise MoecacheError(f"validate.{key}={v[key]!r}: expected one of {', '.join(allowed)}")
-    optional(string)("validate.forced_trace", v["forced_trace"])
+    _forced_refs(v["forced_trace"])
     optional(integer(1))("validate.forced_requests", v["forced_requests"])
     optional(integer(1))("validate.forced_max_tokens", v["forced_max_tokens"])
     optional(string)("validate.init", v["init"])
+    integer(0)("validate.agreement_requests", v["agreement_requests"])
+    optional(integer(0))("validate.agreement_tokens", v["agreement_tokens"])
+    from moecache.validation.agreement_runs import IMPLEMENTATIONS
+
+    list_of(string)("validate.agreement_impls", v["agreement_impls"])
+    boolean("validate.agreement_float32", v["agreement_float32"])
+    for impl in v["agreement_impls"]:
+        if impl not in IMPLEMENTATIONS:
+            raise MoecacheError(
+                f"validate.agreement_impls: {impl!r}: expected some of {', '.join(IMPLEMENTATIONS)} (transformers'"
+                " implementations held to its eager loop)"
+            )
     if v["init"] is not None and not Path(v["init"]).exists():
         raise MoecacheError(f"validate.init={v['init']}: no such file or folder (a saved state or a trace)")
     if v["loop"] == "fast" and v["forced_trace"] is None:
@@ -91,6 +107,33 @@ def _checked(c: dict) -> dict:
             " decision's)"
         )
     return v
+
+
+def _forced_refs(value) -> list[str]:
+    """validate.forced_trace as a list of trace references: null (none), one, or a list of distinct ones
+    (one workload each). One line on failure."""
+    if value is None:
+        return []
+    refs = [value] if isinstance(value, str) else value
+    list_of(string)("validate.forced_trace", refs)
+    if len(set(refs)) != len(refs):
+        raise MoecacheError(f"validate.forced_trace={list(refs)}: a trace is listed twice")
+    return list(refs)
+
+
+def _check_agreement_tokens(v: dict, forced) -> None:
+    """validate.agreement_tokens must stay within the forcing trace: each request held to the tolerance
+    (its first validate.agreement_requests) has that many tokens after its prompt. One line on failure."""
+    n = v["agreement_tokens"]
+    if n is None:
+        return
+    for req in forced.requests[: v["agreement_requests"]]:
+        have = forced.forced.decode_steps(req.request_id)
+        if n > have:
+            raise MoecacheError(
+                f"validate.agreement_tokens={n}: request {req.request_id!r} of the trace {forced.path} has"
+                f" {have} tokens after its prompt"
+            )
 
 
 def _on_miss(v: dict, decision_json) -> str:
@@ -201,19 +244,20 @@ def run(cfg: DictConfig) -> StageResult:
     device = torch_device(cfg)
     decision = _decision(store, v["decision"])
     selected = PolicySpec.selected_in(decision.path / "decision.json")
-    forced_ref = None
-    if v["forced_trace"] is not None:  # one trace-forced workload instead (moecache/validation/forcing.py)
+    forced_refs = []  # the forcing traces' identities (artifact ids or path@sha256)
+    if v["forced_trace"] is not None:  # trace-forced workloads instead (moecache/validation/forcing.py)
         from moecache.sim.inputs import resolve_traces
         from moecache.trace.schema import read_trace
 
-        (forced_trace,) = resolve_traces(store, [str(v["forced_trace"])])
-        table, _ = read_trace(forced_trace.path, columns=["request_id"])  # every rule, before the model loads
-        have = len(set(table["request_id"].to_pylist()))
-        if v["forced_requests"] is not None and have < v["forced_requests"]:
-            raise MoecacheError(
-                f"validate.forced_requests={v['forced_requests']}: the trace {forced_trace.path} has {have} requests"
-            )
-        forced_ref = forced_trace.ref
+        for forced_trace in resolve_traces(store, _forced_refs(v["forced_trace"])):
+            table, _ = read_trace(forced_trace.path, columns=["request_id"])  # every rule, before the model
+            have = len(set(table["request_id"].to_pylist()))
+            if v["forced_requests"] is not None and have < v["forced_requests"]:
+                raise MoecacheError(
+                    f"validate.forced_requests={v['forced_requests']}: the trace {forced_trace.path} has {have}"
+                    " requests"
+                )
+            forced_refs.append(forced_trace.ref)
         workloads = []
     else:
         workloads = [Workload(n, wcfg=load_workload(n, CONF_DIR)) for n in v["workloads"]]
@@ -234,19 +278,25 @@ def run(cfg: DictConfig) -> StageResult:
 
     # what the inputs are checked against, from the model's config alone (no weight read)
     arch, vocab = describe_model(cfg.model, cfg.output_root)
-    if v["forced_trace"] is not None:
+    for ref in _forced_refs(v["forced_trace"]):
         from moecache.validation.forcing import load_forced
 
         forced = load_forced(
-            store, str(v["forced_trace"]), num_requests=v["forced_requests"],
-            max_tokens=v["forced_max_tokens"], arch=arch, vocab_size=int(vocab),
+            store, str(ref), num_requests=v["forced_requests"], max_tokens=v["forced_max_tokens"], arch=arch,
+            vocab_size=int(vocab),
         )  # fmt: skip
         if v["loop"] == "fast" and not forced.forced.has_weights:
             raise MoecacheError(
                 f"validate.loop=fast: the forcing trace {forced.path} has no router_weights (the fast "
                 "loop writes the trace's weights at its host points); use validate.loop=transformers"
             )
-        workloads = [Workload(forced.name, forced=forced)]
+        _check_agreement_tokens(v, forced)
+        if forced.name in {w.name for w in workloads}:  # a workload's rows and traces are named after it
+            raise MoecacheError(
+                f"validate.forced_trace: two traces are named {forced.name!r} (the second {forced.path});"
+                " import one under another trace_import.name"
+            )
+        workloads.append(Workload(forced.name, forced=forced))
     L, E = arch["num_layers"], arch["num_experts"]
     slots = parse_capacities(
         list(v["capacities"]), key="validate.capacities", num_keys=L * E, expert_bytes=arch["expert_bytes"]
@@ -272,7 +322,7 @@ def run(cfg: DictConfig) -> StageResult:
         "seed": c["seed"],
         "device": device,
     }
-    inputs = [decision.id] + ([forced_ref] if forced_ref else [])
+    inputs = [decision.id, *forced_refs]
     existing = reusable(cfg, STAGE, SCHEMA_VERSION, config, inputs)
     if existing is not None:
         return StageResult(
@@ -280,7 +330,7 @@ def run(cfg: DictConfig) -> StageResult:
         )
 
     from moecache.cost_profile import CostProfile
-    from moecache.validation import machine_check
+    from moecache.validation import holdout, machine_check
     from moecache.validation.pipeline import Settings, validate_all
     from moecache.validation.tables import write
 
@@ -292,14 +342,17 @@ def run(cfg: DictConfig) -> StageResult:
         settings = Settings(
             device=device, seed=int(c["seed"]), loop=v["loop"], limit=v["requests"],
             max_new_tokens=v["max_new_tokens"], folder=tmp, run_id=run_id, profile=profile,
-            reference=v["reference"], init=v["init"],
+            reference=v["reference"], init=v["init"], agreement_requests=v["agreement_requests"],
+            agreement_tokens=v["agreement_tokens"], agreement_impls=tuple(v["agreement_impls"]),
+            agreement_float32=v["agreement_float32"],
             warmup=v["warmup"] == "on" or (v["warmup"] == "auto" and (device == "cuda" or profile is not None)),
         )  # fmt: skip
         costs = None if profile is None else CostProfile.load(profile)
         before = None if costs is None else machine_check.probe(costs)
-        rows, latencies = validate_all(loaded, arch, workloads, strategies, grid, settings)
+        done = validate_all(loaded, arch, workloads, strategies, grid, settings)
         after = None if costs is None else machine_check.probe(costs)
-        write(tmp, rows, latencies)
+        rows = done.rows
+        write(tmp, rows, done.latencies, done.agreement, done.fidelity)
         result = {
             "decision": decision.id,
             "selected": {"policy": selected.name, "params": selected.params, "label": selected.label()},
@@ -320,12 +373,18 @@ def run(cfg: DictConfig) -> StageResult:
             if loaded.revision.startswith("random:")
             else "checkpoint",
             "workloads": [w.name for w in workloads],
-            "forced": _forced_info(workloads[0].forced, forced_ref) if forced_ref else None,
+            "forced": [_forced_info(w.forced, ref) for w, ref in zip(workloads, forced_refs, strict=True)]
+            if forced_refs
+            else None,
             "capacities": [{"capacity": cap, "slots": n} for cap, n in grid],
             "strategies": [s.name for s in strategies],
             "cost_profile": profile,
             "machine_check": None if costs is None else machine_check.compare(costs, before, after),
             "runs": rows,
+            # per workload: what was fed, the tolerance, how many runs are within it (agreement.parquet)
+            "agreement": done.agreement_of,
+            # per direction (fit_on -> predicted workload), judged against the targets (fidelity.parquet)
+            "fidelity": holdout.summary(done.fidelity),
         }
         (tmp / "validation.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return StageResult(store.get(run_id).path, summary=_summary(result))
@@ -361,15 +420,32 @@ def _summary(result: dict) -> dict:
         )
     if check is not None and check["changed"]:
         out["machine since calibrate"] = f"changed (beyond {check['change_target_pct']:.0f}%)"
-    for key, what in (
-        ("fidelity_errors", "calibrate's profile"),
-        ("fidelity_errors_anchored", "anchored here"),
-    ):
-        errors = [json.loads(r[key]) for r in result["runs"] if r.get(key)]
-        judged = [e["time_within_target"] for e in errors if e["time_within_target"] is not None]
-        if judged:
-            target = errors[0]["time_target_pct"]
-            out[f"time/token within {target:.0f}% ({what})"] = f"{sum(judged)} of {len(judged)} runs"
+    for workload, a in result["agreement"].items():
+        out[f"{workload} agreement (teacher-forced, {a['positions']} positions)"] = (
+            f"{a['runs_within']} of {a['runs']} runs within transformers' tolerance ("
+            + ", ".join(
+                f"{impl} vs eager: max {t['max_abs_logit_error']:.3g}" for impl, t in a["tolerance"].items()
+            )
+            + ")"
+            + (
+                f"; {a['runs_within_float32_spread']} of {a['runs']} as close to float32 as transformers' own"
+                if a["float32"] is not None
+                else ""
+            )
+        )
+    fid = result["fidelity"]
+    target = fid["targets"]
+    for d in fid["directions"]:
+        out[f"fidelity {d['direction']}"] = _judged_line(d, target)
+    if fid["held_out"] is not None:
+        out["fidelity held out (every cross-workload direction)"] = _judged_line(fid["held_out"], target)
+    anchored = [
+        json.loads(r["fidelity_errors_anchored"]) for r in result["runs"] if r.get("fidelity_errors_anchored")
+    ]
+    judged = [e["time_within_target"] for e in anchored if e["time_within_target"] is not None]
+    if judged:  # the same workload's anchors: its all_resident and all_cpu runs are fitted, not predicted
+        out[f"time/token within {target['time_per_token_pct']:.0f}% (anchored on the same workload: its all_resident"
+            " and all_cpu fitted)"] = f"{sum(judged)} of {len(judged)} runs"  # fmt: skip
     for r in result["runs"]:
         if r["strategy"] in ("unmodified", "all_resident", "all_cpu", "selected"):
             where = f"{r['workload']} {r['strategy']}" + (
@@ -377,9 +453,22 @@ def _summary(result: dict) -> dict:
             )
             tps = r["decode_tokens_per_s"]
             hit = r["hit_rate"]
-            out[where] = (
-                f"{tps:.1f} tok/s"
-                + (f", hit {hit:.3f}" if hit is not None else "")
-                + (f", match {r['token_match_rate']:.3f}" if r["token_match_rate"] is not None else "")
-            )
+            out[where] = f"{tps:.1f} tok/s" + (f", hit {hit:.3f}" if hit is not None else "")
     return out
+
+
+def _judged_line(d: dict, target: dict) -> str:
+    """One direction's (or the held-out runs') verdicts in one line (validation.json's fidelity)."""
+    parts = []
+    if d["time_judged"]:
+        met = "met" if d["time_target_met"] else "MISSED"
+        parts.append(
+            f"time/token within {target['time_per_token_pct']:.0f}%: {d['time_within']} of {d['time_judged']}"
+            f" (target {target['time_within_share']:.0%}: {met})"
+        )
+    if d["hit_rate_judged"]:
+        met = "met" if d["hit_rate_target_met"] else "MISSED"
+        parts.append(
+            f"hit rate within {target['hit_rate_pp']:g} pp: {d['hit_rate_within']} of {d['hit_rate_judged']} ({met})"
+        )
+    return "; ".join(parts) or f"{d['predicted_runs']} runs, nothing predicted"

@@ -1,21 +1,19 @@
-"""Output agreement of a run with a reference on the same prompts.
+"""Output agreement of a run with a baseline on the same prompts, teacher-forced: the plan's "within the
+tolerance of the existing implementation".
 
-Free-running (`Agreement`, validate's `token_match_rate` / `max_logit_error` today): per request, the
-token match count is the number of generated positions whose token equals the reference's at the same
-position; the logit error is max |logits - reference logits| over the positions up to and including the
-first mismatch (after it the two runs continue different prefixes, so their logits are not comparable).
-Over a run: match rate = matches / positions, max logit error = the largest. A random-weight model's
-greedy tokens diverge at its first near-tie, so the match rate says little.
-
-Teacher-forced (`LogitErrors`, `teacher_forced`, the plan's "within the tolerance of the existing
-implementation"): every run is fed the SAME tokens (the baseline's greedy continuation), so its logits
-at every position are comparable with the baseline's: max and mean |logits - baseline logits| over all
-positions x vocabulary, and the share of positions whose top-1 token equals the baseline's. The
-tolerance is the disagreement of two implementations transformers itself ships for the same layer on the
-same inputs (its eager per-expert loop, the baseline, against its grouped_mm / batched_mm path): a run is
-within it when its max and mean errors are at most that pair's and its top-1 agreement at least theirs
-(`within`). benchmarks/bench_agreement.py measures it; trace-forced routing (moecache/runtime/
-forced_routing.py) keeps every run on the same experts.
+Every run is fed the SAME tokens (the baseline's greedy continuation; the prompt in one forward, then one
+token per forward), so its logits at every position are comparable with the baseline's: max and mean
+|logits - baseline logits| over all positions x vocabulary, and the share of positions whose top-1 token
+equals the baseline's (`LogitErrors`, `teacher_forced`). The tolerance is the disagreement of two
+implementations transformers itself ships for the same layer on the same inputs (its eager per-expert
+loop, the baseline, against its grouped_mm / batched_mm path): a run is within it when its max and mean
+errors are at most that pair's and its top-1 agreement at least theirs (`within`). The eager baseline
+is itself rounded: with a float32 truth (`float32_logits`: the same eager loop on the model widened to
+float32), every bfloat16 implementation, eager included, is also measured against the same truth, and a
+run is within their spread when it is no further from it than they are (`within_spread`). Forced routing
+(moecache/runtime/forced_routing.py: a forcing trace, or the baseline's own routing captured by
+`RoutingCapture`) keeps every run on the same experts with the same weights. moecache/validation/
+agreement_runs.py runs it inside `moecache validate`; benchmarks/bench_agreement.py on its own.
 
 Legend: N positions of one request (prompt + fed tokens), P prompt tokens, V vocabulary, L MoE layers,
 K top-k.
@@ -25,32 +23,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 FIGURES = ("max_abs_logit_error", "mean_abs_logit_error", "top1_agreement")
-
-
-@dataclass
-class Agreement:
-    matches: int = 0
-    positions: int = 0
-    max_logit_error: float = 0.0
-
-    def add(self, ref_tokens: list[int], ref_logits_NV: torch.Tensor, tokens: list[int], logits_NV) -> None:
-        n = min(len(ref_tokens), len(tokens))
-        same = [a == b for a, b in zip(ref_tokens[:n], tokens[:n], strict=True)]
-        self.matches += sum(same)
-        self.positions += max(len(ref_tokens), len(tokens))
-        upto = same.index(False) + 1 if False in same else n
-        if upto:
-            diff = (logits_NV[:upto].float() - ref_logits_NV[:upto].float()).abs().max().item()
-            self.max_logit_error = max(self.max_logit_error, float(diff))
-
-    @property
-    def match_rate(self) -> float | None:
-        return self.matches / self.positions if self.positions else None
 
 
 @dataclass
@@ -205,35 +182,97 @@ def logit_errors(logits: dict, base: dict) -> LogitErrors:
 @dataclass
 class Tolerance:
     """The baseline's teacher-forced logits per request and the disagreement of transformers' other
-    implementations with it (per implementation name): what every run is held to."""
+    implementations with it (per implementation name): what every run is held to. With a float32
+    truth (`float32_logits`): its logits, and the baseline's and each implementation's errors against
+    it (`from_truth`, keyed "eager" and the implementation names)."""
 
     base: dict[str, torch.Tensor]
     pairs: dict[str, LogitErrors]
+    truth: dict[str, torch.Tensor] | None = None
+    from_truth: dict[str, LogitErrors] = field(default_factory=dict)
+
+
+def float32_logits(model, prompts: dict, feed: dict, forced=None) -> dict[str, torch.Tensor]:
+    """`teacher_forced_all` with the model's bfloat16 / float16 parameters and buffers widened to
+    float32 for the pass and narrowed back after it. Both ways are exact (every bfloat16 or float16
+    value is a float32 value, and narrowing it back gives the same value), so the model is left bit for
+    bit as it was; it holds the widened copy of a tensor and then drops the narrow one, tensor by
+    tensor: about twice its narrow bytes at the end of the widening."""
+    narrow = [
+        (t, t.dtype)
+        for t in (*model.parameters(), *model.buffers())
+        if t.dtype in (torch.bfloat16, torch.float16)
+    ]
+    for t, _ in narrow:
+        t.data = t.data.float()
+    try:
+        return teacher_forced_all(model, prompts, feed, forced)
+    finally:
+        for t, dtype in narrow:
+            t.data = t.data.to(dtype)
 
 
 def implementation_tolerance(
-    model, prompts: dict, feed: dict, forced=None, impls: Sequence[str] = ("grouped_mm",)
+    model,
+    prompts: dict,
+    feed: dict,
+    forced=None,
+    impls: Sequence[str] = ("grouped_mm",),
+    float32: bool = False,
 ) -> Tolerance:
     """On the unmodified model (before it is offloaded): every request teacher-forced on `feed` with
-    transformers' eager per-expert loop (the baseline) and with each of `impls`, the model left on its
-    eager loop's setting restored afterwards."""
+    transformers' eager per-expert loop (the baseline) and with each of `impls`, the model's experts
+    implementation restored afterwards. `float32`: the eager loop in float32 too (`float32_logits`; a
+    float32 model's baseline is that truth itself), every implementation's errors against it."""
     before = getattr(model.config, "_experts_implementation", None)
     model.set_experts_implementation("eager")
     base = teacher_forced_all(model, prompts, feed, forced)
+    truth = None
+    if float32:
+        narrow = any(t.dtype in (torch.bfloat16, torch.float16) for t in model.parameters())
+        truth = float32_logits(model, prompts, feed, forced) if narrow else base
+    from_truth = {"eager": logit_errors(base, truth)} if truth is not None else {}
     pairs = {}
     for impl in impls:
         model.set_experts_implementation(impl)
-        pairs[impl] = logit_errors(teacher_forced_all(model, prompts, feed, forced), base)
+        logits = teacher_forced_all(model, prompts, feed, forced)
+        pairs[impl] = logit_errors(logits, base)
+        if truth is not None:
+            from_truth[impl] = logit_errors(logits, truth)
     if before is not None:
         model.set_experts_implementation(before)
-    return Tolerance(base, pairs)
+    return Tolerance(base, pairs, truth, from_truth)
 
 
 def agreement_row(model, prompts: dict, feed: dict, tolerance: Tolerance, forced=None) -> dict:
-    """One run's teacher-forced figures against the baseline (columns of validate's runs table):
-    `teacher_forced_positions`, `max_abs_logit_error`, `mean_abs_logit_error`, `top1_agreement`, and
-    `within_tolerance` (every figure within every pair of `tolerance`)."""
-    errors = logit_errors(teacher_forced_all(model, prompts, feed, forced), tolerance.base)
-    figures = errors.figures()
-    within = all(all(errors.within(pair).values()) for pair in tolerance.pairs.values())
-    return {"teacher_forced_positions": figures.pop("positions"), **figures, "within_tolerance": within}
+    """One run's teacher-forced figures against the baseline (the agreement table's columns):
+    `positions`, `max_abs_logit_error`, `mean_abs_logit_error`, `top1_agreement`, per figure
+    `<figure>_within` (within every pair of `tolerance`), and `within_tolerance` (every figure). With a
+    float32 truth, `float32_<figure>` (the run against it) and `within_float32_spread`: every one of
+    those within the spread of transformers' own implementations against the same truth (errors at
+    most the largest of theirs, top-1 agreement at least the lowest)."""
+    logits = teacher_forced_all(model, prompts, feed, forced)
+    errors = logit_errors(logits, tolerance.base)
+    within = {f: all(errors.within(pair)[f] for pair in tolerance.pairs.values()) for f in FIGURES}
+    row = {
+        **errors.figures(),
+        **{f"{f}_within": ok for f, ok in within.items()},
+        "within_tolerance": all(within.values()),
+    }
+    if tolerance.truth is not None:
+        true = logit_errors(logits, tolerance.truth).figures()
+        row.update({f"float32_{f}": true[f] for f in FIGURES})
+        row["within_float32_spread"] = within_spread(
+            true, [e.figures() for e in tolerance.from_truth.values()]
+        )
+    return row
+
+
+def within_spread(figures: dict, others: list[dict]) -> bool:
+    """Whether `figures` (LogitErrors.figures) are within the spread of `others`: each error at most the
+    largest of theirs, the top-1 agreement at least the lowest."""
+    return (
+        figures["max_abs_logit_error"] <= max(o["max_abs_logit_error"] for o in others)
+        and figures["mean_abs_logit_error"] <= max(o["mean_abs_logit_error"] for o in others)
+        and figures["top1_agreement"] >= min(o["top1_agreement"] for o in others)
+    )

@@ -8,8 +8,10 @@ between the two by 10-60% (the machine check, CHANGELOG.md). `anchored_profile` 
 so that this validate's own all_resident and all_cpu runs are priced exactly (the excess kept >= 0), and
 `add_anchored` predicts every run of the workload again with that profile (`fidelity_errors_anchored`):
 the simulator's error with the machine's drift between the two processes taken out. The profile's other
-rows (CPU path, copies, operator, manager) stay calibrate's. The first prediction (`fidelity_errors`,
-calibrate's profile as it is) stays the one the targets are read on.
+rows (CPU path, copies, operator, manager) stay calibrate's. The workload's all_resident and all_cpu runs
+are FITTED by that prediction (their decode priced exactly, by construction), its other runs predicted
+on the workload the profile was fitted on; the targets are read on runs of another workload
+(moecache/validation/holdout.py).
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ def anchored_profile(profile_path: str, anchors: dict[str, Predicted], out: Path
     return out
 
 
-def add_anchored(runs: list[Predicted], profile_path: str, folder: Path, workload: str) -> None:
+def add_anchored(runs: list[Predicted], profile_path: str, folder: Path, workload: str) -> Path | None:
     """One workload's runs: each row gains `fidelity_errors_anchored` and `anchored_profile` (the file,
     relative to `folder`) where the workload has both anchors and the profile can be anchored; None
-    otherwise."""
+    otherwise. Returns the anchored profile's path (None: not anchored); moecache/validation/holdout.py
+    predicts the other workloads' runs with it."""
     anchors = {r.row["strategy"]: r for r in runs if r.row["strategy"] in ANCHORS}
     out = anchored_profile(profile_path, anchors, folder / f"cost_profile_anchored_{workload}.json")
     for run in runs:
@@ -78,3 +81,4 @@ def add_anchored(runs: list[Predicted], profile_path: str, folder: Path, workloa
         run.row["fidelity_errors_anchored"] = (
             None if out is None else run.predict(str(out))["fidelity_errors"]
         )
+    return out

@@ -6,10 +6,16 @@
    whose counts make the hindsight placement. (`validate.reference: all_resident`, for a model that
    cannot be held on the device twice over its experts' host copy: the all_resident run is the
    reference instead, and runs first.)
-2. the model is offloaded once (`moecache.offload`: its experts go to the host store); then every
+2. output agreement's baseline and tolerance of every workload (`validate.agreement_requests` > 0), on
+   the unmodified model, still before anything is offloaded (moecache/validation/agreement_runs.py);
+3. the model is offloaded once (`moecache.offload`: its experts go to the host store); then every
    strategy at every capacity, per workload, on a new cache of the same host store
    (`model.moecache.reconfigure(capacity=, policy=, params=, on_miss=)`): a fresh manager and slot pool,
-   cold, as a fresh offload would give.
+   cold, as a fresh offload would give. After each run, its output agreement, teacher-forced on the
+   cache the run left;
+4. the fidelity table: every offloaded run predicted on calibrate's profile as given; with a profile
+   that can be anchored, again on its own workload's anchored profile (anchors.py) and on every other
+   workload's (holdout.py: the held-out prediction, the anchor runs marked fitted).
 
 Each run's trace goes to `<folder>/traces/<workload>/<strategy>-c<slots>/trace.parquet` (`unmodified`
 for the reference); its row names it relative to `folder` (the artifact).
@@ -25,7 +31,7 @@ import torch
 
 from moecache.errors import MoecacheError
 from moecache.trace.schema import TraceMeta
-from moecache.validation import anchors, predict
+from moecache.validation import agreement_runs, anchors, holdout, predict
 from moecache.validation.baselines import Strategy, hindsight_keys, install_hindsight
 from moecache.validation.runs import Outputs, Request, RunSpec, measure
 from moecache.validation.workloads import request_stream
@@ -53,6 +59,22 @@ class Settings:
     reference: str = "unmodified"
     warmup: bool = False  # _warm_up before each workload's timed runs
     init: str | None = None  # validate.init: the selected strategy's cache starts from it
+    agreement_requests: int = 0  # validate.agreement_requests (0: no output agreement)
+    agreement_tokens: int | None = None  # validate.agreement_tokens (None: as many as the runs route)
+    agreement_impls: tuple[str, ...] = ("grouped_mm",)  # validate.agreement_impls
+    agreement_float32: bool = False  # validate.agreement_float32
+
+
+@dataclass
+class Validated:
+    """What `validate_all` measured: runs.parquet's and latency.parquet's rows, the agreement table's
+    rows and its summary per workload, the fidelity table's rows (tables.py)."""
+
+    rows: list[dict]
+    latencies: list[dict]
+    agreement: list[dict]
+    agreement_of: dict[str, dict]
+    fidelity: list[dict]
 
 
 def _meta(model_label: str, arch: dict, workload: str, spec: RunSpec, s: Settings) -> TraceMeta:
@@ -127,16 +149,48 @@ def _warm_up(model, w, strategies, grid, request, count_G, s: Settings, run) -> 
             measure(
                 model, spec, [warm], loop=s.loop, device=s.device, max_new_tokens=WARMUP_TOKENS,
                 pad_id=pad_id, trace_dir=Path(tmp) / str(n), meta=_meta(label, arch, w.name, spec, s),
-                run_id=s.run_id, reference=None, forced=w.forced,
+                run_id=s.run_id, forced=w.forced,
             )  # fmt: skip
+
+
+def _new_tokens(w: Workload, s: Settings) -> int:
+    """Tokens generated per request of a conf/workload/ workload (a forced request has its own)."""
+    return int(s.max_new_tokens or (w.wcfg.max_new_tokens if w.wcfg is not None else 1))
+
+
+def _agreement_set(model, w: Workload, s: Settings, tokenizer, num_experts: int):
+    """The workload's agreement inputs on the unmodified model (agreement_runs.prepare): its first
+    validate.agreement_requests requests, each continued by validate.agreement_tokens tokens (None: what
+    its runs route after the prompt)."""
+    answers = Outputs()
+    n = s.agreement_requests
+    if w.forced is not None:
+        requests = w.forced.requests[:n]
+        runs_route = {r.request_id: int(r.max_new_tokens) - 1 for r in requests}
+        forced, name = w.forced.forced, w.forced.name
+    else:
+        requests = request_stream(w.wcfg, s.seed, tokenizer, n, answers, [])
+        runs_route = None
+        forced = name = None
+    made = _new_tokens(w, s) - 1
+
+    def tokens_of(req: Request) -> int:
+        if s.agreement_tokens is not None:
+            return s.agreement_tokens
+        return runs_route[req.request_id] if runs_route is not None else made
+
+    return agreement_runs.prepare(
+        model, w.name, requests, answers, tokens_of, forced=forced, forced_name=name,
+        num_experts=num_experts, impls=tuple(s.agreement_impls), float32=s.agreement_float32,
+    )  # fmt: skip
 
 
 def validate_all(
     loaded, arch: dict, workloads: list[Workload], strategies: list[Strategy], grid: list[tuple[str, int]],
     s: Settings,
-) -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """Every run (module docstring): (rows, latency rows), the rows workload by workload, the reference
-    first, then the strategies in order, each at its capacities."""
+) -> Validated:  # fmt: skip
+    """Every run (module docstring); the rows workload by workload, the reference first, then the
+    strategies in order, each at its capacities."""
     from moecache.offloading import offload_model
     from moecache.sim.policies.lfu import key_counts
     from moecache.sim.trace_arrays import load_trace
@@ -150,26 +204,28 @@ def validate_all(
     rows_of: dict[str, list[dict]] = {w.name: [] for w in workloads}
     predicted_of: dict[str, list[anchors.Predicted]] = {w.name: [] for w in workloads}
     latencies: list[dict] = []
+    agreement: list[dict] = []
+    sets: dict[str, agreement_runs.AgreementSet] = {}
 
-    def one(w: Workload, spec: RunSpec, requests, reference, outputs=None):
+    def one(w: Workload, spec: RunSpec, requests, is_reference: bool, outputs=None):
         trace_dir = s.folder / "traces" / w.name / (
             "unmodified" if spec.strategy is None else f"{spec.label}-c{spec.slots}"
         )  # fmt: skip
-        new_tokens = int(s.max_new_tokens or (w.wcfg.max_new_tokens if w.wcfg is not None else 1))
         outcome = measure(
-            model, spec, requests, loop=s.loop, device=s.device, max_new_tokens=new_tokens, pad_id=pad_id,
-            trace_dir=trace_dir, meta=_meta(label, arch, w.name, spec, s), run_id=s.run_id,
-            reference=reference, outputs=outputs, forced=w.forced,
+            model, spec, requests, loop=s.loop, device=s.device, max_new_tokens=_new_tokens(w, s),
+            pad_id=pad_id, trace_dir=trace_dir, meta=_meta(label, arch, w.name, spec, s), run_id=s.run_id,
+            outputs=outputs, forced=w.forced,
         )  # fmt: skip
         trace = trace_dir / "trace.parquet"
         row = {**outcome.row, "trace": str(trace.relative_to(s.folder))}
-        is_reference = reference is None
         if spec.strategy is None:
             row.update(predict.EMPTY)
         else:
             run = anchors.Predicted(row, trace, spec.strategy.sim_policy, spec.slots, spec.strategy.on_miss)
             row.update(run.predict(s.profile))
             predicted_of[w.name].append(run)
+            if w.name in sets:  # its output agreement, on the cache the run left
+                agreement.append(agreement_runs.run_row(model, sets[w.name], spec))
         row["reference"] = is_reference
         rows_of[w.name].append(row)
         latencies.extend(outcome.latencies)
@@ -187,10 +243,15 @@ def validate_all(
         for w in workloads:
             made: list[Request] = []
             answers = Outputs()
-            outcome, trace = one(w, RunSpec(w.name, None, None, None), requests_of(w, answers, made), None,
+            outcome, trace = one(w, RunSpec(w.name, None, None, None), requests_of(w, answers, made), True,
                                  outputs=answers)  # fmt: skip
             refs[w.name] = (outcome.outputs, made, key_counts(load_trace(trace)))
-    # 2. offloaded once (no expert left in the model: drop every other reference to them first)
+    # 2. output agreement's baseline and tolerance, on the unmodified model
+    if s.agreement_requests:
+        for w in workloads:
+            sets[w.name] = _agreement_set(model, w, s, tokenizer, arch["num_experts"])
+            agreement += agreement_runs.tolerance_rows(sets[w.name])
+    # 3. offloaded once (no expert left in the model: drop every other reference to them first)
     loaded.adapter = None
     _release()
     offload_model(model, capacity=0, policy="static_cold", device=s.device)
@@ -208,9 +269,9 @@ def validate_all(
             made, answers = [], Outputs()
             _configure(model, first, num_keys, None)
             outcome, trace = one(w, RunSpec(w.name, first, "all", num_keys), requests_of(w, answers, made),
-                                 None, outputs=answers)  # fmt: skip
+                                 True, outputs=answers)  # fmt: skip
             refs[w.name] = (outcome.outputs, made, key_counts(load_trace(trace)))
-        reference, made, count_G = refs[w.name]
+        _, made, count_G = refs[w.name]
         if s.warmup and made and warm:
             _warm_up(model, w, warm, grid, made[0], count_G, s, run)
         for strategy in strategies:
@@ -221,9 +282,16 @@ def validate_all(
             for capacity, slots in points:
                 hindsight = hindsight_keys(count_G, slots) if strategy.hindsight else None
                 _configure(model, strategy, slots, hindsight, s.profile, s.init)
-                one(w, RunSpec(w.name, strategy, capacity, slots), made, reference)
+                one(w, RunSpec(w.name, strategy, capacity, slots), made, False)
         _release()
-    if s.profile is not None:  # the second prediction (moecache/validation/anchors.py)
+    # 4. the second prediction on each workload's own anchors, and the held-out one on the others'
+    anchored: dict[str, object] = {}
+    if s.profile is not None:
         for w in workloads:
-            anchors.add_anchored(predicted_of[w.name], s.profile, s.folder, w.name)
-    return [r for w in workloads for r in rows_of[w.name]], latencies
+            anchored[w.name] = anchors.add_anchored(predicted_of[w.name], s.profile, s.folder, w.name)
+    fidelity = holdout.rows(predicted_of, anchored, s.profile, s.folder)
+    return Validated(
+        rows=[r for w in workloads for r in rows_of[w.name]], latencies=latencies, agreement=agreement,
+        agreement_of={name: agreement_runs.summary(aset, agreement) for name, aset in sets.items()},
+        fidelity=fidelity,
+    )  # fmt: skip

@@ -12,15 +12,15 @@ Per run: TTFT (mean over requests), inter-token latency p50/p90/p99 over every d
 warm-up ones, decode tokens/s (those gaps / their time), prefill tokens/s (prompt tokens / time to first
 token), time per token ((time to first token + those gaps) / (prompt tokens + those gaps): generate's
 time over the routed tokens, the simulator's unit), peak host RSS and CUDA memory during the run, the
-cache counters of the run's session, and the agreement with the reference's tokens and logits
-(agreement.py).
+cache counters of the run's session. Output agreement is measured apart, teacher-forced
+(agreement_runs.py).
 
 The trace: recorded by hooks (the router's for the unmodified model, the experts module's with the
 cache fields for an offloaded one; moecache/validation/recording.py) with the transformers loop; with
 the fast loop (trace-forced only) written from the forcing trace's rows and checked against every
 manager visit (moecache/validation/forcing.py).
 
-Legend: N generated positions, V vocabulary, G global expert keys.
+Legend: G global expert keys.
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from moecache.errors import MoecacheError
 from moecache.trace.hooks import RoutingRecorder
 from moecache.trace.logger import LoggerConfig, RoutingLogger
 from moecache.trace.schema import TraceMeta
-from moecache.validation.agreement import Agreement
 from moecache.validation.baselines import Strategy
 from moecache.validation.memory import PeakMemory
 from moecache.validation.recording import CacheRecorder
@@ -68,10 +66,9 @@ class RunSpec:
 
 @dataclass
 class Outputs:
-    """Greedy tokens and raw logits [N, V] (host float32) per request id."""
+    """Greedy tokens per request id (a later turn of a conversation is built from them)."""
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
-    logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,7 +102,6 @@ def measure(
     trace_dir: Path,
     meta: TraceMeta,
     run_id: str,
-    reference: Outputs | None,
     outputs: Outputs | None = None,
     forced=None,
 ) -> RunOutcome:
@@ -166,7 +162,6 @@ def measure(
                     recorder.start_request(req.request_id)
                 gen = runner.generate(req.prompt_ids, int(req.max_new_tokens or max_new_tokens))
                 outputs.tokens[req.request_id] = gen.tokens
-                outputs.logits[req.request_id] = gen.logits_NV
                 loops.add(gen.loop)
                 ttft_s.append(gen.ttft_s)
                 warm = gen.warmup_gaps
@@ -191,7 +186,7 @@ def measure(
         log_stats = logger.close()
         runner.close()
     return _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss,
-                    cuda_peak, session, before, reference, outputs, latencies, loops, hooks, check, host)  # fmt: skip
+                    cuda_peak, session, before, outputs, latencies, loops, hooks, check, host)  # fmt: skip
 
 
 HOST_KEYS = (
@@ -217,7 +212,7 @@ def _host_points(host: dict | None) -> dict:
 
 
 def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss, cuda_peak,
-             session, before, reference, outputs, latencies, loops, hooks, check, host) -> RunOutcome:  # fmt: skip
+             session, before, outputs, latencies, loops, hooks, check, host) -> RunOutcome:  # fmt: skip
     L = meta.num_layers
     n_requests = len(done)
     if not n_requests:
@@ -251,7 +246,6 @@ def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens,
         "peak_cpu_rss_bytes": rss,
         "peak_cuda_bytes": cuda_peak,
         **_cache_counts(session, before),
-        **_agreement(reference, outputs),
         "trace_source": RECORDED if hooks else FORCING,
         "forced_rows_checked": check.rows_checked if check is not None else None,
     }
@@ -286,13 +280,3 @@ def _cache_counts(session, before) -> dict:
         "cpu_fallbacks": runtime.cpu_entries,
         "gpu_entries": runtime.gpu_entries,
     }
-
-
-def _agreement(reference: Outputs | None, outputs: Outputs) -> dict:
-    """Token match rate and max logit error against the reference (None for the reference itself)."""
-    if reference is None:
-        return {"token_match_rate": None, "max_logit_error": None}
-    agree = Agreement()
-    for rid, tokens in outputs.tokens.items():
-        agree.add(reference.tokens[rid], reference.logits[rid], tokens, outputs.logits[rid])
-    return {"token_match_rate": agree.match_rate, "max_logit_error": agree.max_logit_error}

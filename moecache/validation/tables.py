@@ -1,5 +1,9 @@
 """The validation artifact's tables: `runs.parquet` (one row per workload x strategy x capacity, and
-one per workload for the unmodified model) and `latency.parquet` (every generated token's latency)."""
+one per workload for the unmodified model), `latency.parquet` (every generated token's latency),
+`agreement.parquet` (output agreement: per workload, transformers' implementations against their eager
+baseline, then every offloaded run; moecache/validation/agreement_runs.py) and `fidelity.parquet` (each
+offloaded run predicted on profiles fitted elsewhere, marked fitted or predicted;
+moecache/validation/holdout.py)."""
 
 from __future__ import annotations
 
@@ -47,8 +51,6 @@ RUNS_SCHEMA = pa.schema(
         ("waited_copies", pa.int64()),
         ("cpu_fallbacks", pa.int64()),
         ("gpu_entries", pa.int64()),
-        ("token_match_rate", pa.float64()),
-        ("max_logit_error", pa.float64()),
         ("trace", pa.string()),
         ("trace_source", pa.string()),  # recorded (hooks) | forcing trace (the fast loop)
         ("forced_rows_checked", pa.int64()),  # fast loop: visit rows checked against the forcing trace
@@ -75,6 +77,62 @@ LATENCY_SCHEMA = pa.schema(
 )
 
 
-def write(folder: Path, runs: list[dict], latencies: list[dict]) -> None:
+AGREEMENT_SCHEMA = pa.schema(
+    [
+        ("workload", pa.string()),
+        ("run", pa.string()),  # a transformers implementation (kind tolerance) or a strategy (kind moecache)
+        ("kind", pa.string()),  # baseline (with a float32 truth) | tolerance | moecache
+        ("capacity", pa.string()),  # as in runs.parquet (null for a tolerance row)
+        ("slots", pa.int64()),
+        ("baseline", pa.string()),  # the implementation every row is compared with: eager
+        ("requests", pa.int64()),
+        ("positions", pa.int64()),  # teacher-forced positions: prompt + fed tokens, over the requests
+        ("max_abs_logit_error", pa.float64()),
+        ("mean_abs_logit_error", pa.float64()),
+        ("top1_agreement", pa.float64()),
+        # moecache rows: each figure within every tolerance row's of the workload (null for those rows)
+        ("max_abs_logit_error_within", pa.bool_()),
+        ("mean_abs_logit_error_within", pa.bool_()),
+        ("top1_agreement_within", pa.bool_()),
+        ("within_tolerance", pa.bool_()),
+        # against the float32 truth (validate.agreement_float32: the eager loop on the model widened to
+        # float32); null without it
+        ("float32_max_abs_logit_error", pa.float64()),
+        ("float32_mean_abs_logit_error", pa.float64()),
+        ("float32_top1_agreement", pa.float64()),
+        # moecache rows: every float32 figure within the spread of the baseline's and tolerance rows'
+        ("within_float32_spread", pa.bool_()),
+        ("gpu_entries", pa.int64()),  # (token, k) entries of the teacher-forced pass from the slot pool
+        ("cpu_entries", pa.int64()),  # ... and on the CPU
+    ]
+)
+FIDELITY_SCHEMA = pa.schema(
+    [
+        ("direction", pa.string()),  # "<fit_on, or calibrate / no cost profile> -> <workload>"
+        ("fit_on", pa.string()),  # the workload whose all_resident / all_cpu runs anchored the profile;
+        # null: validate.cost_profile as given (calibrate's own runs)
+        ("profile", pa.string()),  # that profile (an anchored one relative to the artifact)
+        ("workload", pa.string()),
+        ("strategy", pa.string()),
+        ("capacity", pa.string()),
+        ("slots", pa.int64()),
+        ("role", pa.string()),  # fitted (an anchor of fit_on) | predicted
+        ("measured_time_per_token_ms", pa.float64()),
+        ("predicted_time_per_token_ms", pa.float64()),
+        ("time_per_token_error_pct", pa.float64()),
+        ("time_within_target", pa.bool_()),
+        ("measured_hit_rate", pa.float64()),
+        ("predicted_hit_rate", pa.float64()),
+        ("hit_rate_error_pp", pa.float64()),
+        ("hit_rate_within_target", pa.bool_()),
+    ]
+)
+
+
+def write(
+    folder: Path, runs: list[dict], latencies: list[dict], agreement: list[dict], fidelity: list[dict]
+) -> None:
     pq.write_table(pa.Table.from_pylist(runs, schema=RUNS_SCHEMA), folder / "runs.parquet")
     pq.write_table(pa.Table.from_pylist(latencies, schema=LATENCY_SCHEMA), folder / "latency.parquet")
+    pq.write_table(pa.Table.from_pylist(agreement, schema=AGREEMENT_SCHEMA), folder / "agreement.parquet")
+    pq.write_table(pa.Table.from_pylist(fidelity, schema=FIDELITY_SCHEMA), folder / "fidelity.parquet")

@@ -1,6 +1,7 @@
 """Teacher-forced agreement (moecache/validation/agreement.py): the figures of LogitErrors and `within`,
-`teacher_forced` against transformers' generate, and a model forced onto its own captured routing
-reproducing its logits bit for bit.
+`teacher_forced` against transformers' generate, a model forced onto its own captured routing
+reproducing its logits bit for bit, and the float32 truth: a bf16 model widened for one pass and left bit
+for bit as it was, every implementation measured against it, a run judged within their spread.
 
 Legend: N positions, V vocabulary, L MoE layers, K top-k.
 """
@@ -15,8 +16,10 @@ from moecache.validation.agreement import (
     LogitErrors,
     RoutingCapture,
     agreement_row,
+    float32_logits,
     implementation_tolerance,
     teacher_forced,
+    within_spread,
 )
 from tests.runtime.helpers import tiny
 
@@ -103,6 +106,42 @@ def test_the_baseline_itself_is_within_the_implementations_tolerance():
     model.set_experts_implementation("eager")
     row = agreement_row(model, prompts, feed, tolerance)
     assert row == {
-        "teacher_forced_positions": 9, "max_abs_logit_error": 0.0, "mean_abs_logit_error": 0.0,
-        "top1_agreement": 1.0, "within_tolerance": True,
+        "positions": 9, "max_abs_logit_error": 0.0, "mean_abs_logit_error": 0.0, "top1_agreement": 1.0,
+        "max_abs_logit_error_within": True, "mean_abs_logit_error_within": True, "top1_agreement_within": True,
+        "within_tolerance": True,
     }  # fmt: skip
+
+
+def test_the_float32_truth_leaves_a_bf16_model_as_it_was_and_measures_every_implementation():
+    model = tiny("qwen3_moe").to(torch.bfloat16)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    prompts, feed = {"a": PROMPT}, {"a": [1, 2, 3]}
+    tolerance = implementation_tolerance(model, prompts, feed, float32=True)
+    assert {n: t.dtype for n, t in model.state_dict().items()} == {n: t.dtype for n, t in before.items()}
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())  # bit for bit
+    assert set(tolerance.from_truth) == {"eager", "grouped_mm"}
+    eager = tolerance.from_truth["eager"].figures()
+    assert eager["max_abs_logit_error"] > 0  # bf16 rounding, measured against float32
+    model.set_experts_implementation("eager")
+    again = float32_logits(model, prompts, feed)  # the same truth twice
+    assert torch.equal(again["a"], tolerance.truth["a"])
+    row = agreement_row(model, prompts, feed, tolerance)  # the baseline itself: inside the spread
+    assert row["float32_max_abs_logit_error"] == eager["max_abs_logit_error"] and row["within_float32_spread"]
+
+
+def test_a_float32_model_is_its_own_truth():
+    model = tiny("qwen3_moe")
+    tolerance = implementation_tolerance(model, {"a": PROMPT}, {"a": [1]}, float32=True)
+    assert tolerance.truth is tolerance.base
+    assert tolerance.from_truth["eager"].figures()["max_abs_logit_error"] == 0.0
+
+
+def test_within_the_spread_means_no_further_from_the_truth_than_the_others():
+    def figs(max_e, mean_e, top1):
+        return {"max_abs_logit_error": max_e, "mean_abs_logit_error": mean_e, "top1_agreement": top1}
+
+    others = [figs(1.0, 0.10, 0.99), figs(2.0, 0.05, 0.98)]
+    assert within_spread(figs(2.0, 0.10, 0.98), others)  # the worst of each figure: inside
+    assert not within_spread(figs(2.1, 0.01, 1.0), others)
+    assert not within_spread(figs(0.5, 0.11, 1.0), others)
+    assert not within_spread(figs(0.5, 0.01, 0.97), others)

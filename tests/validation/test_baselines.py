@@ -1,10 +1,9 @@
 """The baselines' mechanisms: static_layers (llama.cpp --n-cpu-moe) holds exactly the last whole layers,
 in the simulator and the runtime; the manager's on_miss="wait" (synchronous on-demand copies) runs an
 admitted miss on the device in the same visit while the counters and the logged cache_hit stay the
-cache's; late copies are counted once; the hindsight placement installs exactly the top keys; output
-agreement counts positions and compares logits up to the first mismatch.
+cache's; late copies are counted once; the hindsight placement installs exactly the top keys.
 
-Legend: L layers, E experts, T tokens, K top-k, G global keys, N positions, V vocabulary.
+Legend: L layers, E experts, T tokens, K top-k, G global keys.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from moecache.sim.policy import make_policy
 from moecache.sim.policy_spec import PolicySpec
 from moecache.sim.replay import replay_instant
 from moecache.sim.shape import ModelShape
-from moecache.validation.agreement import Agreement
 from moecache.validation.baselines import STRATEGIES, build, check_names, hindsight_keys, install_hindsight
 from tests.conftest import build_trace
 from tests.runtime.helpers import manager, random_store
@@ -111,17 +109,3 @@ def test_strategies_are_checked_and_a_hindsight_selection_runs_as_the_placement(
     assert made["selected"].hindsight and made["selected"].policy.name == "static_cold"
     assert made["lru_sync"].on_miss == "wait" and made["n_cpu_moe"].policy.name == "static_layers"
     assert build(["selected"], PolicySpec.of("lru"))[0].policy == PolicySpec.of("lru")
-
-
-def test_agreement_compares_logits_up_to_the_first_mismatch():
-    ref = torch.zeros(4, 3)
-    same = Agreement()
-    same.add([1, 2, 3, 4], ref, [1, 2, 3, 4], ref + 1e-3)
-    assert same.match_rate == 1.0 and same.max_logit_error == pytest.approx(1e-3)
-    off = Agreement()
-    late = ref.clone()
-    late[3] += 50.0  # after the first mismatch (position 1): not compared
-    early = ref.clone()
-    early[1] += 0.5
-    off.add([1, 2, 3, 4], ref, [1, 9, 3, 4], early + late)
-    assert off.match_rate == 0.75 and off.max_logit_error == pytest.approx(0.5)

@@ -1,5 +1,6 @@
-"""The report's validation section: one table per workload with every run, the predicted-vs-measured
-figure only where predictions exist, and a sentence (not a crash) without an artifact."""
+"""The report's validation section: one table per workload with every run, the output agreement against
+transformers' tolerance, the fidelity per direction with every run marked fitted or predicted and its
+figure only where the artifact has fidelity rows, and a sentence (not a crash) without an artifact."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import pyarrow.parquet as pq
 
 from moecache.report.validation import section
-from moecache.validation.tables import RUNS_SCHEMA, write
+from moecache.validation import holdout
+from moecache.validation.tables import AGREEMENT_SCHEMA, RUNS_SCHEMA, write
 
 
 def run_row(workload: str, strategy: str, capacity: str | None, predicted: float | None) -> dict:
@@ -22,18 +24,29 @@ def run_row(workload: str, strategy: str, capacity: str | None, predicted: float
     return row
 
 
-def artifact(folder, predicted, errors=None, machine_check=None):
+def fidelity_row(direction: str, fit_on, workload: str, role: str, within: bool) -> dict:
+    return {
+        "direction": direction, "fit_on": fit_on, "profile": "p.json", "workload": workload, "strategy": "selected",
+        "capacity": "25%", "slots": 32, "role": role, "measured_time_per_token_ms": 2.5,
+        "predicted_time_per_token_ms": 2.0 if within else 1.0, "time_per_token_error_pct": -20.0 if not within else -5.0,
+        "time_within_target": within, "measured_hit_rate": 0.25, "predicted_hit_rate": 0.25,
+        "hit_rate_error_pp": 0.0, "hit_rate_within_target": True,
+    }  # fmt: skip
+
+
+def artifact(folder, predicted, errors=None, machine_check=None, fidelity=()):
     folder.mkdir()
     runs = [run_row(w, s, c, predicted) for w in ("multi_request", "long_single") for s, c in
             (("unmodified", None), ("selected", "25%"))]  # fmt: skip
     for r in runs:
         if errors is not None and r["strategy"] == "selected":
             r["fidelity_errors"] = json.dumps(errors)
-    write(folder, runs, [])
+    write(folder, runs, [], [], list(fidelity))
     result = {
         "decision": "decide-abc", "selected": {"label": "lfu"}, "model": "tiny", "device": "cpu",
         "execution": "transformers generate (eager)", "workloads": ["multi_request", "long_single"],
-        "runs": runs, "machine_check": machine_check,
+        "runs": runs, "machine_check": machine_check, "agreement": {},
+        "fidelity": holdout.summary(list(fidelity)) if fidelity else None,
     }  # fmt: skip
     (folder / "validation.json").write_text(json.dumps(result))
     return folder
@@ -41,9 +54,12 @@ def artifact(folder, predicted, errors=None, machine_check=None):
 
 def test_a_table_per_workload_and_no_figure_without_predictions(tmp_path):
     text, figures = section(artifact(tmp_path / "validate-1", None), "decide-abc", tmp_path / "figures")
-    assert text.count("### ") == 2 and "### multi_request" in text and "### long_single" in text
+    assert (
+        text.count("### ") == 4 and "### multi_request" in text and "### long_single" in text
+    )  # + agreement, fidelity
     assert text.count("| selected | 25% | 32 | - | 123.4 |") == 2 and "| unmodified | - |" in text
-    assert figures == [] and "No predicted values in any run" in text and "another decision" not in text
+    assert figures == [] and "No fidelity table in this artifact" in text and "another decision" not in text
+    assert "Not measured (validate.agreement_requests=0)" in text
     assert "Where the time-per-token error comes from" not in text  # no run has a phase's figures
 
 
@@ -67,9 +83,9 @@ def test_the_anchored_error_is_a_column_of_the_phase_table(tmp_path):
     for r in runs:
         if r["strategy"] == "selected":
             r["fidelity_errors_anchored"] = json.dumps({"time_per_token_error_pct": -4.5})
-    write(folder, runs, [])
+    write(folder, runs, [], [], [])
     text, _ = section(folder, "decide-abc", tmp_path / "figures")
-    assert "anchored here" in text
+    assert "anchored on this workload (its all_resident, all_cpu fitted)" in text
     assert text.count("| selected | 25% | -20 | - | - | 2.5 -> 2 | -20 | -4.5 |") == 2
 
 
@@ -97,10 +113,51 @@ def test_the_machine_check_is_said_and_a_change_is_flagged(tmp_path):
     assert "since the cost profile" not in text
 
 
-def test_predictions_give_the_figure_and_another_decision_is_named(tmp_path):
-    text, figures = section(artifact(tmp_path / "validate-2", 0.3), "decide-other", tmp_path / "figures")
-    assert [f.name for f in figures] == ["validation_predicted_vs_measured.png"] and figures[0].is_file()
-    assert "figures/validation_predicted_vs_measured.png" in text and "`decide-other`" in text
+def test_the_fidelity_is_judged_per_direction_drawn_and_another_decision_is_named(tmp_path):
+    rows = [
+        fidelity_row("calibrate -> long_single", None, "long_single", "predicted", True),
+        fidelity_row("multi_request -> long_single", "multi_request", "multi_request", "fitted", True),
+        *[fidelity_row("multi_request -> long_single", "multi_request", "long_single", "predicted", ok)
+          for ok in (True, False)],
+    ]  # fmt: skip
+    folder = artifact(tmp_path / "validate-2", 0.3, fidelity=rows)
+    text, figures = section(folder, "decide-other", tmp_path / "figures")
+    assert [f.name for f in figures] == ["validation_fidelity.png"] and figures[0].is_file()
+    assert "figures/validation_fidelity.png" in text and "`decide-other`" in text
+    assert "| calibrate -> long_single | 0 | 1 | 1 of 1 (100%) | met | 1 of 1 | met |" in text
+    assert "| multi_request -> long_single | 1 | 2 | 1 of 2 (50%) | **missed** | 2 of 2 | met |" in text
+    assert "| every cross-workload direction | - | 2 | 1 of 2 (50%) | **missed** |" in text
+    assert "| multi_request -> long_single | multi_request | selected | 25% | fitted | 2.5 | 2 | -5 |" in text
+
+
+def test_the_agreement_is_a_table_per_workload_with_its_tolerance_first(tmp_path):
+    folder = artifact(tmp_path / "validate-8", None)
+    figures = dict.fromkeys(("max_abs_logit_error", "mean_abs_logit_error", "top1_agreement"))
+    rows = [
+        {**dict.fromkeys(AGREEMENT_SCHEMA.names), "workload": "multi_request", "run": "grouped_mm", "kind": "tolerance",
+         "baseline": "eager", "requests": 1, "positions": 40, "max_abs_logit_error": 0.5,
+         "mean_abs_logit_error": 0.01, "top1_agreement": 0.95},
+        {**dict.fromkeys(AGREEMENT_SCHEMA.names), "workload": "multi_request", "run": "selected", "kind": "moecache",
+         "capacity": "25%", "slots": 32, "baseline": "eager", "requests": 1, "positions": 40,
+         "max_abs_logit_error": 0.25, "mean_abs_logit_error": 0.02, "top1_agreement": 0.975,
+         **{f"{f}_within": f != "mean_abs_logit_error" for f in figures}, "within_tolerance": False,
+         "gpu_entries": 100, "cpu_entries": 60},
+    ]  # fmt: skip
+    runs = pq.read_table(folder / "runs.parquet").to_pylist()
+    write(folder, runs, [], rows, [])
+    result = json.loads((folder / "validation.json").read_text())
+    result["agreement"] = {"multi_request": {
+        "requests": 1, "positions": 40, "fed_tokens": 8, "routing": "forced by the trace t", "runs": 1,
+        "runs_within": 0,
+    }}  # fmt: skip
+    (folder / "validation.json").write_text(json.dumps(result))
+    text, _ = section(folder, "decide-abc", tmp_path / "figures")
+    assert (
+        "`multi_request`: 1 requests, 40 positions (8 fed tokens); routing forced by the trace t; 0 of 1"
+        in text
+    )
+    assert "| transformers grouped_mm (tolerance) | - | n/a | 0.5 | 0.01 | 0.95 | - | - | - | - |" in text
+    assert "| selected | 25% | 32 | 0.25 | 0.02 | 0.975 | yes / NO / yes | - | - | 100 / 60 |" in text
 
 
 def test_no_artifact_is_a_sentence(tmp_path):
