@@ -7,7 +7,6 @@ step, an unknown artifact id) is one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from moecache.artifacts import ArtifactStore
+from tests.benchmarks.script_module import script_module
 from tests.conftest import write_trace
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "eval_policies.py"
@@ -24,15 +24,9 @@ LAYERS, EXPERTS, TOP_K = 2, 8, 2
 
 @pytest.fixture(scope="module")
 def evaluation():
-    """eval_policies.py as a module (registered first: its dataclasses look their module up by name)."""
-    spec = importlib.util.spec_from_file_location("eval_policies_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    """eval_policies.py as a module."""
+    with script_module("eval_policies_script", SCRIPT) as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def steps(seed: int, requests: int, prompt: int, decode: int):

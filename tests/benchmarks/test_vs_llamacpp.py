@@ -8,14 +8,13 @@ must be read into medians of its samples; bad input is one line and exit code 2.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from moecache.capacity import capacity_spec
+from tests.benchmarks.script_module import script_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_llamacpp" / "bench.py"
 
@@ -29,15 +28,9 @@ QWEN20 = {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 20, "num_expert
 
 @pytest.fixture(scope="module")
 def bench():
-    """bench.py as a module (registered first: its dataclasses look their module up by name)."""
-    spec = importlib.util.spec_from_file_location("vs_llamacpp_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    """bench.py as a module."""
+    with script_module("vs_llamacpp_bench", BENCH) as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def plan(bench, config):
