@@ -224,3 +224,11 @@ def test_real_trace_smoke(esft_law_trace):
     assert all(0.1 < r < 0.9 for r in rates.values()), rates
     # one token per step: uses = accesses, so hindsight is the best static placement
     assert rates["static_hindsight"] >= rates["static_cold"]
+
+
+@pytest.mark.parametrize("window", [0, -4, 2.0, True, "64"])
+def test_lfu_window_refuses_a_window_that_is_not_a_positive_integer(window):
+    with pytest.raises(
+        MoecacheError, match=f"policy lfu_window: window_tokens must be an integer >= 1, got {window!r}"
+    ):
+        make_policy("lfu_window", window_tokens=window)

@@ -12,13 +12,11 @@ so residents sit in an indexed min-heap (`_heap`) with decrease-key.
 
 from __future__ import annotations
 
-import numbers
-
 import numba as nb
 import numpy as np
 
-from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
+from moecache.sim.policies._params import require_ints
 from moecache.sim.policies.lfu import frequency_arrays, note_use, settle
 from moecache.sim.policy import Policy, register
 
@@ -75,9 +73,7 @@ class LFUWindow(Policy):
 
     def __init__(self, **params):
         super().__init__(**params)
-        w = self.params["window_tokens"]
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w <= 0:
-            raise MoecacheError(f"policy lfu_window: window_tokens must be a positive integer, got {w!r}")
+        require_ints(self, window_tokens=1)
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys
