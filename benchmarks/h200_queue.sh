@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The open H200 measurements as one queue that outlives the device tool's 10-minute calls: `start` copies
+# the repository to $MC and runs the queue there in a process session of its own (setsid), so it keeps
+# running between calls while the machine is held; `wait S` returns after S seconds or when the queue is
+# done, with every result so far in $OUT/res.tgz. Each call must follow the previous one within the
+# machine's warm window, or the machine (and the queue) is given back.
+#
+#   device call 1: bash benchmarks/h200_queue.sh start && bash benchmarks/h200_queue.sh wait 540
+#                  (carry: .whl .vendor/llama.cpp .vendor/traces .device-data/outputs)
+#   later calls:   bash benchmarks/h200_queue.sh wait 570
+#
+# The queue, in the order its results matter; each step's failure is logged and the next one runs:
+#   1. the DeepSeek-V2-Lite random checkpoint in the Hugging Face layout, on the disk (benchmarks/vs_llamacpp
+#      run.sh write: the same checkpoint serves the loader benchmark and the llama.cpp comparison);
+#   2. the loader (benchmarks/h200_load.sh on that checkpoint, cold and warm, then the random Qwen3.6 shape);
+#   3. at once: llama-bench's build (nice), the GPU tests (`pytest -m gpu`), the checkpoint's GGUF conversion
+#      (nothing is timed while the build runs);
+#   4. moecache beside llama.cpp on the DeepSeek-V2-Lite shape (run.sh bench dsv2, then report);
+#   5. held-out fidelity and output agreement: calibrate the DeepSeek-V2-Lite shape (fast loop), then
+#      validate forced by the ESFT law and intent traces at 10/25/50% (ids in .device-data/ids.txt: the
+#      import, sweep and decide artifacts made on the dev machine into .device-data/outputs).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
+RES=${RES:-/tmp/res}              # results (returned as $OUT/res.tgz)
+CK=${CK:-/tmp/ck}                 # Hugging Face checkpoints (disk: the loader's cold read needs one)
+VS=${VS:-/tmp/vsw}                # llama.cpp build, GGUF files, its results
+MCO=${MCO:-/tmp/mco}              # moecache's output root
+
+log() { echo "[$(date +%T)] $*" | tee -a "$RES/progress.txt"; }
+
+step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its output in $RES/NAME.log
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  log "start $name"
+  timeout "$limit" "$@" >"$RES/$name.log" 2>&1
+  local rc=$?
+  log "end $name rc=$rc ($((SECONDS - t0)) s)"
+  return $rc
+}
+
+pipeline() {
+  cd "$MC"
+  export PYTHONUNBUFFERED=1 MOECACHE_OUTPUT_ROOT=$MCO
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$MC:$MC/kernels"
+  mkdir -p "$MCO" "$CK" "$VS"
+  cp -a .device-data/outputs/. "$MCO/"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'
+    grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h /tmp /dev/shm
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+  } >"$RES/env.txt" 2>&1
+  local vs=(env WORK="$VS" CKPT_ROOT="$CK" BUILD="$VS/build" LLAMA_SRC="$MC/.vendor/llama.cpp" OUT="$RES/vs"
+            bash benchmarks/vs_llamacpp/run.sh)
+  mkdir -p "$RES/vs"
+
+  step write_dsv2 400 "${vs[@]}" write dsv2
+  step load 800 env OUT="$RES/load" CKPT="$CK/dsv2-27l-full" SECTIONS="dsv2 qwen" bash benchmarks/h200_load.sh
+
+  ( step build 1200 nice -n 10 "${vs[@]}" build ) &
+  local build=$!
+  ( step gputests 900 python3 -m pytest -q -p no:cacheprovider -m gpu ) &
+  local tests=$!
+  step convert_dsv2 1200 "${vs[@]}" convert dsv2
+  wait "$build" "$tests"
+
+  step bench_llama 600 env SIDE=llama "${vs[@]}" bench dsv2
+  step bench_moecache 900 env SIDE=moecache "${vs[@]}" bench dsv2
+  step report 60 "${vs[@]}" report dsv2
+
+  # shellcheck disable=SC1091  # LAW, INT, DE: written beside .device-data/outputs on the dev machine
+  source .device-data/ids.txt
+  local m=(model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda "output_root=$MCO")
+  step calibrate 400 python3 -m moecache.cli calibrate "${m[@]}" cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
+    cost.repeats=20
+  local cal
+  cal=$(grep -E "^/" "$RES/calibrate.log" | tail -1)
+  step validate 1200 python3 -m moecache.cli validate "${m[@]}" "validate.decision=$DE" \
+    "validate.forced_trace=[$LAW,$INT]" validate.forced_requests=2 validate.forced_max_tokens=33 \
+    "validate.capacities=[10%,25%,50%]" validate.loop=fast "validate.cost_profile=$cal/cost_profile.json" \
+    validate.on_miss=cpu validate.agreement_requests=2 validate.agreement_tokens=60
+  local val
+  val=$(grep -E "^/" "$RES/validate.log" | tail -1)
+  mkdir -p "$RES/validate"
+  cp "$cal/cost_profile.json" "$RES/validate/" 2>/dev/null
+  cp "$val"/*.json "$val"/*.parquet "$RES/validate/" 2>/dev/null
+  log "queue done"
+  touch "$RES/DONE"
+}
+
+case "${1:-}" in
+  start)
+    rm -rf "$MC" "$RES"; mkdir -p "$RES"
+    cp -a "$REPO" "$MC"
+    setsid nohup bash "$MC/benchmarks/h200_queue.sh" pipeline >"$RES/queue.log" 2>&1 </dev/null &
+    echo "queue started in $MC (results in $RES)" ;;
+  pipeline) pipeline ;;
+  wait)
+    limit=${2:-570}; t0=$SECONDS
+    while [ ! -e "$RES/DONE" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 5; done
+    cat "$RES/progress.txt"
+    current=$(ls -t "$RES"/*.log 2>/dev/null | head -1)
+    [ -n "$current" ] && { echo "== tail of $current"; tail -15 "$current"; }
+    df -h /tmp | tail -1; grep MemAvailable /proc/meminfo
+    if [ -n "${OUT:-}" ]; then
+      tar -C "$RES" -czf "$OUT/res.tgz" --exclude='*.parquet.part' . && ls -la "$OUT/res.tgz"
+    fi ;;
+  *) echo "usage: h200_queue.sh start | wait SECONDS" >&2; exit 2 ;;
+esac
