@@ -73,12 +73,14 @@ pipeline() {
   local m=(model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda "output_root=$MCO")
   step calibrate 400 python3 -m moecache.cli calibrate "${m[@]}" cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
     cost.repeats=20
-  local cal
+  local cal f32=true
+  # The float32 truth widens the model in place (about twice its bytes on the device): not on an 80 GB card.
+  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] || f32=false
   cal=$(grep -E "^/" "$RES/calibrate.log" | tail -1)
   step validate 1200 python3 -m moecache.cli validate "${m[@]}" "validate.decision=$DE" \
     "validate.forced_trace=[$LAW,$INT]" validate.forced_requests=2 validate.forced_max_tokens=33 \
     "validate.capacities=[10%,25%,50%]" validate.loop=fast "validate.cost_profile=$cal/cost_profile.json" \
-    validate.on_miss=cpu validate.agreement_requests=2 validate.agreement_tokens=60
+    validate.on_miss=cpu validate.agreement_requests=2 validate.agreement_tokens=60 "validate.agreement_float32=$f32"
   local val
   val=$(grep -E "^/" "$RES/validate.log" | tail -1)
   mkdir -p "$RES/validate"
