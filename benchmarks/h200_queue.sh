@@ -39,53 +39,68 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
   return $rc
 }
 
-pipeline() {
-  cd "$MC"
-  export PYTHONUNBUFFERED=1 MOECACHE_OUTPUT_ROOT=$MCO
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$MC:$MC/kernels"
-  mkdir -p "$MCO" "$CK" "$VS"
-  cp -a .device-data/outputs/. "$MCO/"
-  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'
-    grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h /tmp /dev/shm
-    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-  } >"$RES/env.txt" 2>&1
-  local vs=(env WORK="$VS" CKPT_ROOT="$CK" BUILD="$VS/build" LLAMA_SRC="$MC/.vendor/llama.cpp" OUT="$RES/vs"
-            bash benchmarks/vs_llamacpp/run.sh)
-  mkdir -p "$RES/vs"
+# The parts, run in the order of PARTS (default: load tests_llama bench fidelity; `tests` runs the GPU tests
+# alone where the llama.cpp build is left out).
+# llama.cpp's driver, with the queue's folders (WORK, CKPT_ROOT, BUILD, LLAMA_SRC: exported by pipeline).
+VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 
-  step write_dsv2 400 "${vs[@]}" write dsv2
+part_load() {
+  step write_dsv2 400 "${VS_RUN[@]}" write dsv2
   step load 800 env OUT="$RES/load" CKPT="$CK/dsv2-27l-full" SECTIONS="dsv2 qwen" bash benchmarks/h200_load.sh
+}
 
-  ( step build 1200 nice -n 10 "${vs[@]}" build ) &
+part_tests() { step gputests 900 python3 -m pytest -q -p no:cacheprovider -m gpu; }
+
+part_tests_llama() {
+  [ -f "$CK/dsv2-27l-full/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2
+  ( step build 1200 nice -n 10 "${VS_RUN[@]}" build ) &
   local build=$!
-  ( step gputests 900 python3 -m pytest -q -p no:cacheprovider -m gpu ) &
+  part_tests &
   local tests=$!
-  step convert_dsv2 1200 "${vs[@]}" convert dsv2
+  step convert_dsv2 1200 "${VS_RUN[@]}" convert dsv2
   wait "$build" "$tests"
+}
 
-  step bench_llama 600 env SIDE=llama "${vs[@]}" bench dsv2
-  step bench_moecache 900 env SIDE=moecache "${vs[@]}" bench dsv2
-  step report 60 "${vs[@]}" report dsv2
+part_bench() {
+  step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
+  step bench_moecache 900 env SIDE=moecache "${VS_RUN[@]}" bench dsv2
+  step report 60 "${VS_RUN[@]}" report dsv2
+}
 
+part_fidelity() {
   # shellcheck disable=SC1091  # LAW, INT, DE: written beside .device-data/outputs on the dev machine
   source .device-data/ids.txt
   local m=(model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda "output_root=$MCO")
-  step calibrate 400 python3 -m moecache.cli calibrate "${m[@]}" cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
-    cost.repeats=20
-  local cal f32=true
+  local cal val f32=true
   # The float32 truth widens the model in place (about twice its bytes on the device): not on an 80 GB card.
   [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] || f32=false
+  step calibrate 400 python3 -m moecache.cli calibrate "${m[@]}" cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
+    cost.repeats=20
   cal=$(grep -E "^/" "$RES/calibrate.log" | tail -1)
   step validate 1200 python3 -m moecache.cli validate "${m[@]}" "validate.decision=$DE" \
     "validate.forced_trace=[$LAW,$INT]" validate.forced_requests=2 validate.forced_max_tokens=33 \
     "validate.capacities=[10%,25%,50%]" validate.loop=fast "validate.cost_profile=$cal/cost_profile.json" \
     validate.on_miss=cpu validate.agreement_requests=2 validate.agreement_tokens=60 "validate.agreement_float32=$f32"
-  local val
   val=$(grep -E "^/" "$RES/validate.log" | tail -1)
   mkdir -p "$RES/validate"
   cp "$cal/cost_profile.json" "$RES/validate/" 2>/dev/null
   cp "$val"/*.json "$val"/*.parquet "$RES/validate/" 2>/dev/null
+}
+
+pipeline() {
+  cd "$MC"
+  export PYTHONUNBUFFERED=1 MOECACHE_OUTPUT_ROOT=$MCO
+  export WORK="$VS" CKPT_ROOT="$CK" BUILD="$VS/build" LLAMA_SRC="$MC/.vendor/llama.cpp"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$MC:$MC/kernels"
+  mkdir -p "$MCO" "$CK" "$VS" "$RES/vs"
+  cp -a .device-data/outputs/. "$MCO/"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'
+    grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h /tmp /dev/shm
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+  } >"$RES/env.txt" 2>&1
+  local part
+  for part in ${PARTS:-load tests_llama bench fidelity}; do "part_$part"; done
   log "queue done"
   touch "$RES/DONE"
 }
@@ -101,7 +116,7 @@ case "${1:-}" in
     limit=${2:-570}; t0=$SECONDS
     while [ ! -e "$RES/DONE" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 5; done
     cat "$RES/progress.txt"
-    current=$(ls -t "$RES"/*.log 2>/dev/null | head -1)
+    current=$(ls -t "$RES"/*.log 2>/dev/null | grep -v queue.log | head -1)
     [ -n "$current" ] && { echo "== tail of $current"; tail -15 "$current"; }
     df -h /tmp | tail -1; grep MemAvailable /proc/meminfo
     if [ -n "${OUT:-}" ]; then
