@@ -407,34 +407,69 @@ def time_test(model, requests, new: int, forced=None) -> dict:
     decoder = FastDecoder(model, max_cache_len=max(int(ids.shape[-1]) for _, ids in requests) + new,
                           forced=forced)  # fmt: skip
 
+    session = getattr(model, "moecache", None)  # None: the unmodified model
+
     def one(rid, ids):
         if forced is not None:
             forced.start_request(rid)
-        model.moecache.begin_request()
+        if session is not None:
+            session.begin_request()
         return decoder.generate(ids, new)
 
     one(*requests[0])
-    before = model.moecache.stats()
+    before = session.stats() if session is not None else None
     results = [one(*r) for r in requests[1:]]
-    after = model.moecache.stats()
-    hits, accesses = after["hits"] - before["hits"], after["accesses"] - before["accesses"]
     pp = [r.prompt_tokens / r.prefill_s for r in results]
     tg = [r.timed_steps / r.decode_s for r in results if r.timed_steps and r.decode_s > 0]
-    return {
+    out = {
         "pp_samples_ts": pp, "tg_samples_ts": tg, "timed_steps": [r.timed_steps for r in results],
-        "modes": sorted({r.mode for r in results}), "hit_rate": hits / accesses if accesses else None,
-        "copies": after["copies"] - before["copies"],
+        "modes": sorted({r.mode for r in results}), "hit_rate": None, "copies": None,
     }  # fmt: skip
+    if session is not None:
+        after = session.stats()
+        hits, accesses = after["hits"] - before["hits"], after["accesses"] - before["accesses"]
+        out.update(hit_rate=hits / accesses if accesses else None, copies=after["copies"] - before["copies"])
+    return out
 
 
-def measure_point(model, point: Point, args, vocab: int, forced_sets) -> dict:
-    """pp and tg at one point, with the model's own routing and, where given, trace-forced."""
+def own_requests(args, vocab: int) -> tuple[list, list]:
+    """The pp and tg requests of every point: random token ids of the seed, one warm-up request first."""
     import torch
 
     gen = torch.Generator().manual_seed(args.seed)
     n = args.reps + 1
     pp_requests = [(f"pp-{i}", torch.randint(0, vocab, (1, args.pp), generator=gen)) for i in range(n)]
     tg_requests = [(f"tg-{i}", torch.randint(0, vocab, (1, 1), generator=gen)) for i in range(n)]
+    return pp_requests, tg_requests
+
+
+def measure_unmodified(cfg, args) -> dict:
+    """pp and tg of the unmodified model (every expert on the device, no offloading) on the same loop and
+    requests: the bar moecache's all-on-GPU point is held to. The model is freed before returning."""
+    import gc
+
+    import torch
+
+    from moecache.models import load_model
+
+    loaded = load_model(cfg.model, cfg.output_root, args.device)
+    model = loaded.model
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    pp_requests, tg_requests = own_requests(args, vocab)
+    t0 = time.perf_counter()
+    result = summarize_moecache(time_test(model, pp_requests, 1), time_test(model, tg_requests, args.tg + 1))
+    print(f"unmodified: pp {result['pp']['median_ts']:.1f} tg {result['tg']['median_ts'] or float('nan'):.1f} "
+          f"tok/s ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    del loaded, model
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return result
+
+
+def measure_point(model, point: Point, args, vocab: int, forced_sets) -> dict:
+    """pp and tg at one point, with the model's own routing and, where given, trace-forced."""
+    pp_requests, tg_requests = own_requests(args, vocab)
     pp, tg = time_test(model, pp_requests, 1), time_test(model, tg_requests, args.tg + 1)
     out = {"own": summarize_moecache(pp, tg)}
     if forced_sets is not None:
@@ -480,6 +515,7 @@ def moecache_side(args) -> dict:
     cfg = compose(overrides)
     torch.set_num_threads(args.threads)
     on_cuda = args.device.startswith("cuda")
+    unmodified = measure_unmodified(cfg, args) if args.unmodified else None
     request = OffloadRequest(
         points[0].capacity, headroom_bytes(cfg.runtime.headroom), "auto" if on_cuda else "off"
     )
@@ -531,7 +567,7 @@ def moecache_side(args) -> dict:
         "transformers": __import__("transformers").__version__, "load_s": load_s,
         "policy": model.moecache.stats()["policy"], "cpu_threads": args.threads, "forced": forced_about,
         "model": {k: described[k] for k in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_bytes")},
-        "points": rows,
+        "points": rows, "unmodified": unmodified,
     }  # fmt: skip
     save(args.results / f"{args.shape}-moecache.json", result)
     return result
@@ -606,6 +642,11 @@ def report(results: Path, shapes: list[str]) -> dict:
                 f"{fmt(row['moecache_tg'])} | {fmt(row['forced_tg'])} |"
             )
         meta = sides["moecache"] or {}
+        unmodified = meta.get("unmodified")
+        if unmodified:
+            upp, utg = unmodified["pp"]["median_ts"], unmodified["tg"]["median_ts"]
+            lines.append(f"| {shape} | unmodified model (moecache's loop, no offloading) | 100% | - | - | - | "
+                         f"{fmt(upp)} | - | - | {fmt(utg)} | - |")  # fmt: skip
         settings = {side: r.get("settings") for side, r in sides.items() if r}
         if len({json.dumps(v, sort_keys=True) for v in settings.values()}) > 1:
             print(f"{shape}: the two sides ran with different settings: {settings}", file=sys.stderr)
@@ -615,6 +656,8 @@ def report(results: Path, shapes: list[str]) -> dict:
             "llama_cpp": build_summary(sides["llama"]), "flash_attn": (sides["llama"] or {}).get("flash_attn"),
             "moecache": {k: meta.get(k) for k in ("device", "gpu", "policy", "cpu_threads", "load_s", "forced")},
             "points": rows,
+            "unmodified": {"pp": unmodified["pp"]["median_ts"], "tg": unmodified["tg"]["median_ts"]}
+            if unmodified else None,
         }  # fmt: skip
     print("\n".join(lines))
     print(
@@ -665,6 +708,10 @@ def main(argv: list[str] | None = None) -> int:
     common(mc)
     mc.add_argument("--device", default="cuda")
     mc.add_argument("--forced-trace", type=Path, default=None, help="an ESFT .npz (DeepSeek-V2-Lite shape)")
+    mc.add_argument(
+        "--unmodified", action=argparse.BooleanOptionalAction, default=True,
+        help="first the unmodified model (every expert on the device) on the same loop and requests",
+    )  # fmt: skip
     rp = sub.add_parser("report", help="the table and one JSON line from saved results")
     rp.add_argument("--results", type=Path, default=Path("/tmp/vs_llamacpp/results"))
     rp.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
