@@ -39,20 +39,29 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
   return $rc
 }
 
-# The parts, run in the order of PARTS (default: load tests_llama bench fidelity; `tests` runs the GPU tests
-# alone where the llama.cpp build is left out).
+# The parts, run in the order of PARTS (default: load tests_llama bench fidelity; where the llama.cpp
+# comparison is left out, `tests_write load fidelity`: the GPU tests while the checkpoint is written).
 # llama.cpp's driver, with the queue's folders (WORK, CKPT_ROOT, BUILD, LLAMA_SRC: exported by pipeline).
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 
+write_dsv2() { [ -f "$CK/dsv2-27l-full/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2; }
+
 part_load() {
-  step write_dsv2 400 "${VS_RUN[@]}" write dsv2
+  write_dsv2
   step load 800 env OUT="$RES/load" CKPT="$CK/dsv2-27l-full" SECTIONS="dsv2 qwen" bash benchmarks/h200_load.sh
 }
 
 part_tests() { step gputests 900 python3 -m pytest -q -p no:cacheprovider -m gpu; }
 
+part_tests_write() {  # the GPU tests while the checkpoint is written (nothing is timed meanwhile)
+  part_tests &
+  local tests=$!
+  write_dsv2
+  wait "$tests"
+}
+
 part_tests_llama() {
-  [ -f "$CK/dsv2-27l-full/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2
+  write_dsv2
   ( step build 1200 nice -n 10 "${VS_RUN[@]}" build ) &
   local build=$!
   part_tests &
