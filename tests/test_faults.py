@@ -53,6 +53,12 @@ with ArtifactStore(sys.argv[1]).create("collect", schema_version=1, config={}, i
 """
 
 
+def _default_signals() -> None:
+    """In the child: SIGINT back to its default. A shell starts a background job with SIGINT ignored,
+    and Python keeps an ignored SIGINT ignored (no KeyboardInterrupt), so the test would wait for nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     "signum,status",
     [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGHUP, 128 + signal.SIGHUP), (signal.SIGINT, None)],
@@ -60,8 +66,9 @@ with ArtifactStore(sys.argv[1]).create("collect", schema_version=1, config={}, i
 )
 def test_a_signal_while_writing_leaves_no_artifact_and_no_temporary_folder(tmp_path, signum, status):
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(tmp_path)], stderr=subprocess.PIPE, text=True, cwd=REPO
-    )
+        [sys.executable, "-c", WRITER, str(tmp_path)], stderr=subprocess.PIPE, text=True, cwd=REPO,
+        preexec_fn=_default_signals,
+    )  # fmt: skip
     _wait_for_tmp(tmp_path / "collect", proc)
     proc.send_signal(signum)
     code = proc.wait(timeout=30)
