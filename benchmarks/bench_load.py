@@ -87,11 +87,12 @@ build_byte_tokenizer().save_pretrained({str(folder)!r})
     print(f"wrote {folder}: {size / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def run_generate(overrides: list[str]) -> dict:
-    """One `moecache generate` in a fresh process: its reported times, wall time and peak RSS."""
+def run_generate(overrides: list[str], env: dict | None = None) -> dict:
+    """One `moecache generate` in a fresh process (`env`: more environment variables): its reported
+    times, wall time and peak RSS."""
     cmd = [sys.executable, "-m", "moecache.cli", "generate", *overrides]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - start
     err = proc.stderr
     if proc.returncode != 0:
@@ -129,6 +130,11 @@ def main() -> None:
     ap.add_argument("--capacity", default="25%")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for generate")
+    ap.add_argument(
+        "--read-threads", default="",
+        help="with --checkpoint: also a cold load (2 new tokens) at each of these reading-thread counts, "
+        "e.g. 1,2,4,8 ($MOECACHE_READ_THREADS)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.write:
         write_checkpoint(args.model, args.write, args.device, args.shard, args.layers)
@@ -144,6 +150,14 @@ def main() -> None:
         result["cold_cache_dropped"] = drop_page_cache()
         runs["cold"] = run_generate([*common, f"model.path={args.checkpoint}"])
         runs["warm"] = run_generate([*common, f"model.path={args.checkpoint}"])
+        sweep = {}
+        for n in [int(v) for v in args.read_threads.split(",") if v]:
+            drop_page_cache()
+            row = run_generate([*common, f"model.path={args.checkpoint}", "generation.max_new_tokens=2"],
+                               env={"MOECACHE_READ_THREADS": str(n)})  # fmt: skip
+            sweep[n] = {k: row.get(k) for k in ("load_s", "read", "peak_rss")}
+        if sweep:
+            result["read_threads"] = sweep
     if args.random:
         runs["random"] = run_generate([*common, "model.path=null", "model.random.seed=0"])
     result["runs"] = runs
@@ -168,6 +182,10 @@ def main() -> None:
         checks["warm_load_at_least_2_GB_s"] = warm_rate >= 2.0
         print(f"disk {disk:.2f} GB/s ({result['disk']['file']}, page cache dropped: {result['disk']['cache_dropped']});"
               f" cold bound {bound:.1f} s; warm end to end {warm_rate:.2f} GB/s")  # fmt: skip
+    for n, row in result.get("read_threads", {}).items():
+        read = row.get("read") or [0, 0, 0]
+        print(f"cold, {n} reading threads: load {row.get('load_s', float('nan')):.1f} s, read {read[2]:.2f} GB/s "
+              f"({read[2] / result['disk']['gb_s']:.2f} of the disk's rate)")  # fmt: skip
     if "random" in runs:
         checks["random_first_token_within_60_s"] = runs["random"].get("ttft_process_s", 1e9) <= 60
     result["checks"] = checks

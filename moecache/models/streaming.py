@@ -50,7 +50,10 @@ EXPERT_KEY = re.compile(
 )
 PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
-READ_WINDOW = 4 * READ_THREADS  # reads queued ahead of the tensors being placed
+# The default's override, for measuring the read rate at other thread counts in whole runs
+# (benchmarks/bench_load.py --read-threads).
+READ_THREADS_ENV = "MOECACHE_READ_THREADS"
+READ_WINDOW_PER_THREAD = 4  # reads queued ahead of the tensors being placed, per reading thread
 READ_AHEAD_BYTES = 256 << 20  # host copies of non-expert tensors read but not yet placed
 
 
@@ -88,6 +91,16 @@ def model_name(name: str, renamings: list[tuple[re.Pattern, str]]) -> str:
     for pattern, target in renamings:
         name = pattern.sub(target, name)
     return name
+
+
+def read_threads() -> int:
+    """READ_THREADS, or $MOECACHE_READ_THREADS (a whole number >= 1; anything else is refused)."""
+    value = os.environ.get(READ_THREADS_ENV)
+    if value is None:
+        return READ_THREADS
+    if not value.isdigit() or int(value) < 1:
+        raise MoecacheError(f"${READ_THREADS_ENV}={value!r}: expected a whole number >= 1")
+    return int(value)
 
 
 def _read_into(fd: int, offset: int, view: memoryview, file: Path, name: str) -> None:
@@ -243,6 +256,7 @@ def stream_checkpoint(
     expert parameters) from the checkpoint (module docstring). `dtype_of(name)` is the dtype the model
     keeps the parameter or buffer `name` in; `progress(nbytes)` is called as bytes arrive. Returns the
     statistics and the files' headers (the revision identity hashes them)."""
+    threads = read_threads()
     headers, entries = index_files(files)
     renamings = model_renamings(model)
     wanted = set(meta_names(model))
@@ -266,7 +280,8 @@ def stream_checkpoint(
         else:
             stats.skipped_tensors.append(entry.name)
     try:
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moecache-read") as pool:
+        window = READ_WINDOW_PER_THREAD * threads
+        with ThreadPoolExecutor(threads, thread_name_prefix="moecache-read") as pool:
             pending = collections.deque()  # (future, model name or None, host bytes it holds)
             held = 0
 
@@ -282,10 +297,9 @@ def stream_checkpoint(
                     held -= nbytes
 
             for entry, name, slices in plan:
-                # reads run ahead of placing by at most READ_WINDOW jobs and READ_AHEAD_BYTES of host copies
+                # reads run ahead of placing by at most `window` jobs and READ_AHEAD_BYTES of host copies
                 while pending and (
-                    len(pending) >= READ_WINDOW
-                    or (name is not None and held + entry.nbytes > READ_AHEAD_BYTES)
+                    len(pending) >= window or (name is not None and held + entry.nbytes > READ_AHEAD_BYTES)
                 ):
                     place_oldest()
                 if name is None:

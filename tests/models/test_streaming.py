@@ -248,3 +248,19 @@ def test_every_entry_point_refuses_a_truncated_checkpoint_in_one_line(checkpoint
     assert result.returncode == 2 and len(lines) == 1 and f"{shard.name}: truncated" in lines[0], (
         result.stderr
     )
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_any_number_of_reading_threads_fills_the_store_alike(checkpoints, tmp_path, monkeypatch, threads):
+    folder = checkpoints["qwen3_moe"]
+    default = load_model({"path": str(folder)}, tmp_path, "cpu", offload_request(), False).store
+    monkeypatch.setenv("MOECACHE_READ_THREADS", threads)
+    store = load_model({"path": str(folder)}, tmp_path, "cpu", offload_request(), False).store
+    assert torch.equal(store.w13_GIH, default.w13_GIH) and torch.equal(store.w2_GHI, default.w2_GHI)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "2.5", "many", ""])
+def test_a_bad_reading_thread_count_is_refused_in_one_line(checkpoints, tmp_path, monkeypatch, value):
+    monkeypatch.setenv("MOECACHE_READ_THREADS", value)
+    with pytest.raises(MoecacheError, match=r"^\$MOECACHE_READ_THREADS=.*: expected a whole number >= 1$"):
+        load_model({"path": str(checkpoints["qwen3_moe"])}, tmp_path, "cpu", offload_request(), False)
