@@ -5,6 +5,7 @@
 # done, with every result so far in $OUT/res.tgz. Each call must follow the previous one within the
 # machine's warm window, or the machine (and the queue) is given back.
 #
+#   here, first:   bash benchmarks/h200_queue.sh devprep   (the fidelity part's artifacts, into .device-data)
 #   device call 1: bash benchmarks/h200_queue.sh start && bash benchmarks/h200_queue.sh wait 540
 #                  (carry: .whl .vendor/llama.cpp .vendor/traces .device-data/outputs)
 #   later calls:   bash benchmarks/h200_queue.sh wait 570
@@ -120,6 +121,19 @@ case "${1:-}" in
     cp -a "$REPO" "$MC"
     setsid nohup bash "$MC/benchmarks/h200_queue.sh" pipeline >"$RES/queue.log" 2>&1 </dev/null &
     echo "queue started in $MC (results in $RES)" ;;
+  devprep)  # here, with ../shared: import law and intent, analyze, sweep, decide; ids into .device-data/ids.txt
+    cd "$REPO"
+    T=../shared/data/traces/deepseek-v2-lite-esft
+    O="output_root=$REPO/.device-data/outputs"
+    MOECACHE=${MOECACHE:-$REPO/.venv/bin/moecache}
+    id() { basename "$(tail -1)"; }
+    set -e
+    LAW=$("$MOECACHE" import-trace trace_import.path=$T/esft_law_routing.npz trace_import.name=esft_law "$O" | id)
+    INT=$("$MOECACHE" import-trace trace_import.path=$T/esft_intent_routing.npz trace_import.name=esft_intent "$O" | id)
+    AN=$("$MOECACHE" analyze "traces=[$LAW,$INT]" "$O" | id)
+    SW=$("$MOECACHE" sweep "traces=[$LAW,$INT]" "$O" | id)
+    DE=$("$MOECACHE" decide "decide.sweep=$SW" "decide.analysis=$AN" decide.workloads.required=null "$O" | id)
+    echo "LAW=$LAW INT=$INT AN=$AN SW=$SW DE=$DE" | tee .device-data/ids.txt ;;
   pipeline) pipeline ;;
   wait)
     limit=${2:-570}; t0=$SECONDS
@@ -131,5 +145,5 @@ case "${1:-}" in
     if [ -n "${OUT:-}" ]; then
       tar -C "$RES" -czf "$OUT/res.tgz" --exclude='*.parquet.part' . && ls -la "$OUT/res.tgz"
     fi ;;
-  *) echo "usage: h200_queue.sh start | wait SECONDS" >&2; exit 2 ;;
+  *) echo "usage: h200_queue.sh devprep | start | wait SECONDS" >&2; exit 2 ;;
 esac
