@@ -19,7 +19,8 @@
 #   4. moecache beside llama.cpp on the DeepSeek-V2-Lite shape (run.sh bench dsv2, then report);
 #   5. held-out fidelity and output agreement: calibrate the DeepSeek-V2-Lite shape (fast loop), then
 #      validate forced by the ESFT law and intent traces at 10/25/50% (ids in .device-data/ids.txt: the
-#      import, sweep and decide artifacts made on the dev machine into .device-data/outputs).
+#      import, sweep and decide artifacts `devprep` makes on the dev machine into .device-data/outputs);
+#      `fidelity_qwen` (not in the default PARTS) the same on the Qwen3.6 shape with those traces reshaped.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -77,24 +78,29 @@ part_bench() {
   step report 60 "${VS_RUN[@]}" report dsv2
 }
 
-part_fidelity() {
-  # shellcheck disable=SC1091  # LAW, INT, DE: written beside .device-data/outputs on the dev machine
-  source .device-data/ids.txt
-  local m=(model=deepseek_v2_lite model.path=null model.random.seed=0 device=cuda "output_root=$MCO")
+part_fidelity() { fidelity deepseek_v2_lite "$LAW" "$INT" dsv2; }
+
+part_fidelity_qwen() { fidelity qwen3_6_35b_a3b "$LAWQ" "$INTQ" qwen; }
+
+fidelity() {  # fidelity MODEL TRACE_A TRACE_B TAG: calibrate MODEL (fast loop), then validate held out on A and B
+  local model=$1 a=$2 b=$3 tag=$4
+  local m=(model="$model" model.path=null model.random.seed=0 device=cuda "output_root=$MCO")
   local cal val f32=true
-  # The float32 truth widens the model in place (about twice its bytes on the device): not on an 80 GB card.
-  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] || f32=false
-  step calibrate 400 python3 -m moecache.cli calibrate "${m[@]}" cost.runtime.step=fast "cost.dtypes=[bfloat16]" \
-    cost.repeats=20
-  cal=$(grep -E "^/" "$RES/calibrate.log" | tail -1)
-  step validate 1200 python3 -m moecache.cli validate "${m[@]}" "validate.decision=$DE" \
-    "validate.forced_trace=[$LAW,$INT]" validate.forced_requests=2 validate.forced_max_tokens=33 \
+  # The float32 truth widens the model in place (about twice its bytes on the device): only where that fits.
+  local total
+  total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  { [ "$total" -gt 100000 ] && [ "$tag" = dsv2 ]; } || f32=false
+  step "calibrate_$tag" 400 python3 -m moecache.cli calibrate "${m[@]}" cost.runtime.step=fast \
+    "cost.dtypes=[bfloat16]" cost.repeats=20
+  cal=$(grep -E "^/" "$RES/calibrate_$tag.log" | tail -1)
+  step "validate_$tag" 1200 python3 -m moecache.cli validate "${m[@]}" "validate.decision=$DE" \
+    "validate.forced_trace=[$a,$b]" validate.forced_requests=2 validate.forced_max_tokens=33 \
     "validate.capacities=[10%,25%,50%]" validate.loop=fast "validate.cost_profile=$cal/cost_profile.json" \
     validate.on_miss=cpu validate.agreement_requests=2 validate.agreement_tokens=60 "validate.agreement_float32=$f32"
-  val=$(grep -E "^/" "$RES/validate.log" | tail -1)
-  mkdir -p "$RES/validate"
-  cp "$cal/cost_profile.json" "$RES/validate/" 2>/dev/null
-  cp "$val"/*.json "$val"/*.parquet "$RES/validate/" 2>/dev/null
+  val=$(grep -E "^/" "$RES/validate_$tag.log" | tail -1)
+  mkdir -p "$RES/validate_$tag"
+  cp "$cal/cost_profile.json" "$RES/validate_$tag/" 2>/dev/null
+  cp "$val"/*.json "$val"/*.parquet "$RES/validate_$tag/" 2>/dev/null
 }
 
 pipeline() {
@@ -105,6 +111,8 @@ pipeline() {
   export PYTHONPATH="/tmp/site:$MC:$MC/kernels"
   mkdir -p "$MCO" "$CK" "$VS" "$RES/vs"
   cp -a .device-data/outputs/. "$MCO/"
+  # shellcheck disable=SC1091  # LAW, INT, DE, LAWQ, INTQ: written by `devprep` on the dev machine
+  [ ! -f .device-data/ids.txt ] || source .device-data/ids.txt
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'
     grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h /tmp /dev/shm
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
@@ -133,7 +141,12 @@ case "${1:-}" in
     AN=$("$MOECACHE" analyze "traces=[$LAW,$INT]" "$O" | id)
     SW=$("$MOECACHE" sweep "traces=[$LAW,$INT]" "$O" | id)
     DE=$("$MOECACHE" decide "decide.sweep=$SW" "decide.analysis=$AN" decide.workloads.required=null "$O" | id)
-    echo "LAW=$LAW INT=$INT AN=$AN SW=$SW DE=$DE" | tee .device-data/ids.txt ;;
+    # the same traces reshaped onto the Qwen3.6 routing shape (docs/trace-format.md "Reshaped traces")
+    LAWQ=$("$MOECACHE" import-trace trace_import.path=$T/esft_law_routing.npz trace_import.name=esft_law_qwen \
+      trace_import.reshape=qwen3_6_35b_a3b "$O" | id)
+    INTQ=$("$MOECACHE" import-trace trace_import.path=$T/esft_intent_routing.npz trace_import.name=esft_intent_qwen \
+      trace_import.reshape=qwen3_6_35b_a3b "$O" | id)
+    echo "LAW=$LAW INT=$INT AN=$AN SW=$SW DE=$DE LAWQ=$LAWQ INTQ=$INTQ" | tee .device-data/ids.txt ;;
   pipeline) pipeline ;;
   wait)
     limit=${2:-570}; t0=$SECONDS
