@@ -20,7 +20,8 @@
 #   5. held-out fidelity and output agreement: calibrate the DeepSeek-V2-Lite shape (fast loop), then
 #      validate forced by the ESFT law and intent traces at 10/25/50% (ids in .device-data/ids.txt: the
 #      import, sweep and decide artifacts `devprep` makes on the dev machine into .device-data/outputs);
-#      `fidelity_qwen` (not in the default PARTS) the same on the Qwen3.6 shape with those traces reshaped.
+#      `fidelity_qwen` (not in the default PARTS) the same on the Qwen3.6 shape with those traces reshaped
+#      there (devprep puts the two .npz files in .vendor/traces).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -80,7 +81,16 @@ part_bench() {
 
 part_fidelity() { fidelity deepseek_v2_lite "$LAW" "$INT" dsv2; }
 
-part_fidelity_qwen() { fidelity qwen3_6_35b_a3b "$LAWQ" "$INTQ" qwen; }
+part_fidelity_qwen() {  # law and intent reshaped onto the Qwen3.6 routing shape (docs/trace-format.md)
+  local task ids=()
+  for task in law intent; do
+    step "import_${task}_qwen" 300 python3 -m moecache.cli import-trace \
+      "trace_import.path=.vendor/traces/esft_${task}_routing.npz" "trace_import.name=esft_${task}_qwen" \
+      trace_import.reshape=qwen3_6_35b_a3b "output_root=$MCO"
+    ids+=("$(grep -E "^/" "$RES/import_${task}_qwen.log" | tail -1)")
+  done
+  fidelity qwen3_6_35b_a3b "${ids[0]}" "${ids[1]}" qwen
+}
 
 fidelity() {  # fidelity MODEL TRACE_A TRACE_B TAG: calibrate MODEL (fast loop), then validate held out on A and B
   local model=$1 a=$2 b=$3 tag=$4
@@ -111,7 +121,7 @@ pipeline() {
   export PYTHONPATH="/tmp/site:$MC:$MC/kernels"
   mkdir -p "$MCO" "$CK" "$VS" "$RES/vs"
   cp -a .device-data/outputs/. "$MCO/"
-  # shellcheck disable=SC1091  # LAW, INT, DE, LAWQ, INTQ: written by `devprep` on the dev machine
+  # shellcheck disable=SC1091  # LAW, INT, DE: written by `devprep` on the dev machine
   [ ! -f .device-data/ids.txt ] || source .device-data/ids.txt
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'
     grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h /tmp /dev/shm
@@ -130,6 +140,7 @@ case "${1:-}" in
     setsid nohup bash "$MC/benchmarks/h200_queue.sh" pipeline >"$RES/queue.log" 2>&1 </dev/null &
     echo "queue started in $MC (results in $RES)" ;;
   devprep)  # here, with ../shared: import law and intent, analyze, sweep, decide; ids into .device-data/ids.txt
+    rm -rf .device-data/outputs
     cd "$REPO"
     T=../shared/data/traces/deepseek-v2-lite-esft
     O="output_root=$REPO/.device-data/outputs"
@@ -141,12 +152,9 @@ case "${1:-}" in
     AN=$("$MOECACHE" analyze "traces=[$LAW,$INT]" "$O" | id)
     SW=$("$MOECACHE" sweep "traces=[$LAW,$INT]" "$O" | id)
     DE=$("$MOECACHE" decide "decide.sweep=$SW" "decide.analysis=$AN" decide.workloads.required=null "$O" | id)
-    # the same traces reshaped onto the Qwen3.6 routing shape (docs/trace-format.md "Reshaped traces")
-    LAWQ=$("$MOECACHE" import-trace trace_import.path=$T/esft_law_routing.npz trace_import.name=esft_law_qwen \
-      trace_import.reshape=qwen3_6_35b_a3b "$O" | id)
-    INTQ=$("$MOECACHE" import-trace trace_import.path=$T/esft_intent_routing.npz trace_import.name=esft_intent_qwen \
-      trace_import.reshape=qwen3_6_35b_a3b "$O" | id)
-    echo "LAW=$LAW INT=$INT AN=$AN SW=$SW DE=$DE LAWQ=$LAWQ INTQ=$INTQ" | tee .device-data/ids.txt ;;
+    # fidelity_qwen reshapes the traces on the machine (the reshaped imports are too large to carry)
+    cp $T/esft_law_routing.npz $T/esft_intent_routing.npz .vendor/traces/
+    echo "LAW=$LAW INT=$INT AN=$AN SW=$SW DE=$DE" | tee .device-data/ids.txt ;;
   pipeline) pipeline ;;
   wait)
     limit=${2:-570}; t0=$SECONDS
