@@ -87,7 +87,7 @@ part_fidelity_qwen() {  # law and intent reshaped onto the Qwen3.6 routing shape
     step "import_${task}_qwen" 300 python3 -m moecache.cli import-trace \
       "trace_import.path=.vendor/traces/esft_${task}_routing.npz" "trace_import.name=esft_${task}_qwen" \
       trace_import.reshape=qwen3_6_35b_a3b "output_root=$MCO"
-    ids+=("$(grep -E "^/" "$RES/import_${task}_qwen.log" | tail -1)")
+    ids+=("$(basename "$(grep -E "^/" "$RES/import_${task}_qwen.log" | tail -1)")")
   done
   fidelity qwen3_6_35b_a3b "${ids[0]}" "${ids[1]}" qwen
 }
