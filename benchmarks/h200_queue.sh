@@ -17,7 +17,8 @@
 #   3. at once: llama-bench's build (nice), the GPU tests (`pytest -m gpu`), the checkpoint's GGUF conversion
 #      (nothing is timed while the build runs);
 #   4. moecache beside llama.cpp on the DeepSeek-V2-Lite shape (run.sh bench dsv2, then report);
-#   5. held-out fidelity and output agreement: calibrate the DeepSeek-V2-Lite shape (fast loop), then
+#   5. held-out fidelity and output agreement (benchmarks/h200_round.sh fidelity): calibrate the
+#      DeepSeek-V2-Lite shape (fast loop), then
 #      validate forced by the ESFT law and intent traces at 10/25/50% (ids in .device-data/ids.txt: the
 #      import, sweep and decide artifacts `devprep` makes on the dev machine into .device-data/outputs);
 #      `fidelity_qwen` (not in the default PARTS) the same on the Qwen3.6 shape with those traces reshaped
@@ -28,7 +29,7 @@ MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
 RES=${RES:-/tmp/res}              # results (returned as $OUT/res.tgz)
 CK=${CK:-/tmp/ck}                 # Hugging Face checkpoints (disk: the loader's cold read needs one)
 VS=${VS:-/tmp/vsw}                # llama.cpp build, GGUF files, its results
-MCO=${MCO:-/tmp/mco}              # moecache's output root
+MCO=${MCO:-/tmp/mco}              # moecache's output root (the fidelity part's: .device-data/outputs)
 
 log() { echo "[$(date +%T)] $*" | tee -a "$RES/progress.txt"; }
 
@@ -42,16 +43,18 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
   return $rc
 }
 
-# The parts, run in the order of PARTS (default: load tests_llama bench fidelity; where the llama.cpp
-# comparison is left out, `tests_write load fidelity`: the GPU tests while the checkpoint is written).
 # llama.cpp's driver, with the queue's folders (WORK, CKPT_ROOT, BUILD, LLAMA_SRC: exported by pipeline).
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
+DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-write_dsv2() { [ -f "$CK/dsv2-27l-full/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2; }
+# The parts, run in the order of PARTS (default: load tests_llama bench fidelity; where the llama.cpp
+# comparison is left out, `tests_write load fidelity`: the GPU tests while the checkpoint is written).
+# run.sh write keeps a checkpoint that is there; the step is logged once.
+write_dsv2() { [ -f "$DSV2_CKPT/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2; }
 
 part_load() {
   write_dsv2
-  step load 800 env OUT="$RES/load" CKPT="$CK/dsv2-27l-full" SECTIONS="dsv2 qwen" bash benchmarks/h200_load.sh
+  step load 800 env OUT="$RES/load" CKPT="$DSV2_CKPT" SECTIONS="dsv2 qwen" bash benchmarks/h200_load.sh
 }
 
 part_tests() { step gputests 900 python3 -m pytest -q -p no:cacheprovider -m gpu; }
@@ -86,31 +89,22 @@ part_fidelity_qwen() {  # law and intent reshaped onto the Qwen3.6 routing shape
   for task in law intent; do
     step "import_${task}_qwen" 300 python3 -m moecache.cli import-trace \
       "trace_import.path=.vendor/traces/esft_${task}_routing.npz" "trace_import.name=esft_${task}_qwen" \
-      trace_import.reshape=qwen3_6_35b_a3b "output_root=$MCO"
+      trace_import.reshape=qwen3_6_35b_a3b "output_root=$MC/.device-data/outputs"
     ids+=("$(basename "$(grep -E "^/" "$RES/import_${task}_qwen.log" | tail -1)")")
   done
   fidelity qwen3_6_35b_a3b "${ids[0]}" "${ids[1]}" qwen
 }
 
-fidelity() {  # fidelity MODEL TRACE_A TRACE_B TAG: calibrate MODEL (fast loop), then validate held out on A and B
-  local model=$1 a=$2 b=$3 tag=$4
-  local m=(model="$model" model.path=null model.random.seed=0 device=cuda "output_root=$MCO")
-  local cal val f32=true
+fidelity() {  # fidelity MODEL TRACE_A TRACE_B TAG: h200_round.sh's fidelity section, held out on A and B
+  local model=$1 a=$2 b=$3 tag=$4 f32=true total
   # The float32 truth widens the model in place (about twice its bytes on the device): only where that fits.
-  local total
   total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   { [ "$total" -gt 100000 ] && [ "$tag" = dsv2 ]; } || f32=false
-  step "calibrate_$tag" 400 python3 -m moecache.cli calibrate "${m[@]}" cost.runtime.step=fast \
-    "cost.dtypes=[bfloat16]" cost.repeats=20
-  cal=$(grep -E "^/" "$RES/calibrate_$tag.log" | tail -1)
-  step "validate_$tag" 1200 python3 -m moecache.cli validate "${m[@]}" "validate.decision=$DE" \
-    "validate.forced_trace=[$a,$b]" validate.forced_requests=2 validate.forced_max_tokens=33 \
-    "validate.capacities=[10%,25%,50%]" validate.loop=fast "validate.cost_profile=$cal/cost_profile.json" \
-    validate.on_miss=cpu validate.agreement_requests=2 validate.agreement_tokens=60 "validate.agreement_float32=$f32"
-  val=$(grep -E "^/" "$RES/validate_$tag.log" | tail -1)
-  mkdir -p "$RES/validate_$tag"
-  cp "$cal/cost_profile.json" "$RES/validate_$tag/" 2>/dev/null
-  cp "$val"/*.json "$val"/*.parquet "$RES/validate_$tag/" 2>/dev/null
+  step "fidelity_$tag" 1600 env OUT="$RES/fidelity_$tag" MODEL="$model" MODEL_TAG="$tag" DECISION="$DE" \
+    FORCING="[$a,$b]" CAPACITIES="[10%,25%,50%]" CAL_S=400 VAL_S=1200 \
+    STRATEGIES=all_resident,all_cpu,n_cpu_moe,lru_sync,hindsight_static,selected \
+    VAL_ARGS="validate.agreement_requests=2 validate.agreement_tokens=60 validate.agreement_float32=$f32" \
+    bash benchmarks/h200_round.sh fidelity
 }
 
 pipeline() {
@@ -120,7 +114,6 @@ pipeline() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$MC:$MC/kernels"
   mkdir -p "$MCO" "$CK" "$VS" "$RES/vs"
-  cp -a .device-data/outputs/. "$MCO/"
   # shellcheck disable=SC1091  # LAW, INT, DE: written by `devprep` on the dev machine
   [ ! -f .device-data/ids.txt ] || source .device-data/ids.txt
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'

@@ -120,7 +120,8 @@ for section in "$@"; do
     # on the dev VM into .device-data/outputs: import-trace, analyze, sweep, decide) with that profile;
     # ON_MISS: the selected policy's validate.on_miss (cpu, split).
     # MODEL= another conf/model (e.g. qwen3_6_35b_a3b with a FORCING import reshaped onto it), MODEL_TAG= its
-    # file suffix (default dsv2); CAL_ARGS= / VAL_ARGS= extra calibrate / validate overrides.
+    # file suffix (default dsv2); CAPACITIES= validate.capacities (default [25%]); FORCING may be a list
+    # ("[a,b]": held-out fidelity, docs/validation.md); CAL_ARGS= / VAL_ARGS= extra calibrate / validate overrides.
     ROOT=output_root=$PWD/.device-data/outputs
     MT=${MODEL_TAG:-dsv2}
     M="model=${MODEL:-deepseek_v2_lite} model.path=null model.random.seed=0 device=cuda $ROOT"
@@ -136,11 +137,12 @@ for section in "$@"; do
     fi
     echo "== validate, fast loop, with that profile"
     timeout "${VAL_S:-300}" env ${VAL_ENV:-} python3 -m moecache.cli validate validate.decision="$DECISION" $M validate.forced_trace="$FORCING" \
-      validate.forced_requests="${REQUESTS:-2}" validate.forced_max_tokens="${NEW:-33}" "validate.capacities=[25%]" \
+      validate.forced_requests="${REQUESTS:-2}" validate.forced_max_tokens="${NEW:-33}" "validate.capacities=${CAPACITIES:-[25%]}" \
       "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
       validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" ${FORCE:+force=true} ${VAL_ARGS:-} 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_$MT${TAG:-}.txt"
     VAL=$(tail -1 "$OUT/validate_$MT${TAG:-}.txt")
-    cp "$VAL/validation.json" "$OUT/validation_$MT${TAG:-}.json"; cp "$VAL/runs.parquet" "$OUT/runs_$MT${TAG:-}.parquet"
+    cp "$VAL/validation.json" "$OUT/validation_$MT${TAG:-}.json"
+    for table in runs agreement fidelity; do cp "$VAL/$table.parquet" "$OUT/${table}_$MT${TAG:-}.parquet"; done
     tar -C "$VAL" -czf "$OUT/traces_$MT${TAG:-}.tgz" traces  # one file: the tool returns no deep folders
     echo "== the runs' CPU path per call against the profile's (entries at one token each)"
     python3 - "$OUT/validation_$MT${TAG:-}.json" "$PROF" <<'PY'
