@@ -28,26 +28,17 @@ app.add_typer(artifacts_app, name="artifacts")
 
 LAUNCHERS = "basic (default), joblib, submitit_local, submitit_slurm"
 
-# subcommand -> (module in moecache.stages, help)
+# subcommand -> help; its module in moecache.stages, its root config and its artifact folder are root_name(it)
 STAGES = {
-    "collect": ("collect", "Run a model on a workload with the routing logger on; write a trace artifact."),
-    "calibrate": (
-        "calibrate",
-        "Measure CPU/CUDA expert time and H2D bandwidth; write a cost-profile artifact.",
-    ),
-    "import-trace": ("import_trace", "Convert an external routing trace into a canonical trace artifact."),
-    "simulate": ("simulate", "Replay traces through one placement policy at one or more capacities."),
-    "sweep": (
-        "sweep",
-        "Replay traces through every policy at every capacity of the grid; tabulate the metrics.",
-    ),
-    "analyze": ("analyze", "Offline sequence analysis of traces: frequency, drift, locality, transitions."),
-    "decide": ("decide", "Apply the pre-registered decision rule to a sweep; write decision.json."),
-    "report": ("report", "Render a Markdown report with figures from a decision, its sweep and analysis."),
-    "validate": (
-        "validate",
-        "Run the decided policy and the baselines end to end on the workloads; write a validation artifact.",
-    ),
+    "collect": "Run a model on a workload with the routing logger on; write a trace artifact.",
+    "calibrate": "Measure CPU/CUDA expert time and H2D bandwidth; write a cost-profile artifact.",
+    "import-trace": "Convert an external routing trace into a canonical trace artifact.",
+    "simulate": "Replay traces through one placement policy at one or more capacities.",
+    "sweep": "Replay traces through every policy at every capacity of the grid; tabulate the metrics.",
+    "analyze": "Offline sequence analysis of traces: frequency, drift, locality, transitions.",
+    "decide": "Apply the pre-registered decision rule to a sweep; write decision.json.",
+    "report": "Render a Markdown report with figures from a decision, its sweep and analysis.",
+    "validate": "Run the decided policy and the baselines end to end on the workloads; write a validation artifact.",
 }
 
 
@@ -102,7 +93,7 @@ def _run_stage(stage: str, overrides: list[str], multirun: bool, show_cfg: str |
         from moecache.config import multirun as hydra_multirun
         from moecache.stages.base import prepare
 
-        module = importlib.import_module(f"moecache.stages.{STAGES[stage][0]}")
+        module = importlib.import_module(f"moecache.stages.{root_name(stage)}")
 
         def once(cfg):
             prepare(cfg, stage)
@@ -173,7 +164,7 @@ def _make_stage_command(stage: str, help_text: str) -> None:
         _run_stage(stage, list(ctx.args), multirun, cfg, resolve)
 
 
-for _stage, (_module, _help) in STAGES.items():
+for _stage, _help in STAGES.items():
     _make_stage_command(_stage, _help)
 
 
@@ -212,7 +203,7 @@ def _default_output_root() -> str:
 
 def _stage_folder(stage: str) -> str:
     """The artifact folder name of a stage given by its command (import-trace) or folder name."""
-    folders = {name: module for name, (module, _) in STAGES.items()}
+    folders = {name: root_name(name) for name in STAGES}
     if stage in folders or stage in folders.values():
         return folders.get(stage, stage)
     raise MoecacheError(f"--stage {stage}: no such stage; known: {', '.join(STAGES)}")

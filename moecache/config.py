@@ -17,11 +17,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moecache.config_tree import ALL, root_name, stage_keys, stage_reads
-from moecache.env_info import REPO_ROOT
+from moecache.config_tree import ALL, CONF_DIR, root_name, stage_keys, stage_reads
 from moecache.errors import MoecacheError
-
-CONF_DIR = REPO_ROOT / "conf"
 
 # key=value, +key=value, ++key=value, ~key, ~key=value; a key may be a group path (hydra/launcher)
 # or carry a package (group@pkg).

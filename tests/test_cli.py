@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from moecache.artifacts import ArtifactStore
 from moecache.cli import STAGES, app
-from moecache.config_tree import group_options, groups, stage_keys
+from moecache.config_tree import group_options, groups, root_name, stage_keys
 
 SMALL = ["workload.num_requests=1", "generation.max_new_tokens=2", "workload.max_prompt_tokens=32"]
 
@@ -23,7 +23,7 @@ def test_every_stage_has_help():
         assert res.exit_code == 0 and "Hydra overrides" in res.output
         assert f"moecache {stage} --cfg job" in res.output
         unwrapped = " ".join(res.output.split())
-        assert f"Config keys it reads (conf/{stage.replace('-', '_')}.yaml): " in unwrapped
+        assert f"Config keys it reads (conf/{root_name(stage)}.yaml): " in unwrapped
         assert groups(stage)
         for group in groups(stage):
             assert f"Group {group}: {', '.join(group_options(group))}" in unwrapped
