@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPT = (
     "The expert cache keeps the experts that the next token will use on the GPU and the rest in host memory"
 )
+NAN = float("nan")  # a figure the run did not report (printed as nan, never as 0)
 
 
 def drop_page_cache() -> bool:
@@ -166,11 +167,11 @@ def main() -> None:
           f"{'pp tok/s':>9} {'tg tok/s':>9} {'peak RSS GiB':>13} {'store GiB':>10}")  # fmt: skip
     checks = {}
     for name, r in runs.items():
-        read = r.get("read") or r.get("generate") or [0, 0, 0]
-        store = r.get("store_gib", 0.0)
-        print(f"{name:8} {r['wall_s']:8.1f} {r.get('ttft_process_s', float('nan')):8.1f} {r.get('load_s', 0):8.1f} "
-              f"{read[2]:10.2f} {(r.get('pin') or [0, 0])[1]:7.1f} {(r.get('prefill') or [0, 0])[1]:9.1f} "
-              f"{(r.get('decode') or [0, 0])[1]:9.1f} {r['peak_rss'] / 2**30:13.2f} {store:10.2f}")  # fmt: skip
+        read = r.get("read") or r.get("generate") or [NAN] * 3
+        store = r.get("store_gib", NAN)
+        print(f"{name:8} {r['wall_s']:8.1f} {r.get('ttft_process_s', float('nan')):8.1f} {r.get('load_s', NAN):8.1f} "
+              f"{read[2]:10.2f} {(r.get('pin') or [NAN] * 2)[1]:7.1f} {(r.get('prefill') or [NAN] * 2)[1]:9.1f} "
+              f"{(r.get('decode') or [NAN] * 2)[1]:9.1f} {r['peak_rss'] / 2**30:13.2f} {store:10.2f}")  # fmt: skip
         checks[f"{name}_peak_rss_within_store_plus_2GiB"] = r["peak_rss"] <= (store + 2) * 2**30
     if "cold" in runs:
         disk = result["disk"]["gb_s"]
@@ -183,7 +184,7 @@ def main() -> None:
         print(f"disk {disk:.2f} GB/s ({result['disk']['file']}, page cache dropped: {result['disk']['cache_dropped']});"
               f" cold bound {bound:.1f} s; warm end to end {warm_rate:.2f} GB/s")  # fmt: skip
     for n, row in result.get("read_threads", {}).items():
-        read = row.get("read") or [0, 0, 0]
+        read = row.get("read") or [NAN] * 3
         print(f"cold, {n} reading threads: load {row.get('load_s', float('nan')):.1f} s, read {read[2]:.2f} GB/s "
               f"({read[2] / result['disk']['gb_s']:.2f} of the disk's rate)")  # fmt: skip
     if "random" in runs:

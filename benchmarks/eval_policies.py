@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from moecache.artifacts import ArtifactStore
+from moecache.artifacts import ArtifactStore, default_output_root
 from moecache.cost_profile import CostProfile
 from moecache.decision.bootstrap import paired_ratio_bootstrap
 from moecache.decision.rule import classify
@@ -267,10 +266,10 @@ def prefill_rows_of(name, trace, prompt_fraction, c, cap_label, seed_head, rows)
             pol = make_policy("prefill_admit", base=bname, base_params=bparams, **f)
             hit = replay_instant(trace, pol, c).hit_A
             seed = np.random.SeedSequence([*seed_head, len(rows)])
-            r, lo, hi, n = paired(base_all, decode_miss(trace, hit, unit_V), seed)
+            fm, fa = decode_miss(trace, hit, unit_V)
+            r, lo, hi, n = paired(base_all, (fm, fa), seed)
             r32, lo32, hi32, n32 = paired(base_first, decode_miss(trace, hit, unit_V, FIRST_DECODE), seed)
             fl = ",".join(f"{k}={v}" for k, v in f.items())
-            fm, fa = decode_miss(trace, hit, unit_V)
             row = {"trace": name, "prompt_fraction": prompt_fraction, "capacity": c, "cap": cap_label,
                    "base": make_policy(bname, **bparams).label(), "filter": fl,
                    "decode_miss_base": base_all[0].sum() / base_all[1].sum(), "decode_miss": fm.sum() / fa.sum(),
@@ -525,7 +524,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--output-root",
-        default=os.environ.get("MOECACHE_OUTPUT_ROOT", "outputs"),
+        default=default_output_root(),
         help="where --collect's artifact ids are looked up (default: $MOECACHE_OUTPUT_ROOT, else outputs)",
     )
     args = ap.parse_args()

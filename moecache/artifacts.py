@@ -50,6 +50,12 @@ TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHU
 INTERRUPTS = (signal.SIGINT, *TERMINATING_SIGNALS)
 
 
+def default_output_root() -> str:
+    """Where artifacts go when no output_root is given: $MOECACHE_OUTPUT_ROOT, else `outputs` (as the
+    configs' `output_root` default)."""
+    return os.environ.get("MOECACHE_OUTPUT_ROOT", "outputs")
+
+
 def canonical_json(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 

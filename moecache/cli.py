@@ -195,12 +195,6 @@ def generate_command(ctx: typer.Context, cfg: str = CFG_OPTION, resolve: bool = 
         _fail(stage, exc)
 
 
-def _default_output_root() -> str:
-    import os
-
-    return os.environ.get("MOECACHE_OUTPUT_ROOT", "outputs")
-
-
 def _stage_folder(stage: str) -> str:
     """The artifact folder name of a stage given by its command (import-trace) or folder name."""
     folders = {name: root_name(name) for name in STAGES}
@@ -224,9 +218,9 @@ def artifacts_list(
     ),
 ) -> None:
     """One line per artifact: id, stage, created time, inputs (oldest first)."""
-    from moecache.artifacts import ArtifactStore
+    from moecache.artifacts import ArtifactStore, default_output_root
 
-    output_root = output_root or _default_output_root()
+    output_root = output_root or default_output_root()
     try:
         found = ArtifactStore(output_root).list(_stage_folder(stage) if stage else None)
         rows = [("artifact id", "stage", "created", "inputs")]
@@ -247,10 +241,10 @@ def artifacts_show(
     ),
 ) -> None:
     """Print an artifact's manifest (JSON) and its folder."""
-    from moecache.artifacts import ArtifactStore
+    from moecache.artifacts import ArtifactStore, default_output_root
 
     try:
-        art = ArtifactStore(output_root or _default_output_root()).resolve_prefix(artifact)
+        art = ArtifactStore(output_root or default_output_root()).resolve_prefix(artifact)
         manifest = art.manifest
     except MoecacheError as exc:
         _fail("artifacts show", exc)

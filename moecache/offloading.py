@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import weakref
 from pathlib import Path
 
@@ -215,6 +214,7 @@ def offload(
 
         if capacity != AUTO:
             capacity_spec(capacity, key="capacity")  # the syntax, before anything is loaded
+        from moecache.artifacts import default_output_root
         from moecache.runtime.manager import ON_MISS
 
         made = _policy_of(policy, params, decision, "moecache.offload")
@@ -223,7 +223,7 @@ def offload(
         runtime_cost(cost_profile, on_miss, made, 1, "moecache.offload")
         target = _target_device(device)
         request = OffloadRequest(capacity, headroom_bytes(headroom), _pin_mode(target))
-        root = output_root or os.environ.get("MOECACHE_OUTPUT_ROOT", "outputs")
+        root = output_root or default_output_root()
         loaded = load_model({"path": str(model_or_path), "dtype": dtype}, root, str(target), offload=request)
         return offload_model(
             loaded.model, capacity=loaded.fit.slots, policy=policy, params=params, decision=decision,
