@@ -807,7 +807,7 @@ def time_fast_steps(
 ) -> tuple[Timing, Timing]:  # fmt: skip
     """(prefill, decode) of an offloaded model (`moecache.offload`) in moecache's fast decode loop, run
     as `moecache validate validate.loop=fast` runs a request: `make_loop(model, max_cache_len, forced)`
-    is validate's `FastLoop` (`FastDecoder(model, keep_logits=True, forced=...)`, split at the host
+    is validate's `FastLoop` (`FastDecoder(model, forced=...)`, split at the host
     points, CUDA graphs on CUDA, tokens stamped by a streamer; its `generate(prompt_ids, new_tokens)`
     gives `ttft_s`, `gaps_s` and `warmup_gaps`), passed in by the stage, which sits above validation.
     The time to the first token over `repeats` generations from a prompt of `prompt_tokens` tokens

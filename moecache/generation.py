@@ -47,10 +47,9 @@ def transformers_generate(
     gen: dict | None = None,
     streamer=None,
     pad_token_id: int = 0,
-    output_logits: bool = False,
 ):
     """`model.generate` of `max_new_tokens` tokens after `input_ids_1T` (module docstring); returns its
-    output (with `output_logits`: a dict-like output whose `.logits` holds each step's logits)."""
+    output, the sequences [1, T + new]."""
     from transformers import LogitsProcessorList
 
     kwargs = dict(
@@ -68,8 +67,6 @@ def transformers_generate(
         kwargs["logits_processor"] = LogitsProcessorList([stamp])
     if streamer is not None:
         kwargs["streamer"] = streamer
-    if output_logits:
-        kwargs.update(output_logits=True, return_dict_in_generate=True)
     with torch.inference_mode():
         return model.generate(**kwargs)
 

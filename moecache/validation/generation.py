@@ -11,8 +11,7 @@
   decode steps of a decoder are its warm-up (eager steps, the capture): their gaps are flagged, and
   left out of the inter-token latencies and decode rates.
 
-Every loop returns a `Generated`: tokens, logits [N, V] (host float32), the time to first token, the
-gaps between later tokens, how many of the first gaps were warm-up, and the loop's label (`transformers`,
+Every loop returns a `Generated`: tokens, the time to first token, the gaps between later tokens, how many of the first gaps were warm-up, and the loop's label (`transformers`,
 `fast-graphs`, `fast-eager`).
 
 Legend: N generated tokens, V vocabulary.
@@ -33,7 +32,6 @@ from moecache.token_clock import TokenStamps
 @dataclass
 class Generated:
     tokens: list[int]
-    logits_NV: torch.Tensor  # host float32
     ttft_s: float
     gaps_s: list[float]  # N - 1 gaps between consecutive generated tokens
     warmup_gaps: int  # the first gaps that were the decoder's warm-up (eager steps, graph capture)
@@ -54,16 +52,13 @@ class TransformersLoop:
         stamp = TokenStamps(self.cuda)
         input_ids = torch.tensor([list(prompt_ids)], device=self.device)
         start = time.perf_counter()
-        out = transformers_generate(
-            self.model, input_ids, max_new_tokens, stamp, pad_token_id=self.pad_id, output_logits=True
-        )
-        tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+        out = transformers_generate(self.model, input_ids, max_new_tokens, stamp, pad_token_id=self.pad_id)
+        tokens = out[0, input_ids.shape[1] :].tolist()
         times = stamp.times
         if len(times) != len(tokens):
             raise MoecacheError(f"validate: {len(times)} token times for {len(tokens)} tokens")
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-        logits = torch.cat(out.logits).to("cpu", torch.float32)
-        return Generated(tokens, logits, times[0] - start, gaps, 0, self.label)
+        return Generated(tokens, times[0] - start, gaps, 0, self.label)
 
     def close(self) -> None:
         pass
@@ -77,10 +72,10 @@ class FastLoop:
 
         offloaded = getattr(model, "moecache", None) is not None
         if forced is not None and offloaded:
-            self.decoder = FastDecoder(model, max_cache_len=max_cache_len, keep_logits=True, forced=forced)
+            self.decoder = FastDecoder(model, max_cache_len=max_cache_len, forced=forced)
         else:  # unmodified: its routers are forced by hooks the caller attached, so no graph may replay
             graphs = "off" if forced is not None else "auto"
-            self.decoder = FastDecoder(model, max_cache_len=max_cache_len, keep_logits=True, graphs=graphs)
+            self.decoder = FastDecoder(model, max_cache_len=max_cache_len, graphs=graphs)
 
     def generate(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> Generated:
         stamps = TokenStamps(False)  # the decoder reads each token back (a synchronize) before its stamp
@@ -96,7 +91,7 @@ class FastLoop:
         warmup = len(gaps) - int(result.timed_steps)
         loop = "fast-graphs" if result.graphs_per_step else "fast-eager"
         host = result.host.host_summary()
-        return Generated(tokens, result.logits, times[0] - start, gaps, warmup, loop, host)
+        return Generated(tokens, times[0] - start, gaps, warmup, loop, host)
 
     def close(self) -> None:
         self.decoder = None  # it holds the session's slot pool and graphs: dropped before a reconfigure
