@@ -146,6 +146,12 @@ def test_profile_static_ranks_the_profile(make_trace, make_trace_file, tmp_path)
         ("profile_static", {"profile": 3}, "profile must be a path, got 3"),
         ("profile_static", {"profile": "{tmp}/absent.parquet"}, "absent.parquet: no such file or folder"),
         ("profile_static", {"profile": "{tmp}"}, "the folder holds no trace.parquet"),
+        (
+            "lfu",
+            {"init_counts": "{tmp}/absent.parquet"},
+            "lfu: init_counts=.*absent.parquet: no such file or folder",
+        ),
+        ("lfu", {"init_counts": "{tmp}"}, "lfu: init_counts=.*: the folder holds no trace.parquet"),
     ],
 )
 def test_bad_parameters(name, params, word, make_trace_file, tmp_path):

@@ -142,16 +142,25 @@ def key_counts(trace) -> np.ndarray:
     return count_G
 
 
-def load_init_counts(path, trace, what: str = "lfu init_counts") -> np.ndarray:
-    """Per-key uses of the trace at `path` (a Parquet file or an artifact folder holding trace.parquet),
-    which must have the same layers and experts as `trace`; `what` names the parameter in errors."""
-    from moecache.sim.trace_arrays import load_trace
-
+def trace_file(path, what: str) -> Path:
+    """The trace Parquet file a policy parameter names (the file, or an artifact folder holding
+    trace.parquet); one line naming the parameter (`what`) where there is none."""
     p = Path(path)
+    if not p.exists():
+        raise MoecacheError(f"{what}={path}: no such file or folder")
     if p.is_dir():
         p = p / "trace.parquet"
         if not p.is_file():
             raise MoecacheError(f"{what}={path}: the folder holds no trace.parquet")
+    return p
+
+
+def load_init_counts(path, trace, what: str = "lfu init_counts") -> np.ndarray:
+    """Per-key uses of the trace at `path` (trace_file), which must have the same layers and experts as
+    `trace`; `what` names the parameter in errors."""
+    from moecache.sim.trace_arrays import load_trace
+
+    p = trace_file(path, what)
     prior = load_trace(p)
     if (prior.num_layers, prior.num_experts) != (trace.num_layers, trace.num_experts):
         raise MoecacheError(
@@ -186,6 +195,8 @@ class LFU(Policy):
         init = self.params["init_counts"]
         if init is not None and not isinstance(init, str | Path):
             raise MoecacheError(f"policy lfu: init_counts must be null or a path, got {init!r}")
+        if init is not None:
+            trace_file(init, "policy lfu: init_counts")
 
     def init_state(self, trace, capacity: int) -> tuple:
         n = trace.num_keys

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from moecache.errors import MoecacheError
-from moecache.sim.policies.lfu import load_init_counts
+from moecache.sim.policies.lfu import load_init_counts, trace_file
 from moecache.sim.policies.static_hindsight import static_step, top_keys
 from moecache.sim.policy import Policy, register
 
@@ -61,13 +61,7 @@ class ProfileStatic(Policy):
             )
         if not isinstance(profile, str | Path) or not str(profile):
             raise MoecacheError(f"policy profile_static: profile must be a path, got {profile!r}")
-        path = Path(profile)
-        if not path.exists():
-            raise MoecacheError(f"policy profile_static: profile={profile}: no such file or folder")
-        if path.is_dir() and not (path / "trace.parquet").is_file():
-            raise MoecacheError(
-                f"policy profile_static: profile={profile}: the folder holds no trace.parquet"
-            )
+        trace_file(profile, "policy profile_static: profile")
         if split not in SPLITS:
             raise MoecacheError(f"policy profile_static: split must be one of {list(SPLITS)}, got {split!r}")
 
