@@ -22,7 +22,8 @@
 #      validate forced by the ESFT law and intent traces at 10/25/50% (ids in .device-data/ids.txt: the
 #      import, sweep and decide artifacts `devprep` makes on the dev machine into .device-data/outputs);
 #      `fidelity_qwen` (not in the default PARTS) the same on the Qwen3.6 shape with those traces reshaped
-#      there (devprep puts the two .npz files in .vendor/traces).
+#      there (devprep puts the two .npz files in .vendor/traces);
+#   6. `llama_qwen` (not in the default PARTS): the Qwen3.6 shape beside llama.cpp (write, convert, bench).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -83,6 +84,18 @@ part_bench() {
 }
 
 part_fidelity() { fidelity deepseek_v2_lite "$LAW" "$INT" dsv2; }
+
+# The Qwen3.6 shape beside llama.cpp (run.sh's LAYERS_QWEN layers): the dsv2 files make room first; its
+# checkpoint goes to /dev/shm, since the disk cannot hold it and its GGUF at once.
+part_llama_qwen() {
+  local q=(env CKPT_ROOT=/dev/shm/ck "${VS_RUN[@]}")
+  step clean_dsv2 120 "${VS_RUN[@]}" clean dsv2
+  step write_qwen 600 "${q[@]}" write qwen
+  step convert_qwen 1200 "${q[@]}" convert qwen
+  step bench_llama_qwen 600 env SIDE=llama "${q[@]}" bench qwen
+  step bench_moecache_qwen 900 env SIDE=moecache "${q[@]}" bench qwen
+  step report_qwen 60 "${VS_RUN[@]}" report dsv2 qwen
+}
 
 part_fidelity_qwen() {  # law and intent reshaped onto the Qwen3.6 routing shape (docs/trace-format.md)
   local task ids=()
