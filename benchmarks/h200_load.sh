@@ -2,7 +2,7 @@
 # The loader on an H200 machine, in one device call: the DeepSeek-V2-Lite shape written as a random
 # checkpoint in the Hugging Face layout (CKPT, default /tmp/ckpt-dsv2), then benchmarks/bench_load.py on it
 # (disk rate, cold and warm `moecache generate`, then cold loads at the reading-thread counts READ_SWEEP,
-# default 2,4; the default count is 8 on a 16-core machine), then the random Qwen3.6 shape (SECTIONS="dsv2 qwen").
+# default 4,8; the default count is 2), then the random Qwen3.6 shape (SECTIONS="dsv2 qwen").
 # Needs no install: the repository and kernels/ go on PYTHONPATH, the wheels of .whl/ into /tmp/site.
 # Results go to $OUT (default outputs/h200-load); docs/benchmarks.md records them.
 set -uo pipefail
@@ -24,7 +24,7 @@ for section in ${SECTIONS:-dsv2 qwen}; do
     [ -d "$CKPT" ] || timeout 300 python3 benchmarks/bench_load.py --write "$CKPT" --model deepseek_v2_lite 2>&1 | tail -3 | tee "$OUT/write.txt"
     du -sh "$CKPT" | tee -a "$OUT/write.txt"
     timeout 600 python3 benchmarks/bench_load.py --checkpoint "$CKPT" --model deepseek_v2_lite --capacity "${CAPACITY:-25%}" \
-      --read-threads "${READ_SWEEP-2,4}" 2>&1 | tail -11 | tee "$OUT/load_dsv2.txt" ;;
+      --read-threads "${READ_SWEEP-4,8}" 2>&1 | tail -11 | tee "$OUT/load_dsv2.txt" ;;
   qwen)
     timeout 300 python3 benchmarks/bench_load.py --random --model qwen3_6_35b_a3b --capacity "${CAPACITY:-25%}" \
       2>&1 | tail -8 | tee "$OUT/load_qwen.txt" ;;

@@ -49,7 +49,10 @@ EXPERT_KEY = re.compile(
     r"(?:(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight|(gate_up_proj|down_proj))$"
 )
 PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
-READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+# Two readers: a cold read from disk ran at 0.89 of the disk's sequential rate with two, 0.82 with four
+# and 0.80 with eight (docs/benchmarks.md, loading); more readers interleave their requests and the
+# kernel's readahead no longer sees one sequential stream.
+READ_THREADS = 2
 # The default's override, for measuring the read rate at other thread counts in whole runs
 # (benchmarks/bench_load.py --read-threads).
 READ_THREADS_ENV = "MOECACHE_READ_THREADS"

@@ -250,7 +250,7 @@ def test_every_entry_point_refuses_a_truncated_checkpoint_in_one_line(checkpoint
     )
 
 
-@pytest.mark.parametrize("threads", ["1", "3"])
+@pytest.mark.parametrize("threads", ["1", "3", "8"])
 def test_any_number_of_reading_threads_fills_the_store_alike(checkpoints, tmp_path, monkeypatch, threads):
     folder = checkpoints["qwen3_moe"]
     default = load_model({"path": str(folder)}, tmp_path, "cpu", offload_request(), False).store
