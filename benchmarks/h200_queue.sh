@@ -7,7 +7,7 @@
 #
 #   here, first:   bash benchmarks/h200_queue.sh devprep   (the fidelity part's artifacts, into .device-data)
 #   device call 1: bash benchmarks/h200_queue.sh start && bash benchmarks/h200_queue.sh wait 540
-#                  (carry: .whl .vendor/llama.cpp .vendor/traces .device-data/outputs)
+#                  (carry: .whl .vendor/llama.cpp .vendor/traces .device-data)
 #   later calls:   bash benchmarks/h200_queue.sh wait 570
 #
 # The queue, in the order its results matter; each step's failure is logged and the next one runs:
@@ -23,7 +23,7 @@
 #      import, sweep and decide artifacts `devprep` makes on the dev machine into .device-data/outputs);
 #      `fidelity_qwen` (not in the default PARTS) the same on the Qwen3.6 shape with those traces reshaped
 #      there (devprep puts the two .npz files in .vendor/traces);
-#   6. `llama_qwen` (not in the default PARTS): the Qwen3.6 shape beside llama.cpp (write, convert, bench).
+#   6. `llama_qwen`: the Qwen3.6 shape beside llama.cpp (write; build unless built, while converting; bench).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -48,8 +48,9 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS (default: load tests_llama bench fidelity; where the llama.cpp
-# comparison is left out, `tests_write load fidelity`: the GPU tests while the checkpoint is written).
+# The parts, run in the order of PARTS (default: what is still unmeasured, `llama_qwen fidelity fidelity_qwen`;
+# the whole round: `load tests_llama bench fidelity llama_qwen fidelity_qwen`; the GPU tests while the
+# checkpoint is written, without llama.cpp: `tests_write load fidelity`).
 # run.sh write keeps a checkpoint that is there; the step is logged once.
 write_dsv2() { [ -f "$DSV2_CKPT/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2; }
 
@@ -90,8 +91,7 @@ part_fidelity() { fidelity deepseek_v2_lite "$LAW" "$INT" dsv2; }
 part_llama_qwen() {
   local q=(env CKPT_ROOT=/dev/shm/ck "${VS_RUN[@]}")
   step clean_dsv2 120 "${VS_RUN[@]}" clean dsv2
-  step write_qwen 600 "${q[@]}" write qwen
-  step convert_qwen 1200 "${q[@]}" convert qwen
+  step prepare_qwen 1500 "${q[@]}" prepare qwen  # write; then llama-bench's build (unless built) while converting
   step bench_llama_qwen 600 env SIDE=llama "${q[@]}" bench qwen
   step bench_moecache_qwen 900 env SIDE=moecache "${q[@]}" bench qwen
   step report_qwen 60 "${VS_RUN[@]}" report dsv2 qwen
@@ -134,7 +134,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-load tests_llama bench fidelity}; do "part_$part"; done
+  for part in ${PARTS:-llama_qwen fidelity fidelity_qwen}; do "part_$part"; done
   log "queue done"
   touch "$RES/DONE"
 }

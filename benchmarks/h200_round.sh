@@ -139,7 +139,8 @@ for section in "$@"; do
     timeout "${VAL_S:-300}" env ${VAL_ENV:-} python3 -m moecache.cli validate validate.decision="$DECISION" $M validate.forced_trace="$FORCING" \
       validate.forced_requests="${REQUESTS:-2}" validate.forced_max_tokens="${NEW:-33}" "validate.capacities=${CAPACITIES:-[25%]}" \
       "validate.strategies=[${STRATEGIES:-all_resident,all_cpu,lru_sync,selected}]" validate.loop=fast \
-      validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" ${FORCE:+force=true} ${VAL_ARGS:-} 2>&1 | grep -v '^\[transformers\]' | tail -60 | tee "$OUT/validate_$MT${TAG:-}.txt"
+      validate.cost_profile="$PROF" validate.on_miss="${ON_MISS:-cpu}" ${FORCE:+force=true} ${VAL_ARGS:-} 2>&1 | grep --line-buffered -v '^\[transformers\]' \
+      | tee "$OUT/validate_$MT${TAG:-}.log" | tail -60 | tee "$OUT/validate_$MT${TAG:-}.txt"  # .log: every line as it comes
     VAL=$(tail -1 "$OUT/validate_$MT${TAG:-}.txt")
     cp "$VAL/validation.json" "$OUT/validation_$MT${TAG:-}.json"
     for table in runs agreement fidelity; do cp "$VAL/$table.parquet" "$OUT/${table}_$MT${TAG:-}.parquet"; done

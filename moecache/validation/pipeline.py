@@ -24,6 +24,8 @@ for the reference); its row names it relative to `folder` (the artifact).
 from __future__ import annotations
 
 import gc
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,6 +187,17 @@ def _agreement_set(model, w: Workload, s: Settings, tokenizer, num_experts: int)
     )  # fmt: skip
 
 
+def _progress(row: dict, seconds: float) -> None:
+    """One line on stderr per finished run: a validate of many runs takes minutes."""
+    hit = row.get("hit_rate")
+    print(
+        f"validate: {row['workload']} {row['strategy']} {row['capacity'] or ''}: "
+        f"{row['time_per_token_ms']:.2f} ms/token, hit rate {'-' if hit is None else f'{hit:.3f}'} "
+        f"({seconds:.1f} s)",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+
+
 def validate_all(
     loaded, arch: dict, workloads: list[Workload], strategies: list[Strategy], grid: list[tuple[str, int]],
     s: Settings,
@@ -208,6 +221,7 @@ def validate_all(
     sets: dict[str, agreement_runs.AgreementSet] = {}
 
     def one(w: Workload, spec: RunSpec, requests, is_reference: bool, outputs=None):
+        start = time.perf_counter()
         trace_dir = s.folder / "traces" / w.name / (
             "unmodified" if spec.strategy is None else f"{spec.label}-c{spec.slots}"
         )  # fmt: skip
@@ -228,6 +242,7 @@ def validate_all(
                 agreement.append(agreement_runs.run_row(model, sets[w.name], spec))
         row["reference"] = is_reference
         rows_of[w.name].append(row)
+        _progress(row, time.perf_counter() - start)
         latencies.extend(outcome.latencies)
         return outcome, trace
 

@@ -81,6 +81,15 @@ def test_every_strategy_runs_once_per_capacity_and_the_files_are_there(done):
             assert r["predicted_hit_rate"] == pytest.approx(r["hit_rate"])
 
 
+def test_every_run_says_on_stderr_when_it_is_done(done):
+    _, _, runs, res = done
+    lines = [line for line in res.stderr.splitlines() if line.startswith("validate: ")]
+    assert len(lines) == len(runs) == 7
+    for line, (strategy, capacity) in zip(lines, runs, strict=True):  # in the order the runs ran
+        assert line.startswith(f"validate: multi_request {strategy} {capacity or ''}: "), line
+        assert " ms/token, hit rate " in line and line.endswith(" s)"), line
+
+
 def test_every_offloaded_run_is_held_to_transformers_own_tolerance(done):
     """agreement.parquet: the eager baseline's row (a float32 model: its own float32 truth), the grouped_mm
     row (the tolerance) against it, then one row per offloaded run, each teacher-forced on the same
