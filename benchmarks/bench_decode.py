@@ -70,7 +70,7 @@ def build_model(args, device: torch.device):
     """(model, description) from the model yaml: the tiny build, or the full random model of
     moecache/models/random_full.py (its built-in config fields unless --config-json)."""
     from moecache.models import ADAPTERS, adapter_for
-    from moecache.models.random_full import build_random_model, instantiate
+    from moecache.models.random_full import build_random_model, fill_experts, instantiate
 
     cfg = yaml.safe_load(Path(args.model).read_text())
     dtype = getattr(torch, args.dtype) if args.dtype else getattr(torch, cfg.get("dtype") or "float32")
@@ -86,7 +86,9 @@ def build_model(args, device: torch.device):
             if cfg["model_type"] == "qwen3_5_moe"
             else getattr(transformers, config.architectures[0])
         )
-        model = instantiate(cls, text, device, dtype, int(cfg["build"].get("seed", 0)))
+        seed = int(cfg["build"].get("seed", 0))
+        model = instantiate(cls, text, device, dtype, seed)  # the routed experts on the meta device
+        fill_experts(model, adapter_for(model), seed, device)
     else:
         random = {"seed": 0, "vocab_size": args.vocab, "num_layers": getattr(args, "layers", None),
                   "config_json": args.config_json, "overrides": {}}  # fmt: skip

@@ -1,0 +1,28 @@
+"""benchmarks/bench_decode.py on the tiny model, on the CPU: the unmodified model, then offloaded at 100%
+(fused and split) and at capacity 0, each run in the JSON line with the mode and hit rate it ran with."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tests.benchmarks.script_module import script_module
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
+
+
+def test_the_tiny_model_runs_unmodified_and_offloaded(monkeypatch, capsys):
+    argv = ["bench_decode.py", "--device", "cpu", "--capacities", "100%,0", "--skip", "hf",
+            "--prompt-tokens", "8", "--new-tokens", "4"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    with script_module("bench_decode_script", SCRIPT) as module:
+        module.main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = {r["variant"]: r for r in result["runs"]}
+    assert set(runs) == {"unmodified", "100%", "100% split", "0"}
+    assert runs["unmodified"]["mode"] == "dense"
+    assert (runs["100%"]["mode"], runs["100%"]["hit_rate"]) == ("fused", 1.0)
+    assert (runs["100% split"]["mode"], runs["100% split"]["hit_rate"]) == ("split", 1.0)
+    assert (runs["0"]["hit_rate"], runs["0"]["fallback_entries"] > 0) == (0.0, True)
+    assert all(r["ms_per_token"] > 0 for r in runs.values())
