@@ -21,7 +21,7 @@ own routing, captured in its greedy pass. Per request: a prompt (the trace's seq
 baseline's greedy continuation, then every run fed those same tokens (prompt in one forward: the prefill
 path; then one token per forward: the decode path) and its logits compared at every position.
 
-    python benchmarks/bench_agreement.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 2
+    python benchmarks/bench_agreement.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 4
     python benchmarks/bench_agreement.py --model conf/model/deepseek_v2_lite.yaml --layers 3 \\
         --trace ../shared/data/traces/deepseek-v2-lite-esft/esft_law_routing.npz
 
@@ -115,7 +115,11 @@ def progress(started: float, what: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / "conf/model/qwen3_6_35b_a3b.yaml"))
-    ap.add_argument("--layers", type=int, default=2, help="decoder layers kept")
+    ap.add_argument(
+        "--layers", type=int, default=4,
+        help="decoder layers kept (Qwen3.6: at least 4, to keep its first full-attention layer, from which "
+        "transformers computes the attention mask)",
+    )  # fmt: skip
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument(
         "--trace", default=None, help="an ESFT .npz forcing the routing (default: the baseline's)"
