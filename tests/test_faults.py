@@ -54,9 +54,12 @@ with ArtifactStore(sys.argv[1]).create("collect", schema_version=1, config={}, i
 
 
 def _default_signals() -> None:
-    """In the child: SIGINT back to its default. A shell starts a background job with SIGINT ignored,
-    and Python keeps an ignored SIGINT ignored (no KeyboardInterrupt), so the test would wait for nothing."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """In the child: the signals under test back to their defaults. A shell starts a background job with
+    SIGINT ignored and `nohup` ignores SIGHUP; a process keeps an ignored signal ignored (Python raises no
+    KeyboardInterrupt, the artifact store leaves an ignored SIGHUP alone), so the test would wait for
+    nothing."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize(
