@@ -3,6 +3,7 @@
 Every check reads `policy.params[key]` and raises a MoecacheError that names the policy, the parameter,
 what it must be and what it got, e.g. `policy lfu_decay: half_life_tokens must be a positive number,
 got 0`. A bool is never taken for a number (Python's True is an int): it is refused as one.
+`trace_file` resolves a parameter that names a trace (lfu's `init_counts`, profile_static's `profile`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -43,3 +45,16 @@ def require_number(policy, key: str, within: Callable[[float], bool], what: str)
     """The parameter `key` must be a finite real number for which `within` holds (`what`: in words)."""
     x = policy.params[key]
     require(policy, key, is_number(x) and within(x), what)
+
+
+def trace_file(path, what: str) -> Path:
+    """The trace Parquet file a policy parameter names (the file, or an artifact folder holding
+    trace.parquet); one line naming the parameter (`what`) where there is none."""
+    p = Path(path)
+    if not p.exists():
+        raise MoecacheError(f"{what}={path}: no such file or folder")
+    if p.is_dir():
+        p = p / "trace.parquet"
+        if not p.is_file():
+            raise MoecacheError(f"{what}={path}: the folder holds no trace.parquet")
+    return p

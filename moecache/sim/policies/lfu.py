@@ -23,6 +23,7 @@ import numpy as np
 
 from moecache.errors import MoecacheError
 from moecache.sim.policies import _heap
+from moecache.sim.policies._params import trace_file
 from moecache.sim.policy import Policy, register
 
 # Steps are compiled with `_nrt=False`: they allocate nothing, and numba then emits no reference
@@ -140,19 +141,6 @@ def key_counts(trace) -> np.ndarray:
     count_G = np.zeros(trace.num_keys, np.int64)
     _count_uses(trace.key_A, trace.uses_A, count_G)
     return count_G
-
-
-def trace_file(path, what: str) -> Path:
-    """The trace Parquet file a policy parameter names (the file, or an artifact folder holding
-    trace.parquet); one line naming the parameter (`what`) where there is none."""
-    p = Path(path)
-    if not p.exists():
-        raise MoecacheError(f"{what}={path}: no such file or folder")
-    if p.is_dir():
-        p = p / "trace.parquet"
-        if not p.is_file():
-            raise MoecacheError(f"{what}={path}: the folder holds no trace.parquet")
-    return p
 
 
 def load_init_counts(path, trace, what: str = "lfu init_counts") -> np.ndarray:

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from moecache.errors import MoecacheError
-from moecache.sim.policies.lfu import load_init_counts, trace_file
+from moecache.sim.policies._params import trace_file
+from moecache.sim.policies.lfu import load_init_counts
 from moecache.sim.policies.static_hindsight import static_step, top_keys
 from moecache.sim.policy import Policy, register
 
