@@ -169,7 +169,7 @@ def main() -> None:
     for name, r in runs.items():
         read = r.get("read") or r.get("generate") or [NAN] * 3
         store = r.get("store_gib", NAN)
-        print(f"{name:8} {r['wall_s']:8.1f} {r.get('ttft_process_s', float('nan')):8.1f} {r.get('load_s', NAN):8.1f} "
+        print(f"{name:8} {r['wall_s']:8.1f} {r.get('ttft_process_s', NAN):8.1f} {r.get('load_s', NAN):8.1f} "
               f"{read[2]:10.2f} {(r.get('pin') or [NAN] * 2)[1]:7.1f} {(r.get('prefill') or [NAN] * 2)[1]:9.1f} "
               f"{(r.get('decode') or [NAN] * 2)[1]:9.1f} {r['peak_rss'] / 2**30:13.2f} {store:10.2f}")  # fmt: skip
         checks[f"{name}_peak_rss_within_store_plus_2GiB"] = r["peak_rss"] <= (store + 2) * 2**30
@@ -185,7 +185,7 @@ def main() -> None:
               f" cold bound {bound:.1f} s; warm end to end {warm_rate:.2f} GB/s")  # fmt: skip
     for n, row in result.get("read_threads", {}).items():
         read = row.get("read") or [NAN] * 3
-        print(f"cold, {n} reading threads: load {row.get('load_s', float('nan')):.1f} s, read {read[2]:.2f} GB/s "
+        print(f"cold, {n} reading threads: load {row.get('load_s', NAN):.1f} s, read {read[2]:.2f} GB/s "
               f"({read[2] / result['disk']['gb_s']:.2f} of the disk's rate)")  # fmt: skip
     if "random" in runs:
         checks["random_first_token_within_60_s"] = runs["random"].get("ttft_process_s", 1e9) <= 60

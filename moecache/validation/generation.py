@@ -11,10 +11,10 @@
   decode steps of a decoder are its warm-up (eager steps, the capture): their gaps are flagged, and
   left out of the inter-token latencies and decode rates.
 
-Every loop returns a `Generated`: tokens, the time to first token, the gaps between later tokens, how many of the first gaps were warm-up, and the loop's label (`transformers`,
-`fast-graphs`, `fast-eager`).
+Every loop returns a `Generated`: tokens, the time to first token, the gaps between later tokens, how
+many of the first gaps were warm-up, and the loop's label (`transformers`, `fast-graphs`, `fast-eager`).
 
-Legend: N generated tokens, V vocabulary.
+Legend: N generated tokens.
 """
 
 from __future__ import annotations

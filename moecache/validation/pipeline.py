@@ -253,9 +253,8 @@ def validate_all(
         return request_stream(w.wcfg, s.seed, tokenizer, s.limit, answers, made)
 
     # 1. the references, before anything is offloaded
-    refs: dict[
-        str, tuple[list[Request], object]
-    ] = {}  # per workload: its requests, the reference's key counts
+    # per workload: its requests, the reference's key counts
+    refs: dict[str, tuple[list[Request], object]] = {}
     if s.reference == "unmodified":
         for w in workloads:
             made: list[Request] = []
