@@ -24,7 +24,7 @@
 #      `fidelity_qwen` (not in the default PARTS) the same on the Qwen3.6 shape with those traces reshaped
 #      there (devprep puts the two .npz files in .vendor/traces);
 #   6. `llama_qwen`: the Qwen3.6 shape beside llama.cpp (write; build unless built, while converting; bench);
-#   7. `decode_compiled`: DeepSeek-V2-Lite all resident, compiled and not (benchmarks/bench_decode.py).
+#   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -49,7 +49,7 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS. Default: what is still unmeasured, `llama_qwen decode_compiled
+# The parts, run in the order of PARTS. Default: what is still unmeasured, `decode_compiled llama_qwen
 # fidelity fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen decode_compiled
 # fidelity_qwen`; the GPU tests while the checkpoint is written, without llama.cpp: `tests_write load fidelity`.
 # run.sh write keeps a checkpoint that is there; the step is logged once.
@@ -87,12 +87,12 @@ part_bench() {
 
 part_fidelity() { fidelity deepseek_v2_lite "$LAW" "$INT" dsv2; }
 
-# The all-resident DeepSeek-V2-Lite decode with torch.compile (generate's runtime.compile=true) beside the
-# graphs-only loop the llama.cpp comparison runs: the llama.cpp table's vocabulary (the real model's),
-# pp512 / tg128 as there.
+# DeepSeek-V2-Lite decode with torch.compile (generate's runtime.compile=true) beside the graphs-only loop
+# the llama.cpp comparison runs, all resident (fused and split) and every expert on the CPU (a host point
+# and the CPU path at every MoE layer): the llama.cpp table's vocabulary (the real model's), pp512 / tg128.
 part_decode_compiled() {
   step decode_compiled 900 python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml \
-    --vocab 102400 --capacities 100% --skip hf,eager --compile --prompt-tokens 512 --new-tokens 128
+    --vocab 102400 --capacities 100%,0% --skip hf,eager,unmodified --compile --prompt-tokens 512 --new-tokens 128
 }
 
 # The Qwen3.6 shape beside llama.cpp (run.sh's LAYERS_QWEN layers): the dsv2 files make room first; its
@@ -146,7 +146,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-llama_qwen decode_compiled fidelity fidelity_qwen}; do "part_$part"; done
+  for part in ${PARTS:-decode_compiled llama_qwen fidelity fidelity_qwen}; do "part_$part"; done
   log "queue done"
   touch "$RES/DONE"
 }
