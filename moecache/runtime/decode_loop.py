@@ -99,8 +99,9 @@ class FastDecoder:
     """The decode loop of one model (module docstring). `graphs`: "auto" (on for CUDA), "on", "off";
     `host_points`: "auto" (none when the mapping is frozen) or "always" (split mode even then);
     `keep_logits`: keep every step's logits (float32, in the result); `warmup_steps`: eager decode
-    steps of a mode before its capture; `compile`: `torch.compile` the step (off by default; the
-    expert taps stay outside the compiled regions); `forced`: a ForcedRouting (module docstring, 3.)."""
+    steps of a mode before its capture (at least; with `compile`, warm-up goes on while a step still
+    compiles something); `compile`: `torch.compile` the step (off by default; the expert taps stay
+    outside the compiled regions); `forced`: a ForcedRouting (module docstring, 3.)."""
 
     def __init__(
         self,
@@ -153,6 +154,7 @@ class FastDecoder:
             self._taps = ExpertsTaps(session.runtime, Segments())
         self._segments = {mode: Segments() for mode in MODES}
         self._eager_steps = dict.fromkeys(MODES, 0)
+        self._step_compiled = False  # the last compiled step compiled a frame (compile=True only)
         dev = self.device
         with torch.inference_mode():
             self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
@@ -178,8 +180,15 @@ class FastDecoder:
     def _compiled_step(self):
         """`torch.compile` of the step, compiled (at the warm-up step) with a recompile limit above the
         number of decoder layers: each layer's forward is the same code with its own guards (its layer
-        index, its kind), and dynamo's default limit (8) would leave every layer past the eighth eager."""
+        index, its kind), and dynamo's default limit (8) would leave every layer past the eighth eager.
+
+        Each call notes whether dynamo compiled a frame in it (`_step_compiled`): a step can compile
+        frames the step before it did not (a model whose first layers are dense, DeepSeek-V2's, enters
+        a decoder layer's frame resumed after an expert tap with another layer kind at its second
+        step), and a compile while a CUDA graph is being captured fails the capture, so `_decode`
+        warms up until a step compiles nothing."""
         import torch._dynamo.config as dynamo_config
+        from torch._dynamo.utils import counters
 
         compiled = torch.compile(self._step, dynamic=False)
         name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
@@ -187,8 +196,10 @@ class FastDecoder:
         limit = max(getattr(dynamo_config, name), 2 * layers + 8)
 
         def run() -> None:
+            frames = counters["frames"]["total"]
             with dynamo_config.patch(**{name: limit}):
                 compiled()
+            self._step_compiled = counters["frames"]["total"] != frames
 
         return run
 
@@ -272,7 +283,11 @@ class FastDecoder:
         timed, t_start = 0, None
         for step in range(budget):
             t0 = time.perf_counter()
-            warming = not segments.graphs and self._eager_steps[mode] < self.warmup_steps
+            warming = (
+                not segments.graphs
+                and t_start is None
+                and (self._eager_steps[mode] < self.warmup_steps or self._step_compiled)
+            )
             if warming:
                 self._run_step()
                 self._eager_steps[mode] += 1

@@ -113,6 +113,39 @@ def test_compiled_step_is_compiled_with_a_recompile_limit_above_the_layer_count(
     assert getattr(dynamo_config, name) == before
 
 
+def test_compiled_warm_up_lasts_until_a_step_compiles_nothing(monkeypatch):
+    """A compile while a CUDA graph is captured fails the capture: the compiled step warms up until a
+    step compiles no frame, and no timed step compiles one. DeepSeek-V2 (a dense first layer, then
+    MoE layers behind the expert taps' graph breaks) is the model whose second step still compiled.
+    Real dynamo, its eager backend (no inductor: the frames are what matter)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    try:
+        plain = tiny("deepseek_v2")
+        want, _ = hf_greedy(plain)
+        model = moecache.offload(copy.deepcopy(plain), capacity="25%", policy="lru")
+        decoder = FastDecoder(model, len(PROMPT_T) + NEW, compile=True)
+        step, compiled = decoder._run_step, []
+
+        def recording_step():
+            frames = counters["frames"]["total"]
+            step()
+            compiled.append(counters["frames"]["total"] != frames)
+
+        decoder._run_step = recording_step
+        result = decoder.generate(torch.tensor([PROMPT_T]), NEW)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(result.tokens, want)
+    warm = len(compiled) - result.timed_steps
+    assert len(compiled) == NEW - 1 and result.timed_steps >= 1 and compiled[0]
+    assert not compiled[warm - 1] and not any(compiled[warm:]), compiled
+
+
 def test_a_frozen_mapping_decodes_with_no_host_point():
     """Every expert resident (static_cold at 100%): the experts call is the slot-pool kernel inline,
     no visit during decode; host_points=always still splits, with the same tokens."""
