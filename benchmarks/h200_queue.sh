@@ -16,14 +16,16 @@
 #   2. the loader (benchmarks/h200_load.sh on that checkpoint, cold and warm, then the random Qwen3.6 shape);
 #   3. at once: llama-bench's build (nice), the GPU tests (`pytest -m gpu`), the checkpoint's GGUF conversion
 #      (nothing is timed while the build runs);
-#   4. moecache beside llama.cpp on the DeepSeek-V2-Lite shape (run.sh bench dsv2, then report);
+#   4. moecache beside llama.cpp on the DeepSeek-V2-Lite shape (run.sh bench dsv2: llama.cpp, moecache as
+#      generate runs by default, then compiled; then report);
 #   5. held-out fidelity and output agreement (benchmarks/h200_round.sh fidelity): calibrate the
 #      DeepSeek-V2-Lite shape (fast loop), then
 #      validate forced by the ESFT law and intent traces at 10/25/50% (ids in .device-data/ids.txt: the
 #      import, sweep and decide artifacts `devprep` makes on the dev machine into .device-data/outputs);
 #      `fidelity_qwen` (not in the default PARTS) the same on the Qwen3.6 shape with those traces reshaped
 #      there (devprep puts the two .npz files in .vendor/traces);
-#   6. `llama_qwen`: the Qwen3.6 shape beside llama.cpp (write; build unless built, while converting; bench);
+#   6. `llama_qwen`: the Qwen3.6 shape beside llama.cpp (write; build unless built, while converting; bench,
+#      moecache compiled too);
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -82,6 +84,7 @@ part_tests_llama() {
 part_bench() {
   step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
   step bench_moecache 900 env SIDE=moecache "${VS_RUN[@]}" bench dsv2
+  step bench_moecache_compiled 900 env SIDE=moecache_compiled "${VS_RUN[@]}" bench dsv2
   step report 60 "${VS_RUN[@]}" report dsv2
 }
 
@@ -103,6 +106,7 @@ part_llama_qwen() {
   step prepare_qwen 1500 "${q[@]}" prepare qwen  # write; then llama-bench's build (unless built) while converting
   step bench_llama_qwen 600 env SIDE=llama "${q[@]}" bench qwen
   step bench_moecache_qwen 900 env SIDE=moecache "${q[@]}" bench qwen
+  step bench_moecache_compiled_qwen 900 env SIDE=moecache_compiled "${q[@]}" bench qwen
   local shapes=qwen  # with dsv2's where this machine measured them too
   [ ! -f "$VS/results/dsv2-llama.json" ] || shapes="dsv2 qwen"
   # shellcheck disable=SC2086  # shapes: words

@@ -400,12 +400,13 @@ def forced_requests(path: Path, prompt: int, new: int, count: int, expert_size: 
     return forced, list(forced.request_ids)
 
 
-def time_test(model, requests, new: int, forced=None) -> dict:
-    """One test at one point: the first request untimed (warm-up), the others timed, the cache kept."""
+def time_test(model, requests, new: int, forced=None, compile: bool = False) -> dict:
+    """One test at one point: the first request untimed (warm-up: with `compile` the step's compilation
+    too), the others timed, the cache kept."""
     from moecache.runtime.decode_loop import FastDecoder
 
     decoder = FastDecoder(model, max_cache_len=max(int(ids.shape[-1]) for _, ids in requests) + new,
-                          forced=forced)  # fmt: skip
+                          forced=forced, compile=compile)  # fmt: skip
 
     session = getattr(model, "moecache", None)  # None: the unmodified model
 
@@ -457,7 +458,11 @@ def measure_unmodified(cfg, args) -> dict:
     vocab = int(model.get_output_embeddings().weight.shape[0])
     pp_requests, tg_requests = own_requests(args, vocab)
     t0 = time.perf_counter()
-    result = summarize_moecache(time_test(model, pp_requests, 1), time_test(model, tg_requests, args.tg + 1))
+    compile = bool(cfg.runtime.compile)
+    result = summarize_moecache(
+        time_test(model, pp_requests, 1, compile=compile),
+        time_test(model, tg_requests, args.tg + 1, compile=compile),
+    )
     print(f"unmodified: pp {result['pp']['median_ts']:.1f} tg {result['tg']['median_ts'] or float('nan'):.1f} "
           f"tok/s ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
     del loaded, model
@@ -467,17 +472,19 @@ def measure_unmodified(cfg, args) -> dict:
     return result
 
 
-def measure_point(model, point: Point, args, vocab: int, forced_sets) -> dict:
+def measure_point(model, point: Point, args, vocab: int, forced_sets, compile: bool = False) -> dict:
     """pp and tg at one point, with the model's own routing and, where given, trace-forced."""
     pp_requests, tg_requests = own_requests(args, vocab)
-    pp, tg = time_test(model, pp_requests, 1), time_test(model, tg_requests, args.tg + 1)
+    pp = time_test(model, pp_requests, 1, compile=compile)
+    tg = time_test(model, tg_requests, args.tg + 1, compile=compile)
     out = {"own": summarize_moecache(pp, tg)}
     if forced_sets is not None:
         (pp_forced, pp_ids), (tg_forced, tg_ids) = forced_sets
         pp_requests = [(rid, pp_forced.input_ids(rid, vocab)) for rid in pp_ids]
         tg_requests = [(rid, tg_forced.input_ids(rid, vocab)) for rid in tg_ids]
         out["forced"] = summarize_moecache(
-            time_test(model, pp_requests, 1, pp_forced), time_test(model, tg_requests, args.tg + 1, tg_forced)
+            time_test(model, pp_requests, 1, pp_forced, compile),
+            time_test(model, tg_requests, args.tg + 1, tg_forced, compile),
         )
     return out
 
@@ -510,6 +517,7 @@ def moecache_side(args) -> dict:
         f"model={SHAPES[args.shape]['yaml']}",
         f"model.path={args.checkpoint}",
         f"device={args.device}",
+        f"runtime.compile={'true' if args.compile else 'false'}",
     ]
     overrides += [f"model.architecture.{k}=null" for k in skipped]
     cfg = compose(overrides)
@@ -555,7 +563,7 @@ def moecache_side(args) -> dict:
                 f"{point.label}: moecache gave {model.moecache.capacity} slots for {point.capacity}"
             )
         t0 = time.perf_counter()
-        measured = measure_point(model, point, args, vocab, forced_sets)
+        measured = measure_point(model, point, args, vocab, forced_sets, bool(cfg.runtime.compile))
         rows.append({**asdict(point), **measured, "seconds": time.perf_counter() - t0})
         own = measured["own"]
         print(f"{point.label}: pp {own['pp']['median_ts']:.1f} tg {own['tg']['median_ts'] or float('nan'):.1f} tok/s "
@@ -566,11 +574,17 @@ def moecache_side(args) -> dict:
         "gpu": torch.cuda.get_device_name() if on_cuda else None, "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "load_s": load_s,
         "policy": model.moecache.stats()["policy"], "cpu_threads": args.threads, "forced": forced_about,
+        "compile": bool(cfg.runtime.compile),
         "model": {k: described[k] for k in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_bytes")},
         "points": rows, "unmodified": unmodified,
     }  # fmt: skip
-    save(args.results / f"{args.shape}-moecache.json", result)
+    save(args.results / f"{args.shape}-{moecache_results(args.compile)}.json", result)
     return result
+
+
+def moecache_results(compile: bool) -> str:
+    """The moecache side's results name: the fast loop as generate runs it by default, or compiled."""
+    return "moecache-compiled" if compile else "moecache"
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -605,23 +619,27 @@ def build_summary(llama_result: dict | None) -> dict | None:
 def report(results: Path, shapes: list[str]) -> dict:
     """One table over every shape's saved results, and the JSON summary it prints last."""
     header = ("| shape | point | experts on GPU | llama-bench | moecache capacity | llama.cpp pp | moecache pp "
-              "| forced pp | llama.cpp tg | moecache tg | forced tg |")  # fmt: skip
-    lines = [header, "|" + " --- |" * 11]
+              "| forced pp | llama.cpp tg | moecache tg | forced tg | compiled tg | compiled forced tg |")  # fmt: skip
+    lines = [header, "|" + " --- |" * 13]
     summary = {"shapes": {}}
     for shape in shapes:
         sides = {}
-        for side in ("llama", "moecache"):
+        for side in ("llama", moecache_results(False), moecache_results(True)):
             f = results / f"{shape}-{side}.json"
             sides[side] = json.loads(f.read_text()) if f.is_file() else None
+        compiled = sides.pop(moecache_results(True))
         if not any(sides.values()):
             raise BadInput(f"{results}: no results of {shape} ({shape}-llama.json, {shape}-moecache.json)")
         points = (sides["llama"] or sides["moecache"])["points"]
         llama_by = {p["label"]: p for p in (sides["llama"] or {}).get("points", [])}
         moe_by = {p["label"]: p for p in (sides["moecache"] or {}).get("points", [])}
+        compiled_by = {p["label"]: p for p in (compiled or {}).get("points", [])}
         rows = []
         for p in points:
             lp, mp = llama_by.get(p["label"], {}), moe_by.get(p["label"], {})
             own, forced = mp.get("own", {}), mp.get("forced") or {}
+            cp = compiled_by.get(p["label"], {})
+            c_own, c_forced = cp.get("own", {}), cp.get("forced") or {}
             row = {
                 "point": p["label"], "gpu_fraction": p["gpu_fraction"], "gpu_expert_bytes": p["gpu_expert_bytes"],
                 "n_cpu_moe": p["n_cpu_moe"], "capacity": p["capacity"], "slots": p["slots"],
@@ -630,6 +648,8 @@ def report(results: Path, shapes: list[str]) -> dict:
                 "moecache_tg": (own.get("tg") or {}).get("median_ts"),
                 "forced_pp": (forced.get("pp") or {}).get("median_ts"),
                 "forced_tg": (forced.get("tg") or {}).get("median_ts"),
+                "compiled_tg": (c_own.get("tg") or {}).get("median_ts"),
+                "compiled_forced_tg": (c_forced.get("tg") or {}).get("median_ts"),
                 "moecache_tg_hit_rate": (own.get("tg") or {}).get("hit_rate"),
                 "forced_tg_hit_rate": (forced.get("tg") or {}).get("hit_rate"),
             }  # fmt: skip
@@ -639,14 +659,18 @@ def report(results: Path, shapes: list[str]) -> dict:
                 f"| {shape} | {p['label']} | {100 * p['gpu_fraction']:.1f}% ({gib:.2f} GiB) | -ngl 99 -ncmoe "
                 f"{p['n_cpu_moe']} | {p['capacity']} ({p['slots']} slots) | {fmt(row['llama_pp'])} | "
                 f"{fmt(row['moecache_pp'])} | {fmt(row['forced_pp'])} | {fmt(row['llama_tg'])} | "
-                f"{fmt(row['moecache_tg'])} | {fmt(row['forced_tg'])} |"
+                f"{fmt(row['moecache_tg'])} | {fmt(row['forced_tg'])} | {fmt(row['compiled_tg'])} | "
+                f"{fmt(row['compiled_forced_tg'])} |"
             )
         meta = sides["moecache"] or {}
         unmodified = meta.get("unmodified")
-        if unmodified:
-            upp, utg = unmodified["pp"]["median_ts"], unmodified["tg"]["median_ts"]
+        c_unmodified = (compiled or {}).get("unmodified")
+        if unmodified or c_unmodified:
+            upp = unmodified["pp"]["median_ts"] if unmodified else None
+            utg = unmodified["tg"]["median_ts"] if unmodified else None
+            ctg = c_unmodified["tg"]["median_ts"] if c_unmodified else None
             lines.append(f"| {shape} | unmodified model (moecache's loop, no offloading) | 100% | - | - | - | "
-                         f"{fmt(upp)} | - | - | {fmt(utg)} | - |")  # fmt: skip
+                         f"{fmt(upp)} | - | - | {fmt(utg)} | - | {fmt(ctg)} | - |")  # fmt: skip
         settings = {side: r.get("settings") for side, r in sides.items() if r}
         if len({json.dumps(v, sort_keys=True) for v in settings.values()}) > 1:
             print(f"{shape}: the two sides ran with different settings: {settings}", file=sys.stderr)
@@ -658,11 +682,13 @@ def report(results: Path, shapes: list[str]) -> dict:
             "points": rows,
             "unmodified": {"pp": unmodified["pp"]["median_ts"], "tg": unmodified["tg"]["median_ts"]}
             if unmodified else None,
+            "compiled_unmodified_tg": c_unmodified["tg"]["median_ts"] if c_unmodified else None,
+            "compiled": {k: (compiled or {}).get(k) for k in ("device", "gpu", "policy", "load_s")} if compiled else None,
         }  # fmt: skip
     print("\n".join(lines))
     print(
         "pp / tg: tokens/s, medians; 'forced': moecache with the routing of real DeepSeek-V2-Lite traces "
-        "(that routing shape only)."
+        "(that routing shape only); 'compiled': moecache with runtime.compile=true (`bench.py moecache --compile`)."
     )
     print(json.dumps(summary))
     return summary
@@ -711,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
     mc.add_argument(
         "--unmodified", action=argparse.BooleanOptionalAction, default=True,
         help="first the unmodified model (every expert on the device) on the same loop and requests",
+    )  # fmt: skip
+    mc.add_argument(
+        "--compile", action="store_true",
+        help="runtime.compile=true (generate's option): the decode step through torch.compile; results "
+        "saved apart (<shape>-moecache-compiled.json) and reported in columns of their own",
     )  # fmt: skip
     rp = sub.add_parser("report", help="the table and one JSON line from saved results")
     rp.add_argument("--results", type=Path, default=Path("/tmp/vs_llamacpp/results"))

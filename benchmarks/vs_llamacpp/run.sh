@@ -7,7 +7,8 @@
 #   run.sh write SHAPE            the seeded random checkpoint of SHAPE in the Hugging Face layout
 #   run.sh convert SHAPE          that checkpoint to a bf16 GGUF with llama.cpp's convert_hf_to_gguf.py
 #   run.sh prepare SHAPE          write, then build (unless built) while converting
-#   run.sh bench SHAPE            llama-bench, then moecache, at every point (SIDE=llama or SIDE=moecache: one)
+#   run.sh bench SHAPE            llama-bench, then moecache, at every point (SIDE=llama or SIDE=moecache: one;
+#                                 SIDE=moecache_compiled: moecache with runtime.compile=true, saved apart)
 #   run.sh clean SHAPE            remove SHAPE's checkpoint and GGUF (room for the other shape)
 #   run.sh report SHAPE...        the table of every SHAPE's saved results and one JSON line
 #   run.sh all SHAPE...           prepare and bench each SHAPE, then report (a machine without time limits)
@@ -164,7 +165,11 @@ bench() {
         [ -f "$dir/config.json" ] || die "no checkpoint at $dir: run.sh write $shape first"
         "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" 2>&1 \
           | tee "$RESULTS/$shape-moecache.txt" ;;
-      *) die "SIDE=$side: expected llama and/or moecache" ;;
+      moecache_compiled)
+        [ -f "$dir/config.json" ] || die "no checkpoint at $dir: run.sh write $shape first"
+        "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" --compile 2>&1 \
+          | tee "$RESULTS/$shape-moecache-compiled.txt" ;;
+      *) die "SIDE=$side: expected llama, moecache and/or moecache_compiled" ;;
     esac
   done
   [ "$OUT" = "$RESULTS" ] || cp "$RESULTS/$shape"-*.json "$RESULTS/$shape"-*.txt "$RESULTS/$shape"-*.stderr "$OUT/" 2>/dev/null || true

@@ -1,4 +1,5 @@
-"""benchmarks/vs_llamacpp/bench.py: the pure parts of the llama.cpp comparison (no build, no network).
+"""benchmarks/vs_llamacpp/bench.py: the llama.cpp comparison without llama.cpp (no build, no network): the
+pure parts, and the moecache side end to end on a tiny checkpoint on the CPU.
 
 The memory points must give both sides the same routed-expert bytes on the GPU: llama-bench's `-ncmoe N`
 (the experts of blocks 0 .. N-1 in host memory) and moecache's capacity as a memory budget, which moecache's
@@ -156,3 +157,37 @@ def test_bad_input_is_one_line_and_exit_2(bench, capsys, argv, message):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err and err.startswith("vs_llamacpp: ")
+
+
+def test_the_moecache_side_default_and_compiled_in_one_report(bench, tmp_path, monkeypatch, capsys):
+    """A tiny DeepSeek-V2 checkpoint written by `write`, the moecache side measured at every point through
+    its loader, once as generate runs by default and once with `--compile` (runtime.compile=true; dynamo's
+    eager backend here: the compiled step's path, not inductor's speed), saved apart; `report` puts the
+    compiled decode beside the default's at every point and for the unmodified model."""
+    import torch
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw))
+    ckpt, results = tmp_path / "ckpt", tmp_path / "results"
+    common = ["--shape", "dsv2", "--checkpoint", str(ckpt), "--device", "cpu", "--reps", "1", "--pp", "8",
+              "--tg", "4", "--threads", "1", "--results", str(results)]  # fmt: skip
+    assert bench.main(["write", "--shape", "dsv2", "--size", "tiny", "--device", "cpu", "--layers", "3",
+                       "--out", str(ckpt)]) == 0  # fmt: skip
+    try:
+        assert bench.main(["moecache", *common]) == 0
+        assert bench.main(["moecache", *common, "--compile", "--no-unmodified"]) == 0
+    finally:
+        torch._dynamo.reset()
+    default = json.loads((results / "dsv2-moecache.json").read_text())
+    compiled = json.loads((results / "dsv2-moecache-compiled.json").read_text())
+    assert default["compile"] is False and compiled["compile"] is True and compiled["unmodified"] is None
+    capsys.readouterr()
+    summary = bench.report(results, ["dsv2"])["shapes"]["dsv2"]
+    table = capsys.readouterr().out
+    assert "| compiled tg | compiled forced tg |" in table
+    assert [p["point"] for p in summary["points"]] == [p["label"] for p in default["points"]]
+    for row, d, c in zip(summary["points"], default["points"], compiled["points"], strict=True):
+        assert row["moecache_tg"] == d["own"]["tg"]["median_ts"] > 0
+        assert row["compiled_tg"] == c["own"]["tg"]["median_ts"] > 0
+        assert row["compiled_forced_tg"] is None and row["llama_tg"] is None
+    assert summary["unmodified"]["tg"] > 0 and summary["compiled_unmodified_tg"] is None
