@@ -521,6 +521,7 @@ def moecache_side(args) -> dict:
     ]
     overrides += [f"model.architecture.{k}=null" for k in skipped]
     cfg = compose(overrides)
+    compile = bool(cfg.runtime.compile)
     torch.set_num_threads(args.threads)
     on_cuda = args.device.startswith("cuda")
     unmodified = measure_unmodified(cfg, args) if args.unmodified else None
@@ -563,7 +564,7 @@ def moecache_side(args) -> dict:
                 f"{point.label}: moecache gave {model.moecache.capacity} slots for {point.capacity}"
             )
         t0 = time.perf_counter()
-        measured = measure_point(model, point, args, vocab, forced_sets, bool(cfg.runtime.compile))
+        measured = measure_point(model, point, args, vocab, forced_sets, compile)
         rows.append({**asdict(point), **measured, "seconds": time.perf_counter() - t0})
         own = measured["own"]
         print(f"{point.label}: pp {own['pp']['median_ts']:.1f} tg {own['tg']['median_ts'] or float('nan'):.1f} tok/s "
@@ -574,11 +575,11 @@ def moecache_side(args) -> dict:
         "gpu": torch.cuda.get_device_name() if on_cuda else None, "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "load_s": load_s,
         "policy": model.moecache.stats()["policy"], "cpu_threads": args.threads, "forced": forced_about,
-        "compile": bool(cfg.runtime.compile),
+        "compile": compile,
         "model": {k: described[k] for k in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_bytes")},
         "points": rows, "unmodified": unmodified,
     }  # fmt: skip
-    save(args.results / f"{args.shape}-{moecache_results(args.compile)}.json", result)
+    save(args.results / f"{args.shape}-{moecache_results(compile)}.json", result)
     return result
 
 

@@ -154,7 +154,6 @@ class FastDecoder:
             self._taps = ExpertsTaps(session.runtime, Segments())
         self._segments = {mode: Segments() for mode in MODES}
         self._eager_steps = dict.fromkeys(MODES, 0)
-        self._step_compiled = False  # the last compiled step compiled a frame (compile=True only)
         dev = self.device
         with torch.inference_mode():
             self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
@@ -182,8 +181,8 @@ class FastDecoder:
         number of decoder layers: each layer's forward is the same code with its own guards (its layer
         index, its kind), and dynamo's default limit (8) would leave every layer past the eighth eager.
 
-        Each call notes whether dynamo compiled a frame in it (`_step_compiled`): a step can compile
-        frames the step before it did not (a model whose first layers are dense, DeepSeek-V2's, enters
+        Each call returns whether dynamo compiled a frame in it: a step can compile frames the step
+        before it did not (a model whose first layers are dense, DeepSeek-V2's, enters
         a decoder layer's frame resumed after an expert tap with another layer kind at its second
         step), and a compile while a CUDA graph is being captured fails the capture, so `_decode`
         warms up until a step compiles nothing."""
@@ -195,11 +194,11 @@ class FastDecoder:
         layers = int(getattr(self.model.config.get_text_config(), "num_hidden_layers", 0) or 0)
         limit = max(getattr(dynamo_config, name), 2 * layers + 8)
 
-        def run() -> None:
+        def run() -> bool:
             frames = counters["frames"]["total"]
             with dynamo_config.patch(**{name: limit}):
                 compiled()
-            self._step_compiled = counters["frames"]["total"] != frames
+            return counters["frames"]["total"] != frames
 
         return run
 
@@ -281,15 +280,16 @@ class FastDecoder:
         segments = self._segments[mode]
         warmup_s = 0.0
         timed, t_start = 0, None
+        compiled_last = False  # the last warm-up step compiled a frame (compile=True; `_compiled_step`)
         for step in range(budget):
             t0 = time.perf_counter()
             warming = (
                 not segments.graphs
                 and t_start is None
-                and (self._eager_steps[mode] < self.warmup_steps or self._step_compiled)
+                and (self._eager_steps[mode] < self.warmup_steps or compiled_last)
             )
             if warming:
-                self._run_step()
+                compiled_last = bool(self._run_step())
                 self._eager_steps[mode] += 1
                 self._sync()
                 warmup_s += time.perf_counter() - t0

@@ -133,8 +133,10 @@ def test_compiled_warm_up_lasts_until_a_step_compiles_nothing(monkeypatch):
 
         def recording_step():
             frames = counters["frames"]["total"]
-            step()
+            said = step()  # whether it compiled a frame, as the decode loop reads it
             compiled.append(counters["frames"]["total"] != frames)
+            assert said == compiled[-1]
+            return said
 
         decoder._run_step = recording_step
         result = decoder.generate(torch.tensor([PROMPT_T]), NEW)
