@@ -170,6 +170,10 @@ def run_fast(model, prompt, new: int, graphs: str, host_points: str = "auto", co
         "readback_wait_us_per_visit": (
             result.host.readback_wait_ns / 1e3 / result.host.visits if result.host.visits else None
         ),
+        "cpu_path_us_per_call": (
+            result.host.cpu_ns / 1e3 / result.host.cpu_calls if result.host.cpu_calls else None
+        ),
+        "cpu_calls_per_token": result.host.cpu_calls / result.timed_steps if result.timed_steps else None,
         "tokens": result.tokens[0, prompt.numel() :].tolist(),
     }
 
@@ -434,6 +438,7 @@ def main() -> None:
     ap.add_argument("--config-json", default=None)
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the yaml's dtype)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (full models: 32768)")
+    ap.add_argument("--layers", type=int, default=None, help="full models: the first N decoder layers only")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--capacities", default="100%,25%")
     ap.add_argument("--policy", default="lru", help="the policy of capacities below 100%%")
@@ -592,15 +597,20 @@ def print_table(r: dict) -> None:
         f"{'variant':<12} | {'policy':<11} | {'loop':<19} | {'mode':<6} | {'graphs':>6} | {'ms/token':>9} | "
     )
     head += f"{'tokens/s':>9} | {'prefill ms':>10} | {'hit rate':>8} | {'= hf':>4} | {'mgr us/visit':>12}"
+    head += f" | {'wait us/visit':>13} | {'cpu us/call':>11}"  # the host point's read-back wait; CPU path
     print(head)
+
+    def us(value, width):
+        return f"{'-' if value is None else f'{value:.2f}':>{width}}"
+
     for run in r["runs"]:
         hit = run.get("hit_rate")
-        mgr = run.get("manager_us_per_visit")
         print(
             f"{run['variant']:<12} | {run['policy'] or '-':<11} | {run['loop']:<19} | {run.get('mode', '-'):<6} | "
             f"{run['graphs_per_step']:>6} | {run['ms_per_token']:>9.3f} | {run['tokens_per_s']:>9.1f} | "
             f"{run['prefill_ms']:>10.1f} | {'-' if hit is None else f'{hit:.3f}':>8} | "
-            f"{run.get('agree_with_transformers', '-'):>4} | {'-' if mgr is None else f'{mgr:.2f}':>12}"
+            f"{run.get('agree_with_transformers', '-'):>4} | {us(run.get('manager_us_per_visit'), 12)} | "
+            f"{us(run.get('readback_wait_us_per_visit'), 13)} | {us(run.get('cpu_path_us_per_call'), 11)}"
         )
     for loop, us in r["expert_path_overhead_us_per_layer"].items():
         print(f"expert path overhead ({loop}): {us:.1f} us per MoE layer per token (100% split - fused)")

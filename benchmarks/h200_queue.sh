@@ -26,7 +26,10 @@
 #      there (devprep puts the two .npz files in .vendor/traces);
 #   6. `llama_qwen`: the Qwen3.6 shape beside llama.cpp (write; build unless built, while converting; bench,
 #      moecache compiled too);
-#   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py).
+#   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
+#   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
+#      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
+#      wait, manager and CPU-path time per MoE layer; then the CPU expert executor alone on the same host.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -51,8 +54,8 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS. Default: what is still unmeasured, `decode_compiled llama_qwen
-# fidelity fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen decode_compiled
+# The parts, run in the order of PARTS. Default: what is still unmeasured, `decode_qwen fidelity
+# fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen decode_compiled decode_qwen
 # fidelity_qwen`; the GPU tests while the checkpoint is written, without llama.cpp: `tests_write load fidelity`.
 # run.sh write keeps a checkpoint that is there; the step is logged once.
 write_dsv2() { [ -f "$DSV2_CKPT/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2; }
@@ -96,6 +99,15 @@ part_fidelity() { fidelity deepseek_v2_lite "$LAW" "$INT" dsv2; }
 part_decode_compiled() {
   step decode_compiled 900 python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml \
     --vocab 102400 --capacities 100%,0% --skip hf,eager,unmodified --compile --prompt-tokens 512 --new-tokens 128
+}
+
+# The Qwen3.6 shape offloaded, its step taken apart: the llama.cpp table's 20 layers and vocabulary, pp512 /
+# tg128, compiled as in its compiled column; then 8 cold Qwen3.6 experts at one token on the CPU path alone.
+part_decode_qwen() {
+  step decode_qwen 900 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 \
+    --capacities 100%,0% --skip hf,eager,unmodified --compile --prompt-tokens 512 --new-tokens 128
+  step cpu_experts_qwen 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
+    --shapes qwen3.6 --threads 15 --tokens 1 --experts 8 --repeats 20 --warmup 3 --max-pool-mib 1024
 }
 
 # The Qwen3.6 shape beside llama.cpp (run.sh's LAYERS_QWEN layers): the dsv2 files make room first; its
@@ -150,7 +162,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-decode_compiled llama_qwen fidelity fidelity_qwen}; do "part_$part"; done
+  for part in ${PARTS:-decode_qwen fidelity fidelity_qwen}; do "part_$part"; done
   log "queue done"
   touch "$RES/DONE"
 }

@@ -1,5 +1,6 @@
 """benchmarks/bench_decode.py on the tiny model, on the CPU: the unmodified model, then offloaded at 100%
-(fused and split) and at capacity 0, each run in the JSON line with the mode and hit rate it ran with."""
+(fused and split) and at capacity 0, each run in the JSON line with the mode and hit rate it ran with,
+and the host point's CPU-path time."""
 
 from __future__ import annotations
 
@@ -26,3 +27,7 @@ def test_the_tiny_model_runs_unmodified_and_offloaded(monkeypatch, capsys):
     assert (runs["100% split"]["mode"], runs["100% split"]["hit_rate"]) == ("split", 1.0)
     assert (runs["0"]["hit_rate"], runs["0"]["fallback_entries"] > 0) == (0.0, True)
     assert all(r["ms_per_token"] > 0 for r in runs.values())
+    # the host point's breakdown: the CPU path's time per call where entries ran there, none where not
+    assert runs["0"]["cpu_path_us_per_call"] > 0
+    assert runs["0"]["cpu_calls_per_token"] == result["model"]["num_layers"]  # one call per MoE layer
+    assert runs["100% split"]["cpu_path_us_per_call"] is None and runs["100% split"]["cpu_calls_per_token"] == 0
