@@ -75,6 +75,8 @@ def build_model(args, device: torch.device):
     cfg = yaml.safe_load(Path(args.model).read_text())
     dtype = getattr(torch, args.dtype) if args.dtype else getattr(torch, cfg.get("dtype") or "float32")
     if cfg.get("build"):  # the tiny model: its adapter's tiny config with the yaml's overrides
+        if getattr(args, "layers", None) is not None:
+            raise MoecacheError(f"--layers: {args.model} is a tiny build; --layers cuts full models only")
         import transformers
 
         config = ADAPTERS[cfg["model_type"]].tiny_config(**dict(cfg["build"].get("overrides") or {}))

@@ -145,6 +145,12 @@ def text_config(model_cfg: dict, options: dict) -> transformers.PretrainedConfig
         fields["vocab_size"] = options["vocab_size"]
     cut = dict(options["overrides"])
     if options["num_layers"] is not None:
+        full = fields.get("num_hidden_layers")
+        if isinstance(full, int) and options["num_layers"] > full:
+            raise MoecacheError(
+                f"model.random.num_layers={options['num_layers']}: {name} has {full} decoder layers; "
+                f"keep at most {full}"
+            )
         cut["num_hidden_layers"] = options["num_layers"]
     if (
         "num_hidden_layers" in cut
