@@ -29,7 +29,8 @@
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
 #      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
-#      wait, manager and CPU-path time per MoE layer; then the CPU expert executor alone on the same host.
+#      wait, manager and CPU-path time per MoE layer; every expert on the CPU again with the GPU-driving
+#      thread idle in the CPU team (MOECACHE_CPU_HOST_THREAD=idle); then the CPU expert executor alone.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -106,6 +107,10 @@ part_decode_compiled() {
 part_decode_qwen() {
   step decode_qwen 900 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 \
     --capacities 100%,0% --skip hf,eager,unmodified --compile --prompt-tokens 512 --new-tokens 128
+  # the CPU team with the GPU-driving thread idle in it (its caches kept for the host point's Python)
+  step decode_qwen_idle 600 env MOECACHE_CPU_HOST_THREAD=idle python3 benchmarks/bench_decode.py \
+    --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 --capacities 0% --skip hf,eager,unmodified --compile \
+    --prompt-tokens 512 --new-tokens 128
   step cpu_experts_qwen 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
     --shapes qwen3.6 --threads 15 --tokens 1 --experts 8 --repeats 20 --warmup 3 --max-pool-mib 1024
 }
