@@ -602,7 +602,7 @@ def print_table(r: dict) -> None:
     head += f" | {'wait us/visit':>13} | {'cpu us/call':>11}"  # the host point's read-back wait; CPU path
     print(head)
 
-    def us(value, width):
+    def cell(value, width):
         return f"{'-' if value is None else f'{value:.2f}':>{width}}"
 
     for run in r["runs"]:
@@ -611,8 +611,8 @@ def print_table(r: dict) -> None:
             f"{run['variant']:<12} | {run['policy'] or '-':<11} | {run['loop']:<19} | {run.get('mode', '-'):<6} | "
             f"{run['graphs_per_step']:>6} | {run['ms_per_token']:>9.3f} | {run['tokens_per_s']:>9.1f} | "
             f"{run['prefill_ms']:>10.1f} | {'-' if hit is None else f'{hit:.3f}':>8} | "
-            f"{run.get('agree_with_transformers', '-'):>4} | {us(run.get('manager_us_per_visit'), 12)} | "
-            f"{us(run.get('readback_wait_us_per_visit'), 13)} | {us(run.get('cpu_path_us_per_call'), 11)}"
+            f"{run.get('agree_with_transformers', '-'):>4} | {cell(run.get('manager_us_per_visit'), 12)} | "
+            f"{cell(run.get('readback_wait_us_per_visit'), 13)} | {cell(run.get('cpu_path_us_per_call'), 11)}"
         )
     for loop, us in r["expert_path_overhead_us_per_layer"].items():
         print(f"expert path overhead ({loop}): {us:.1f} us per MoE layer per token (100% split - fused)")

@@ -100,7 +100,10 @@ def test_a_cut_qwen_build_runs():
     [
         (["model.architecture.num_experts=32"], "num_experts: built 64, yaml 32"),
         (["model.random.seed=-1"], "model.random.seed=-1"),
-        (["model.random.num_layers=28"], "model.random.num_layers=28: deepseek_v2_lite has 27 decoder layers"),
+        (
+            ["model.random.num_layers=28"],
+            "model.random.num_layers=28: deepseek_v2_lite has 27 decoder layers",
+        ),
         (["model.random.vocab_size=abc"], "model.random.vocab_size='abc'"),
         (["+model.random.seedz=1"], "model.random.seedz: unknown key"),
         (["model.random.overrides={hidden_sise:64}"], "model.random.overrides.hidden_sise"),
