@@ -17,7 +17,7 @@ tests/runtime/test_cpu_experts.py with its tolerances; a wrong result stops the 
 is not timed.
 
     python benchmarks/bench_cpu_experts.py [--backends cpp,torch,kt --dtypes bfloat16 --shapes qwen3.6
-        --tokens 1,2,4,8,16 --threads 1,4,8,16 --experts 1,8 --modes cold,warm --repeats 50]
+        --tokens 1,2,4,8,16 --threads 1,4,8,16 --experts 1,8 --modes cold,warm --gap-us 0,300 --repeats 50]
 """
 
 from __future__ import annotations
@@ -69,9 +69,19 @@ def cpu_model() -> str:
 
 
 def time_calls(
-    executor: CpuExperts, x_TH, pool_size: int, experts: int, cold: bool, repeats: int, warmup: int
+    executor: CpuExperts,
+    x_TH,
+    pool_size: int,
+    experts: int,
+    cold: bool,
+    repeats: int,
+    warmup: int,
+    gap_us: int = 0,
 ) -> list[float]:
-    """Wall time (us) of each timed call; call n reads experts n*experts.. (cold) or 0.. (warm)."""
+    """Wall time (us) of each timed call; call n reads experts n*experts.. (cold) or 0.. (warm). With
+    `gap_us`, the calling thread spins that long before each call, as a decode step's host thread does
+    between two layers' CPU calls (the GPU segment between them): the executor's threads then wait
+    between calls as they do in a decode, and what that costs (waking them) is in the call's time."""
     tokens = x_TH.shape[0]
     token_M = torch.arange(tokens).repeat(experts)
     weight_M = torch.full((experts * tokens,), 1.0 / experts)
@@ -80,6 +90,10 @@ def time_calls(
     for n in range(warmup + repeats):
         first = n * experts if cold else 0
         keys_M = (torch.arange(first, first + experts) % pool_size).repeat_interleave(tokens)
+        if gap_us:
+            until = time.perf_counter_ns() + gap_us * 1000
+            while time.perf_counter_ns() < until:
+                pass
         t0 = time.perf_counter_ns()
         executor.run(x_TH, keys_M, token_M, weight_M, out_TH)
         elapsed = (time.perf_counter_ns() - t0) / 1e3
@@ -171,9 +185,9 @@ def bench_pool(
                 for tokens in args.tokens:
                     x_TH = torch.randn(tokens, shape.hidden_size, generator=torch.Generator().manual_seed(0))
                     x_TH = x_TH.to(dtype)
-                    for mode in args.modes:
+                    for mode, gap in ((m, g) for m in args.modes for g in args.gap_us):
                         samples = time_calls(
-                            executor, x_TH, pool_size, experts, mode == "cold", args.repeats, args.warmup
+                            executor, x_TH, pool_size, experts, mode == "cold", args.repeats, args.warmup, gap
                         )
                         timing = summarize(samples)
                         rows.append(
@@ -185,6 +199,7 @@ def bench_pool(
                                 "experts": experts,
                                 "tokens": tokens,
                                 "mode": mode,
+                                "gap_us": gap,
                                 "call_median_us": timing.median_us,
                                 "call_p10_us": timing.p10_us,
                                 "call_p90_us": timing.p90_us,
@@ -201,6 +216,7 @@ def bench_pool(
 
 HEADER = (
     f"{'backend':<6} | {'shape':<9} | {'dtype':<8} | {'thr':>3} | {'exp':>3} | {'tok':>3} | {'mode':<4} | "
+    f"{'gap us':>6} | "
     f"{'call us':>8} | {'p10':>8} | {'p90':>8} | {'us/expert':>9} | {'GB/s':>6}"
 )
 
@@ -208,7 +224,7 @@ HEADER = (
 def print_row(r: dict) -> None:
     print(
         f"{r['backend']:<6} | {r['shape']:<9} | {r['dtype']:<8} | {r['threads']:>3} | {r['experts']:>3} | "
-        f"{r['tokens']:>3} | {r['mode']:<4} | {r['call_median_us']:8.1f} | {r['call_p10_us']:8.1f} | "
+        f"{r['tokens']:>3} | {r['mode']:<4} | {r['gap_us']:>6} | {r['call_median_us']:8.1f} | {r['call_p10_us']:8.1f} | "
         f"{r['call_p90_us']:8.1f} | {r['per_expert_us']:9.1f} | {r['gbps']:6.1f}",
         flush=True,
     )
@@ -225,6 +241,12 @@ def main() -> None:
     )
     ap.add_argument("--experts", type=int_list, default=[1, 8], help="distinct experts per call")
     ap.add_argument("--modes", type=str_list, default=["cold", "warm"])
+    ap.add_argument(
+        "--gap-us",
+        type=int_list,
+        default=[0],
+        help="the caller spins this long before each call (a decode step's GPU segment between layers)",
+    )
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-pool-mib", type=int, default=8192, help="cap on the cold pool's bytes")
@@ -238,6 +260,8 @@ def main() -> None:
     for mode in args.modes:
         if mode not in ("cold", "warm"):
             ap.error(f"--modes: '{mode}' is not cold or warm")
+    if any(g < 0 for g in args.gap_us):
+        ap.error(f"--gap-us: {args.gap_us} holds a negative gap")
     cpus = len(os.sched_getaffinity(0))
     threads = [n for n in args.threads if n <= cpus] or [cpus]
     cache_bytes = last_level_cache_bytes() or 64 * MiB

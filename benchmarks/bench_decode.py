@@ -18,6 +18,8 @@ Runs, each greedy, batch 1, a prompt of `--prompt-tokens` random ids:
   again with host points forced ("100% split": its difference to "fused", per MoE layer, is the expert
   path's own overhead: read-back, manager, publication, combine, graph launches); other capacities with
   `--policy` (lru) in split mode; (a) there is transformers' generate with whole layer visits.
+`--cpu-teams 15:work,15:idle,...` runs each capacity below 100% once per CPU-path team: the executor's
+OpenMP threads, the GPU-driving thread working among them or idle in them (CpuExperts' host_thread).
 The fast loop's time is the second `generate` call's (the first warms up and captures), decode steps
 only; (a) is (time of N new tokens - time of 1) / (N - 1). Prefill is reported apart.
 
@@ -178,6 +180,36 @@ def run_fast(model, prompt, new: int, graphs: str, host_points: str = "auto", co
         "cpu_calls_per_token": result.host.cpu_calls / result.timed_steps if result.timed_steps else None,
         "tokens": result.tokens[0, prompt.numel() :].tolist(),
     }
+
+
+def cpu_teams(ap, value: str | None) -> list[tuple[int, str] | None]:
+    """`--cpu-teams` as [(threads, host_thread)], or [None] (the executor as offload made it)."""
+    if value is None:
+        return [None]
+    from moecache.runtime.cpu_experts import HOST_THREADS
+
+    teams = []
+    for item in filter(None, value.split(",")):
+        threads, _, host = item.partition(":")
+        if not threads.isdigit() or int(threads) < 1 or host not in HOST_THREADS:
+            ap.error(f"--cpu-teams: '{item}' is not THREADS:work or THREADS:idle (THREADS >= 1)")
+        teams.append((int(threads), host))
+    if not teams:
+        ap.error("--cpu-teams: empty")
+    return teams
+
+
+def set_cpu_team(model, threads: int, host_thread: str) -> None:
+    """The offloaded model's CPU path rebuilt on the same host weights with this team (every later
+    run, and a reconfigured session, uses it)."""
+    from moecache.runtime.cpu_experts import CpuExperts
+
+    runtime = model.moecache.runtime
+    old = runtime.cpu
+    runtime.cpu = CpuExperts(
+        old.w13_GIH, old.w2_GHI, threads=threads, backend=old.backend, host_thread=host_thread
+    )
+    old.close()
 
 
 def offload_session(model, capacity, policy: str, device: torch.device, params=None, on_miss: str = "cpu"):
@@ -472,6 +504,12 @@ def main() -> None:
     )
     ap.add_argument("--requests", type=int, default=2, help="with --forced-trace: its first N requests")
     ap.add_argument(
+        "--cpu-teams",
+        default=None,
+        help="comma list of THREADS:work|idle: capacities below 100%% run once per CPU-path team (its OpenMP "
+        "threads; the GPU-driving thread working in it, or idle in it); default: the executor's own",
+    )
+    ap.add_argument(
         "--warm-requests",
         type=int,
         default=0,
@@ -487,6 +525,7 @@ def main() -> None:
         ap.error(f"--warm-requests {args.warm_requests}: must be >= 0, and > 0 only with --forced-trace")
     if args.new_tokens < 3 or args.hf_new_tokens < 2:
         ap.error("--new-tokens must be >= 3 and --hf-new-tokens >= 2 (decode steps to time)")
+    teams = cpu_teams(ap, args.cpu_teams)
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(want)
     if device.type == "cuda":
@@ -555,15 +594,22 @@ def main() -> None:
                 record(
                     capacity, policy, run_hf(model, prompt, args.hf_new_tokens, device, args.hf_reps), hf_ref
                 )
-            for g, compiled in variants:
-                model.moecache.reset()
-                record(
-                    capacity, policy, run_fast(model, prompt, args.new_tokens, g, compile=compiled), hf_ref
-                )
-                if full:
+            for team in teams if not full else [None]:
+                label = capacity if team is None else f"{capacity} {team[0]}:{team[1]}"
+                if team is not None:
+                    set_cpu_team(model, *team)
+                for g, compiled in variants:
                     model.moecache.reset()
-                    r = run_fast(model, prompt, args.new_tokens, g, host_points="always", compile=compiled)
-                    record("100% split", policy, r, hf_ref)
+                    r = run_fast(model, prompt, args.new_tokens, g, compile=compiled)
+                    if team is not None:
+                        r["cpu_threads"], r["host_thread"] = team
+                    record(label, policy, r, hf_ref)
+                    if full:
+                        model.moecache.reset()
+                        r = run_fast(
+                            model, prompt, args.new_tokens, g, host_points="always", compile=compiled
+                        )
+                        record("100% split", policy, r, hf_ref)
     result = {
         "bench": "decode",
         **environment(device, described),

@@ -29,8 +29,8 @@
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
 #      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
-#      wait, manager and CPU-path time per MoE layer; every expert on the CPU again with the GPU-driving
-#      thread idle in the CPU team (MOECACHE_CPU_HOST_THREAD=idle); then the CPU expert executor alone.
+#      wait, manager and CPU-path time per MoE layer; every expert on the CPU and 50% once per CPU-path
+#      team (--cpu-teams); then the CPU expert executor alone, with and without gaps between calls.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -103,16 +103,19 @@ part_decode_compiled() {
 }
 
 # The Qwen3.6 shape offloaded, its step taken apart: the llama.cpp table's 20 layers and vocabulary, pp512 /
-# tg128, compiled as in its compiled column; then 8 cold Qwen3.6 experts at one token on the CPU path alone.
+# tg128, compiled as in its compiled column; then every expert on the CPU and 50% (lfu, generate's default)
+# once per CPU-path team (OpenMP threads; the GPU-driving thread working in the team or idle in it); then
+# 8 cold Qwen3.6 experts at one token on the CPU path alone, at those thread counts, back to back and with
+# the caller spinning between calls as a decode step's host thread does during the GPU segments.
 part_decode_qwen() {
   step decode_qwen 900 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 \
     --capacities 100%,0% --skip hf,eager,unmodified --compile --prompt-tokens 512 --new-tokens 128
-  # the CPU team with the GPU-driving thread idle in it (its caches kept for the host point's Python)
-  step decode_qwen_idle 600 env MOECACHE_CPU_HOST_THREAD=idle python3 benchmarks/bench_decode.py \
-    --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 --capacities 0% --skip hf,eager,unmodified --compile \
-    --prompt-tokens 512 --new-tokens 128
+  step decode_qwen_teams 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml \
+    --layers 20 --capacities 0%,50% --policy lfu --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128 \
+    --cpu-teams 15:work,15:idle,16:work,14:work,12:work,8:work
   step cpu_experts_qwen 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
-    --shapes qwen3.6 --threads 15 --tokens 1 --experts 8 --repeats 20 --warmup 3 --max-pool-mib 1024
+    --shapes qwen3.6 --threads 8,12,14,15,16 --tokens 1 --experts 8 --modes cold --gap-us 0,150,1000 \
+    --repeats 30 --warmup 3 --max-pool-mib 1024
 }
 
 # The Qwen3.6 shape beside llama.cpp (run.sh's LAYERS_QWEN layers): the dsv2 files make room first; its

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.script_module import script_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
@@ -32,3 +34,28 @@ def test_the_tiny_model_runs_unmodified_and_offloaded(monkeypatch, capsys):
     assert runs["0"]["cpu_calls_per_token"] == result["model"]["num_layers"]  # one call per MoE layer
     assert runs["100% split"]["cpu_path_us_per_call"] is None
     assert runs["100% split"]["cpu_calls_per_token"] == 0
+
+
+def test_cpu_teams_run_each_capacity_below_100_once_per_team(monkeypatch, capsys):
+    argv = ["bench_decode.py", "--device", "cpu", "--capacities", "100%,0", "--skip", "hf,unmodified",
+            "--prompt-tokens", "8", "--new-tokens", "4", "--cpu-teams", "1:work,2:idle"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    with script_module("bench_decode_script", SCRIPT) as module:
+        module.main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = {r["variant"]: r for r in result["runs"]}
+    assert set(runs) == {"100%", "100% split", "0 1:work", "0 2:idle"}
+    assert (runs["0 1:work"]["cpu_threads"], runs["0 1:work"]["host_thread"]) == (1, "work")
+    assert (runs["0 2:idle"]["cpu_threads"], runs["0 2:idle"]["host_thread"]) == (2, "idle")
+    assert "cpu_threads" not in runs["100%"]
+    # the same model and prompt on either team: as many entries ran on the CPU
+    assert runs["0 1:work"]["fallback_entries"] == runs["0 2:idle"]["fallback_entries"] > 0
+
+
+def test_a_bad_cpu_team_is_refused(monkeypatch, capsys):
+    argv = ["bench_decode.py", "--device", "cpu", "--cpu-teams", "15:busy"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with script_module("bench_decode_script", SCRIPT) as module, pytest.raises(SystemExit) as exc:
+        module.main()
+    assert exc.value.code == 2
+    assert "--cpu-teams: '15:busy' is not THREADS:work or THREADS:idle" in capsys.readouterr().err
