@@ -642,7 +642,7 @@ def print_table(r: dict) -> None:
         f"kernels {r['kernels']}; torch {r['torch']}, transformers {r['transformers']}"
     )
     head = (
-        f"{'variant':<12} | {'policy':<11} | {'loop':<19} | {'mode':<6} | {'graphs':>6} | {'ms/token':>9} | "
+        f"{'variant':<12} | {'policy':<13} | {'loop':<19} | {'mode':<6} | {'graphs':>6} | {'ms/token':>9} | "
     )
     head += f"{'tokens/s':>9} | {'prefill ms':>10} | {'hit rate':>8} | {'= hf':>4} | {'mgr us/visit':>12}"
     head += f" | {'wait us/visit':>13} | {'cpu us/call':>11}"  # the host point's read-back wait; CPU path
@@ -654,7 +654,7 @@ def print_table(r: dict) -> None:
     for run in r["runs"]:
         hit = run.get("hit_rate")
         print(
-            f"{run['variant']:<12} | {run['policy'] or '-':<11} | {run['loop']:<19} | {run.get('mode', '-'):<6} | "
+            f"{run['variant']:<12} | {run['policy'] or '-':<13} | {run['loop']:<19} | {run.get('mode', '-'):<6} | "
             f"{run['graphs_per_step']:>6} | {run['ms_per_token']:>9.3f} | {run['tokens_per_s']:>9.1f} | "
             f"{run['prefill_ms']:>10.1f} | {'-' if hit is None else f'{hit:.3f}':>8} | "
             f"{run.get('agree_with_transformers', '-'):>4} | {cell(run.get('manager_us_per_visit'), 12)} | "

@@ -30,7 +30,9 @@
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
 #      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
 #      wait, manager and CPU-path time per MoE layer; every expert on the CPU and 50% once per CPU-path
-#      team (--cpu-teams); then the CPU expert executor alone, with and without gaps between calls.
+#      team (--cpu-teams); then the CPU expert executor alone, with and without gaps between calls;
+#   9. `decode_qwen_policies`: 50% and 25% with static_layers (llama.cpp's split) and with lfu; the CPU
+#      path alone at 1, 2, 4 and 8 experts per call.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -55,9 +57,9 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS. Default: what is still unmeasured, `decode_qwen fidelity
+# The parts, run in the order of PARTS. Default: what is still unmeasured, `decode_qwen_policies
 # fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen decode_compiled decode_qwen
-# fidelity_qwen`; the GPU tests while the checkpoint is written, without llama.cpp: `tests_write load fidelity`.
+# decode_qwen_policies fidelity_qwen`; the GPU tests while the checkpoint is written, without llama.cpp: `tests_write load fidelity`.
 # run.sh write keeps a checkpoint that is there; the step is logged once.
 write_dsv2() { [ -f "$DSV2_CKPT/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2; }
 
@@ -118,6 +120,22 @@ part_decode_qwen() {
     --repeats 30 --warmup 3 --max-pool-mib 1024
 }
 
+# The Qwen3.6 shape at 50% and 25% with llama.cpp's placement (static_layers: whole layers resident, the
+# rest on the CPU, one host point per CPU layer) beside lfu's (experts of every layer resident, every
+# layer a host point with a partial CPU call); then the CPU path alone at 1-8 experts per call, whose
+# in-place cost at 50% (3.7 experts, 416-558 us per call) was near the 8-expert call's (624 us).
+part_decode_qwen_policies() {
+  local policy
+  for policy in static_layers lfu; do
+    step "decode_qwen_$policy" 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml \
+      --layers 20 --capacities 50%,25% --policy "$policy" --skip hf,eager,unmodified --prompt-tokens 512 \
+      --new-tokens 128
+  done
+  step cpu_experts_calls 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
+    --shapes qwen3.6 --threads 14,15,16 --tokens 1 --experts 1,2,4,8 --modes cold --gap-us 0,300 \
+    --repeats 30 --warmup 3 --max-pool-mib 1024
+}
+
 # The Qwen3.6 shape beside llama.cpp (run.sh's LAYERS_QWEN layers): the dsv2 files make room first; its
 # checkpoint goes to /dev/shm, since the disk cannot hold it and its GGUF at once.
 part_llama_qwen() {
@@ -170,7 +188,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-decode_qwen fidelity fidelity_qwen}; do "part_$part"; done
+  for part in ${PARTS:-decode_qwen_policies fidelity_qwen}; do "part_$part"; done
   log "queue done"
   touch "$RES/DONE"
 }
