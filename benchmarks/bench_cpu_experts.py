@@ -224,8 +224,8 @@ HEADER = (
 def print_row(r: dict) -> None:
     print(
         f"{r['backend']:<6} | {r['shape']:<9} | {r['dtype']:<8} | {r['threads']:>3} | {r['experts']:>3} | "
-        f"{r['tokens']:>3} | {r['mode']:<4} | {r['gap_us']:>6} | {r['call_median_us']:8.1f} | {r['call_p10_us']:8.1f} | "
-        f"{r['call_p90_us']:8.1f} | {r['per_expert_us']:9.1f} | {r['gbps']:6.1f}",
+        f"{r['tokens']:>3} | {r['mode']:<4} | {r['gap_us']:>6} | {r['call_median_us']:8.1f} | "
+        f"{r['call_p10_us']:8.1f} | {r['call_p90_us']:8.1f} | {r['per_expert_us']:9.1f} | {r['gbps']:6.1f}",
         flush=True,
     )
 
