@@ -20,6 +20,8 @@ Runs, each greedy, batch 1, a prompt of `--prompt-tokens` random ids:
   `--policy` (lru) in split mode; (a) there is transformers' generate with whole layer visits.
 `--cpu-teams 15:work,15:idle,...` runs each capacity below 100% once per CPU-path team: the executor's
 OpenMP threads, the GPU-driving thread working among them or idle in them (CpuExperts' host_thread).
+`--visit-first` runs each capacity below 100% again with every layer's visit before its CPU half (the
+host point's order before the visit moved to the next host point, moecache/runtime/segments.py).
 The fast loop's time is the second `generate` call's (the first warms up and captures), decode steps
 only; (a) is (time of N new tokens - time of 1) / (N - 1). Prefill is reported apart.
 
@@ -49,6 +51,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -210,6 +213,25 @@ def set_cpu_team(model, threads: int, host_thread: str) -> None:
         old.w13_GIH, old.w2_GHI, threads=threads, backend=old.backend, host_thread=host_thread
     )
     old.close()
+
+
+@contextlib.contextmanager
+def visit_first():
+    """The fast loop's host points with each layer's visit before its CPU half, on the step's critical
+    path (the order before the visit was deferred past it), for an A/B on one machine: only a visit
+    whose every entry hits is deferred, on CUDA (ExpertsTaps._defer_visit's "split" rule)."""
+    from moecache.runtime.segments import ExpertsTaps
+
+    deferred = ExpertsTaps._defer_visit
+
+    def covered_only(taps, layer, ids_TK):
+        return taps.is_cuda and taps.manager.covers(layer, ids_TK) and deferred(taps, layer, ids_TK)
+
+    ExpertsTaps._defer_visit = covered_only
+    try:
+        yield
+    finally:
+        ExpertsTaps._defer_visit = deferred
 
 
 def offload_session(model, capacity, policy: str, device: torch.device, params=None, on_miss: str = "cpu"):
@@ -510,6 +532,11 @@ def main() -> None:
         "threads; the GPU-driving thread working in it, or idle in it); default: the executor's own",
     )
     ap.add_argument(
+        "--visit-first",
+        action="store_true",
+        help="capacities below 100%%: each run again with the layer's visit before its CPU half (A/B)",
+    )
+    ap.add_argument(
         "--warm-requests",
         type=int,
         default=0,
@@ -604,6 +631,11 @@ def main() -> None:
                     if team is not None:
                         r["cpu_threads"], r["host_thread"] = team
                     record(label, policy, r, hf_ref)
+                    if args.visit_first and not full:
+                        model.moecache.reset()
+                        with visit_first():
+                            r = run_fast(model, prompt, args.new_tokens, g, compile=compiled)
+                        record(label + " visit-first", policy, r, hf_ref)
                     if full:
                         model.moecache.reset()
                         r = run_fast(

@@ -15,6 +15,8 @@ Sections (each skipped, with the reason printed, where the device cannot run it)
   `visit` itself (a copy and a stream synchronize), and as the fast decode loop does it (the read-back
   copy and an event after it, `prepare`, a wait on the event, `visit` on the host copy, `commit`).
   The store's experts are small here (--manager-h/--manager-i): only the manager's time is measured.
+  `--sweep-mib N`: before each visit of the host-routing fast-loop pass, N MiB are read through the
+  caches (untimed), as the CPU path's expert weights go through them between two visits of a decode.
   `--on-miss split --cost-profile P`: the manager splits its misses weighing profile P; the table adds
   the host time per decision (visits with a copy in flight for a miss) and per waiting visit.
 - store: allocate and fill a store of --store-experts Qwen3.6-sized experts (40*256 = 10240 is the full
@@ -281,10 +283,15 @@ def bench_manager(device, args) -> dict:
     if device_routing is None:  # the fast loop's manager calls on host routing: its host work alone
         manager.reset()
         counted = getattr(device, "calls", None)
+        # --sweep-mib: that many MiB read through the caches before each visit, untimed, as the CPU path
+        # streams its experts' weights between two layers' visits in a decode step
+        sweep = np.ones(args.sweep_mib << 17) if args.sweep_mib else None
         for t in range(routing.shape[0]):
             if counted is not None and t == args.warm_tokens:
                 before = dict(counted)
             for layer in range(L):
+                if sweep is not None:
+                    sweep.sum()
                 t0 = clock()
                 manager.prepare(layer)
                 visit = manager.visit(layer, routing[t, layer], compute_done=True)
@@ -310,6 +317,7 @@ def bench_manager(device, args) -> dict:
         "host_routing_median_us": float(np.median(host_ns)) / 1e3,
         "host_routing_p90_us": float(np.percentile(host_ns, 90)) / 1e3,
         "hit_rate": s.hits / max(1, s.hits + s.misses),
+        "sweep_mib": args.sweep_mib if device_routing is None else None,
     }
     if readback_ns:
         out["device_routing_median_us"] = float(np.median(readback_ns)) / 1e3
@@ -457,6 +465,12 @@ def main() -> None:
     ap.add_argument("--cost-profile", default=None, help="a cost_profile.json (needed by --on-miss split)")
     ap.add_argument("--warm-tokens", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument(
+        "--sweep-mib",
+        type=int,
+        default=0,
+        help="manager, host routing: MiB read through the caches before each visit (the CPU path's weights)",
+    )
     ap.add_argument("--manager-h", type=int, default=64)
     ap.add_argument("--manager-i", type=int, default=32)
     ap.add_argument(
@@ -465,6 +479,8 @@ def main() -> None:
     ap.add_argument("--store-fill", default="constant", choices=["constant", "random"])
     ap.add_argument("--sections", default="copy,overlap,manager,store")
     args = ap.parse_args()
+    if args.sweep_mib < 0:
+        ap.error(f"--sweep-mib {args.sweep_mib}: must be >= 0")
     device = NullDevice() if args.device == "null" else make_device(args.device)
     sections = set(args.sections.split(","))
     result: dict = {"bench": "runtime", "device": device.name, "args": vars(args)}
@@ -530,8 +546,12 @@ def print_table(r: dict) -> None:
         if "device_routing_median_us" in m:
             rows.append((label + ", + read-back (us)", f"{m['device_routing_median_us']:.2f}"))
         if "fast_loop_median_us" in m and r["device"] != "cuda":
+            swept = f", {m['sweep_mib']} MiB swept before each" if m.get("sweep_mib") else ""
             rows.append(
-                ("fast loop: prepare + visit + commit, host ids (us)", f"{m['fast_loop_median_us']:.2f}")
+                (
+                    f"fast loop: prepare + visit + commit, host ids{swept} (us)",
+                    f"{m['fast_loop_median_us']:.2f}",
+                )
             )
         elif "fast_loop_median_us" in m:
             rows.append(

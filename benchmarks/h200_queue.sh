@@ -29,8 +29,8 @@
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
 #      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
-#      wait, manager and CPU-path time per MoE layer; every expert on the CPU and 50% once per CPU-path
-#      team (--cpu-teams); then the CPU expert executor alone, with and without gaps between calls;
+#      wait, manager and CPU-path time per MoE layer; every expert on the CPU and 50% uncompiled; each
+#      offloaded run with the layer's visit deferred (the default) and before its CPU half (--visit-first);
 #   9. `decode_qwen_policies`: 50% and 25% with static_layers (llama.cpp's split) and with lfu; the CPU
 #      path alone at 1, 2, 4 and 8 experts per call.
 set -uo pipefail
@@ -57,8 +57,8 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS. Default: what is still unmeasured, `decode_qwen_policies
-# fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen decode_compiled decode_qwen
+# The parts, run in the order of PARTS. Default: what is still unmeasured, `decode_qwen
+# decode_qwen_policies fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen decode_compiled decode_qwen
 # decode_qwen_policies fidelity_qwen`; the GPU tests while the checkpoint is written, without llama.cpp: `tests_write load fidelity`.
 # run.sh write keeps a checkpoint that is there; the step is logged once.
 write_dsv2() { [ -f "$DSV2_CKPT/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2; }
@@ -105,19 +105,16 @@ part_decode_compiled() {
 }
 
 # The Qwen3.6 shape offloaded, its step taken apart: the llama.cpp table's 20 layers and vocabulary, pp512 /
-# tg128, compiled as in its compiled column; then every expert on the CPU and 50% (lfu, generate's default)
-# once per CPU-path team (OpenMP threads; the GPU-driving thread working in the team or idle in it); then
-# 8 cold Qwen3.6 experts at one token on the CPU path alone, at those thread counts, back to back and with
-# the caller spinning between calls as a decode step's host thread does during the GPU segments.
+# tg128, compiled as in its compiled column, with the host point's read-back wait, manager and CPU-path
+# time per MoE layer; then every expert on the CPU and 50% (lfu, generate's default) uncompiled. Every
+# offloaded run twice (--visit-first): each layer's visit at the next host point (the default) and before
+# its CPU half, an A/B on one machine.
 part_decode_qwen() {
   step decode_qwen 900 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 \
-    --capacities 100%,0% --skip hf,eager,unmodified --compile --prompt-tokens 512 --new-tokens 128
-  step decode_qwen_teams 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml \
-    --layers 20 --capacities 0%,50% --policy lfu --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128 \
-    --cpu-teams 15:work,15:idle,16:work,14:work,12:work,8:work
-  step cpu_experts_qwen 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
-    --shapes qwen3.6 --threads 8,12,14,15,16 --tokens 1 --experts 8 --modes cold --gap-us 0,150,1000 \
-    --repeats 30 --warmup 3 --max-pool-mib 1024
+    --capacities 100%,0% --skip hf,eager,unmodified --compile --visit-first --prompt-tokens 512 --new-tokens 128
+  step decode_qwen_ab 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml \
+    --layers 20 --capacities 0%,50% --policy lfu --skip hf,eager,unmodified --visit-first --prompt-tokens 512 \
+    --new-tokens 128
 }
 
 # The Qwen3.6 shape at 50% and 25% with llama.cpp's placement (static_layers: whole layers resident, the
@@ -188,7 +185,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-decode_qwen_policies fidelity_qwen}; do "part_$part"; done
+  for part in ${PARTS:-decode_qwen decode_qwen_policies fidelity_qwen}; do "part_$part"; done
   log "queue done"
   touch "$RES/DONE"
 }

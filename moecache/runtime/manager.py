@@ -534,14 +534,20 @@ class CacheManager:
         """The layer `prepare` published for, until its visit (None: none pending)."""
         return self._prepared
 
+    def prepared_hits(self, layer: int, ids_TK: np.ndarray) -> np.ndarray | None:
+        """The hit mask (bool [T, K]) of the layer's published row for `ids_TK`: after `prepare(layer)`,
+        exactly the `hit_TK` of the visit that follows (it runs on that snapshot); None for an id outside
+        0..E-1 (the visit refuses it)."""
+        E = self.shape.num_experts
+        if ids_TK.size and (ids_TK.min() < 0 or ids_TK.max() >= E):
+            return None
+        return self.published_LE[layer][ids_TK] >= 0
+
     def covers(self, layer: int, ids_TK: np.ndarray) -> bool:
         """Whether every entry of `ids_TK` is in the layer's published row: after `prepare(layer)`, the
-        visit that follows would run all of them on the device (an id outside 0..E-1: False; the
-        visit refuses it)."""
-        E = self.shape.num_experts
-        if ids_TK.size == 0 or ids_TK.min() < 0 or ids_TK.max() >= E:
-            return ids_TK.size == 0
-        return bool((self.published_LE[layer][ids_TK] >= 0).all())
+        visit that follows would run all of them on the device (an id outside 0..E-1: False)."""
+        hit_TK = self.prepared_hits(layer, ids_TK)
+        return hit_TK is not None and bool(hit_TK.all())
 
     def cancel_prepare(self) -> None:
         """Forget a `prepare` whose visit will not come (its step was abandoned); the publication stays."""

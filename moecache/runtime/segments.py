@@ -12,22 +12,26 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
       (CUDA) slot_of_LE[l] <- the staging row; y_TH (float32) = slot_moe(  | segment B(l): the
           static buffers, slot_of_LE[l], pool)                            |  resident experts
       host point `_combine(l)`: wait for the read-back (a spin on the counter's host copy: no CUDA
-          call), `manager.visit` (the policy, copies), `commit()`, the CPU misses computed (float32
-          sums) while B(l) runs, copied into a static buffer and added into y_TH in float32 (both on
-          the compute stream, after B(l); nothing when the layer had no miss)
+          call); the CPU misses (the entries outside the prepared row, which is the visit's snapshot)
+          computed (float32 sums) while B(l) runs, copied into a static buffer and added into y_TH in
+          float32 (both on the compute stream, after B(l); nothing when the layer had no miss)
       return y_TH rounded to x's dtype                                    | the next segment
+      `manager.visit(l)` (the policy, copies) and `commit()`: at the next host point (`flush`), while
+          the GPU computes the next segment
   The layer's output is rounded once, from the float32 sum of both halves (docs/runtime.md, "One
   rounding"); the rounding is the first kernel of the next segment (one small kernel per MoE layer).
   So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
-  routing back and runs the manager. On CUDA, when every entry of the layer is in its prepared row
-  (no CPU work), `_combine` does nothing and the visit itself runs at the next host point, on a copy
-  of its routing, after the next segment has been replayed (`flush`; the decode loop flushes after its
-  last step): the host then never stands between the GPU's segments of a layer without misses. With
-  on_miss="wait" (synchronous copies) the visit runs at `_route` instead, before B(l), which reads the
-  row it sets. With on_miss="split" a visit that waits for some copies (VisitResult.waited) gets one
-  more operator call at `_combine` over its wait row (a graph of its own once the step is captured,
-  `capture_waits`), behind the compute stream's wait on those copies, added into y_TH before the CPU
-  misses are. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
+  routing back and runs the CPU half. With on_miss="cpu" the visit never changes what layer l computes
+  (its hits are the prepared row's), so it runs at the next host point, on a copy of its routing, after
+  the next segment has been replayed (`flush`; the decode loop flushes after its last step): the host's
+  ~30-60 us of policy and bookkeeping per layer (its caches cold from the CPU path's weights) is spent
+  while the GPU computes, not between the GPU's segments. With on_miss="wait" (synchronous copies) the
+  visit runs at `_route` instead, before B(l), which reads the row it sets. With on_miss="split" the
+  visit runs at `_combine`, before the CPU misses (it decides which copies the layer waits for), except
+  on CUDA where every entry is in the prepared row (then it is deferred as above); a visit that waits
+  for some copies (VisitResult.waited) gets one more operator call at `_combine` over its wait row (a
+  graph of its own once the step is captured, `capture_waits`), behind the compute stream's wait on
+  those copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
   (the stand-in device) there is no read-back (the tap buffer is host memory) and the manager uploads
   rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
@@ -185,9 +189,9 @@ class ExpertsTaps:
         self.wait_TH = torch.zeros((T, H), dtype=wide, device=where)
         self._staging_TH = self.device.host_buffer((T, H), wide) if self.is_cuda else None
         self._visit_result = None
-        # (layer, its routing) whose visit `_combine` left to the next host point: the routing copied out,
-        # since the next segment's read-back rewrites the host buffer before that host point
-        self._deferred: tuple[int, np.ndarray] | None = None
+        # (layer, its routing, its CPU half's ns or None) whose visit `_combine` left to the next host
+        # point: the routing copied out, since the next segment's read-back rewrites the host buffer
+        self._deferred: tuple[int, np.ndarray, int | None] | None = None
         if self.is_cuda:  # the read-back's step counter: bumped on the device, copied after the routing
             self._count_dev = torch.zeros(1, dtype=torch.int64, device=where)
             self._count_host = self.device.host_buffer(1, torch.int64)
@@ -311,7 +315,9 @@ class ExpertsTaps:
         """Run the visit `_combine` deferred (if any): the decode loop calls it after its last step."""
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
-            self._visit(*deferred)
+            layer, ids_TK, cpu_ns = deferred
+            self._visit(layer, ids_TK)
+            self._visit_result.cpu_duration_ns = cpu_ns  # its CPU half ran at `_combine`
             self.runtime.commit()
             self._visit_result = None
 
@@ -342,15 +348,13 @@ class ExpertsTaps:
         self._ids_src_TK, self._weights_src_TK = forced_ids_TK, forced_w_TK
 
     def _combine(self, layer: int) -> None:
-        """Segment B is enqueued: the visit (if `_route` only prepared it), commit, then the CPU misses
-        (computed while B runs) into `cpu_TH`, added into B's `y_TH` on the compute stream (with slots)."""
+        """Segment B is enqueued: the CPU misses (computed while B runs) into `cpu_TH`, added into B's
+        `y_TH` on the compute stream (with slots); the visit and commit deferred to the next host point
+        (`_defer_visit`), or run first where they cannot be (on_miss="split" with misses, "wait")."""
         if self.manager.prepared == layer:  # `_route` left the visit to here
             self._wait_readback()
             ids_TK = self._ids_src_TK.numpy()
-            if self.is_cuda and self.manager.covers(layer, ids_TK):
-                # nothing for the CPU: the next segment is replayed first, the visit (policy, copies)
-                # runs at the next host point while the GPU computes it (flush), on a copy of the routing
-                self._deferred = (layer, ids_TK.copy())
+            if self._defer_visit(layer, ids_TK):
                 return
             self._visit(layer, ids_TK)
         visit = self._visit_result
@@ -363,6 +367,26 @@ class ExpertsTaps:
                 self._staging_TH if self.is_cuda else self.cpu_TH, place=self._place_cpu_sum,
             )  # fmt: skip
         self._visit_result = None
+
+    def _defer_visit(self, layer: int, ids_TK: np.ndarray) -> bool:
+        """Leave the prepared visit to the next host point (`flush`), after the layer's CPU half (if
+        any) has run on the prepared row's hit mask, which is the visit's own (it runs on that
+        snapshot). The visit (policy, copies: ~30-60 us per layer with the caches cold from the CPU
+        path's weights) then runs while the GPU computes the next segment, off the step's critical path.
+        With on_miss="cpu" always; with "split" (the visit decides which copies to wait for) only where
+        every entry hits, on CUDA. False: the visit runs now (an id outside 0..E-1 too: it refuses it)."""
+        manager = self.manager
+        hit_TK = manager.prepared_hits(layer, ids_TK)
+        if hit_TK is None or (manager.on_miss != "cpu" and not (self.is_cuda and hit_TK.all())):
+            return False
+        cpu_ns = None
+        if not hit_TK.all():
+            _, cpu_ns = self.runtime.cpu_half(
+                layer, self.host_x_TH, ids_TK, self._weights_src_TK, hit_TK,
+                self._staging_TH if self.is_cuda else self.cpu_TH, place=self._place_cpu_sum,
+            )  # fmt: skip
+        self._deferred = (layer, ids_TK.copy(), cpu_ns)  # a copy: the next read-back rewrites the buffer
+        return True
 
     def _place_cpu_sum(self, y_host_TH: torch.Tensor) -> None:
         """The CPU half's float32 sum into `cpu_TH` (on CUDA from its pinned staging buffer) and added into

@@ -59,3 +59,18 @@ def test_a_bad_cpu_team_is_refused(monkeypatch, capsys):
         module.main()
     assert exc.value.code == 2
     assert "--cpu-teams: '15:busy' is not THREADS:work or THREADS:idle" in capsys.readouterr().err
+
+
+def test_visit_first_reruns_each_capacity_below_100_and_restores_the_taps(monkeypatch, capsys):
+    from moecache.runtime.segments import ExpertsTaps
+
+    deferred = ExpertsTaps._defer_visit
+    argv = ["bench_decode.py", "--device", "cpu", "--capacities", "100%,0", "--skip", "hf,unmodified",
+            "--prompt-tokens", "8", "--new-tokens", "4", "--visit-first"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    with script_module("bench_decode_script", SCRIPT) as module:
+        module.main()
+    runs = {r["variant"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]}
+    assert set(runs) == {"100%", "100% split", "0", "0 visit-first"}
+    assert runs["0"]["fallback_entries"] == runs["0 visit-first"]["fallback_entries"] > 0
+    assert ExpertsTaps._defer_visit is deferred

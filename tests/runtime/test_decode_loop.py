@@ -534,6 +534,10 @@ def check_forced_fast_loop(model_type, capacity, policy, device="cpu", graphs="o
         assert np.array_equal(got_ids[layer], trace_ids(forced, layer))
         assert np.array_equal(want_ids[layer], trace_ids(forced, layer))
     assert all(r.mode == "split" for r in results)  # host points always, even with every expert resident
+    if split_dir is None:  # the same visits in the same order, deferred to the next host point or not
+        keys = ("visits", "hits", "misses", "admissions", "evictions", "gpu_entries", "fallback_entries")
+        want_s, got_s = hf_model.moecache.stats(), fast_model.moecache.stats()
+        assert {k: got_s[k] for k in keys} == {k: want_s[k] for k in keys}
     return plain, fast_model, results
 
 
@@ -659,3 +663,29 @@ def test_a_forcing_hook_inside_a_capture_is_refused_and_forced_decoding_still_wo
     forced.start_request(rid)
     result = FastDecoder(model, 16, forced=forced).generate(forced.input_ids(rid, 320), FORCED_NEW[rid])
     assert result.graphs_per_step == 2 * adapter.num_layers + 1 and result.new_tokens == FORCED_NEW[rid]
+
+
+def test_a_layers_visit_follows_its_cpu_half_at_the_next_host_point():
+    # on_miss="cpu": the visit cannot change what the layer computes, so the host runs the CPU misses
+    # first and the visit (policy, bookkeeping) at the next host point (segments.py, _defer_visit)
+    plain = tiny("qwen3_5_moe")
+    L = adapter_for(plain).num_layers
+    model = moecache.offload(plain, capacity=0, policy="lru")
+    runtime, manager = model.moecache.runtime, model.moecache.manager
+    order, cpu_half, visit = [], runtime.cpu_half, manager.visit
+
+    def cpu_spy(layer, *args, **kwargs):
+        order.append(("cpu", layer))
+        return cpu_half(layer, *args, **kwargs)
+
+    def visit_spy(layer, *args, **kwargs):
+        order.append(("visit", layer))
+        return visit(layer, *args, **kwargs)
+
+    runtime.cpu_half, manager.visit = cpu_spy, visit_spy
+    decoder = FastDecoder(model, max_cache_len=len(PROMPT_T) + 4)
+    decoder.generate(torch.tensor([PROMPT_T]), 4)  # the prefill's token, then 3 decode steps
+    decode = order[2 * L :]  # after the prefill's whole layer visits (visit, then its CPU half)
+    assert order[:2] == [("visit", 0), ("cpu", 0)]
+    assert decode == [(what, layer) for _ in range(3) for layer in range(L) for what in ("cpu", "visit")]
+    assert decoder._taps._deferred is None  # the last step's visit ran before generate returned

@@ -588,6 +588,17 @@ def test_covers_says_whether_a_prepared_row_holds_every_entry():
     assert m.prepared is None
 
 
+def test_prepared_hits_are_the_following_visits_hit_mask():
+    m = manager("lru", 4)
+    m.visit(0, ids(1, 2))
+    m.device.run()
+    m.prepare(0)  # publishes 1 and 2
+    routing = ids(2, 3)
+    want = m.prepared_hits(0, routing)
+    assert m.prepared_hits(0, ids(1, 8)) is None and m.prepared_hits(0, ids(-1, 2)) is None
+    assert np.array_equal(m.visit(0, routing).hit_TK, want) and want.tolist() == [[True, False]]
+
+
 @pytest.mark.parametrize("bad", [8, -1])
 def test_routing_outside_the_experts_is_refused_before_any_state_changes(bad):
     m = manager("lru", 3)

@@ -1,0 +1,37 @@
+"""benchmarks/bench_runtime.py's manager section on the null device: the fast loop's manager calls timed,
+with `--sweep-mib` MiB read through the caches before each visit; a negative sweep is refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.script_module import script_module
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_runtime.py"
+ARGS = ["bench_runtime.py", "--device", "null", "--sections", "manager", "--layers", "4", "--experts", "16",
+        "--top-k", "2", "--capacity", "8", "--warm-tokens", "2", "--tokens", "4"]  # fmt: skip
+
+
+def run(monkeypatch, capsys, *extra: str) -> dict:
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    monkeypatch.setattr(sys, "argv", [*ARGS, *extra])
+    with script_module("bench_runtime_script", SCRIPT) as module:
+        module.main()
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("sweep", [0, 1])
+def test_the_manager_section_times_the_fast_loop_calls(monkeypatch, capsys, sweep):
+    m = run(monkeypatch, capsys, "--sweep-mib", str(sweep))["manager"]
+    assert m["sweep_mib"] == sweep and m["visits_timed"] == 4 * 4
+    assert m["fast_loop_median_us"] > 0 and m["host_routing_median_us"] > 0
+
+
+def test_a_negative_sweep_is_refused(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run(monkeypatch, capsys, "--sweep-mib", "-1")
+    assert exc.value.code == 2 and "--sweep-mib -1: must be >= 0" in capsys.readouterr().err
