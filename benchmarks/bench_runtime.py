@@ -19,6 +19,9 @@ Sections (each skipped, with the reason printed, where the device cannot run it)
   caches (untimed), as the CPU path's expert weights go through them between two visits of a decode.
   `--on-miss split --cost-profile P`: the manager splits its misses weighing profile P; the table adds
   the host time per decision (visits with a copy in flight for a miss) and per waiting visit.
+- cpu_call: one layer's CPU half at T = 1 with every entry missing, on tiny experts: the eager call's
+  form (`ExpertsRuntime.cpu_half`) against the host point's (`cpu_half_bound`, bound to fixed buffers),
+  warm and with --sweep-mib MiB read through the caches before each call. Not in the default sections.
 - store: allocate and fill a store of --store-experts Qwen3.6-sized experts (40*256 = 10240 is the full
   60 GiB model; the H200 host has 128 GiB), then one cudaHostRegister; its time and the peak RSS.
 
@@ -62,6 +65,53 @@ def filled_store(num_layers: int, num_experts: int, hidden: int, inter: int) -> 
         store.w13_GIH[rows].normal_()
         store.w2_GHI[rows].normal_()
     return store
+
+
+# ---- the host point's CPU-path call ---------------------------------------------------------------
+
+
+def bench_cpu_call(device, args) -> dict:
+    """Host time of one layer's CPU half at T = 1, every one of K entries missing, through the eager
+    call's `ExpertsRuntime.cpu_half` (gather into new tensors, checked `run`) and the host point's
+    `cpu_half_bound` (gathered into a call bound to fixed buffers), on experts so small (--manager-h /
+    --manager-i) that the kernel's own time is a few us: what is left is the Python between the
+    routing's arrival and the kernel. Warm, and with --sweep-mib MiB read through the caches before
+    each call, as the CPU path's real weights are between two layers' calls."""
+    from moecache.runtime.cpu_experts import CpuExperts
+    from moecache.runtime.experts_module import ExpertsRuntime
+
+    L, E, K = args.layers, args.experts, args.top_k
+    store = filled_store(L, E, args.manager_h, args.manager_i)
+    manager = CacheManager(store, device, 0, make_policy("lru"), top_k=K)
+    runtime = ExpertsRuntime(manager, CpuExperts(store.w13_GIH, store.w2_GHI, threads=1))
+    rng = np.random.default_rng(0)
+    ids_NTK = np.stack([rng.choice(E, (1, K), replace=False) for _ in range(args.tokens)]).astype(np.int64)
+    w_TK = np.full((1, K), 1.0 / K, np.float32)
+    hit_TK = np.zeros((1, K), np.bool_)
+    x_TH = torch.randn(1, args.manager_h).to(DTYPE)
+    out_TH = torch.empty(1, args.manager_h)
+    call = runtime.cpu.bind(x_TH, out_TH, K)
+    sweep = np.ones(args.sweep_mib << 17) if args.sweep_mib else None
+    forms = {
+        "eager": lambda n: runtime.cpu_half(
+            n % L, x_TH, ids_NTK[n], torch.from_numpy(w_TK), hit_TK, out_TH, place=lambda y: y
+        ),
+        "bound": lambda n: runtime.cpu_half_bound(n % L, call, ids_NTK[n], w_TK, hit_TK, place=lambda y: y),
+    }
+    out = {"sweep_mib": args.sweep_mib}
+    for name, run in forms.items():
+        for swept in (False, True) if sweep is not None else (False,):
+            samples = []
+            for n in range(args.tokens):
+                if swept:
+                    sweep.sum()
+                t0 = time.perf_counter_ns()
+                run(n)
+                samples.append(time.perf_counter_ns() - t0)
+            out[f"{name}{'_swept' if swept else ''}_median_us"] = (
+                float(np.median(samples[args.warm_tokens :])) / 1e3
+            )
+    return out
 
 
 # ---- copy bandwidth ----------------------------------------------------------------------------
@@ -469,7 +519,7 @@ def main() -> None:
         "--sweep-mib",
         type=int,
         default=0,
-        help="manager, host routing: MiB read through the caches before each visit (the CPU path's weights)",
+        help="manager (host routing) and cpu_call: MiB read through the caches before each visit or call",
     )
     ap.add_argument("--manager-h", type=int, default=64)
     ap.add_argument("--manager-i", type=int, default=32)
@@ -499,6 +549,8 @@ def main() -> None:
             skipped["overlap"] = "needs CUDA"
     if "manager" in sections:
         result["manager"] = bench_manager(device, args)
+    if "cpu_call" in sections:
+        result["cpu_call"] = bench_cpu_call(device, args)
     if "store" in sections and args.store_experts:
         result["store"] = bench_store(args.store_experts, args.store_fill)
     result["skipped"] = skipped
@@ -539,6 +591,14 @@ def print_table(r: dict) -> None:
                     f"{k['slowdown']:.4f}, {k['copies_inside_window']:.2f}",
                 ),
             ]
+    if "cpu_call" in r:
+        c = r["cpu_call"]
+        for key, value in c.items():
+            if key.endswith("_median_us"):
+                form = key.removesuffix("_median_us").replace(
+                    "_swept", f", {c['sweep_mib']} MiB swept before each"
+                )
+                rows.append((f"CPU half, T=1, every entry missing: {form} (us)", f"{value:.2f}"))
     if "manager" in r:
         m = r["manager"]
         label = f"manager visit, {m['policy']} {m['shape']} cap {m['capacity']}"

@@ -43,6 +43,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from moecache_kernels import expert_forward
 
@@ -275,6 +276,13 @@ class CpuExperts:
                 self._run_torch(x_TH, keys_M, token_M, weight_M, out_TH, t)
         return out_TH
 
+    def bind(self, x_TH: torch.Tensor, out_TH: torch.Tensor, max_entries: int) -> BoundCall:
+        """A `run` on fixed buffers, for a caller that computes into the same memory every time (the
+        fast loop's host points): x_TH and out_TH (contiguous, kept alive and at their addresses by
+        the caller) are checked once; each call's triples are written into the returned call's arrays
+        and `call(m)` computes the first m of them (BoundCall)."""
+        return BoundCall(self, x_TH, out_TH, max_entries)
+
     def submit(
         self,
         x_TH: torch.Tensor,
@@ -365,6 +373,69 @@ class CpuExperts:
             y_NH = expert_forward(x_TH[tok].float(), self.w13_GIH[key].float(), self.w2_GHI[key].float())
             acc_TH.index_add_(0, tok, y_NH * weight_M[idx, None])
         out_TH.copy_(acc_TH)
+
+
+class BoundCall:
+    """`CpuExperts.run(x_TH, keys_M[:m], token_M[:m], weight_M[:m], out_TH)` on buffers fixed at
+    `CpuExperts.bind`: the caller writes a call's (key, token, weight) triples into `keys_M` (int64),
+    `token_M` (int64) and `weight_M` (float32), numpy arrays of `max_entries`, then calls `call(m)`,
+    which returns out_TH. With the cpp backend the call's arguments (every pointer, its own workspaces)
+    are filled once, so a call sets one number and calls the library: the fewest Python steps between
+    the routing's arrival and the experts' first weights, whose code and data the weights streamed by
+    the previous call have pushed out of the caches. A bad key or token is refused as by `run`."""
+
+    def __init__(self, executor: CpuExperts, x_TH: torch.Tensor, out_TH: torch.Tensor, max_entries: int):
+        if max_entries < 1:
+            raise MoecacheError(f"cpu experts: bind needs max_entries >= 1, got {max_entries}")
+        if not (x_TH.is_contiguous() and out_TH.is_contiguous()):
+            raise MoecacheError("cpu experts: bind needs contiguous x and out (they are used in place)")
+        self.keys_M = np.zeros(max_entries, np.int64)
+        self.token_M = np.zeros(max_entries, np.int64)
+        self.weight_M = np.zeros(max_entries, np.float32)
+        keys_t, token_t, weight_t = (torch.from_numpy(a) for a in (self.keys_M, self.token_M, self.weight_M))
+        checked_call(
+            executor.hidden, executor.dtype, x_TH, keys_t, token_t, weight_t, out_TH, float32_out=True
+        )
+        self.executor, self.x_TH, self.out_TH = executor, x_TH, out_TH
+        self._tensors = (keys_t, token_t, weight_t)
+        self._args = None
+        if executor.backend == "cpp":
+            t, h, i = x_TH.shape[0], executor.hidden, executor.inter
+            work = {  # this call's own workspaces (`run`'s are the executor's)
+                "order": torch.empty(max_entries, dtype=torch.int32),
+                "key_U": torch.empty(max_entries, dtype=torch.int64),
+                "start_U": torch.empty(max_entries + 1, dtype=torch.int32),
+                "act": torch.empty(max_entries * i, dtype=torch.float32),
+                "acc": torch.empty(t * h, dtype=torch.float32),
+            }
+            w13, w2 = executor.w13_GIH, executor.w2_GHI
+            self._args = RunArgs(
+                dtype=_DTYPE_CODE[executor.dtype], T=t, H=h, I=i, G=executor.num_keys, M=0,
+                w13_stride=w13.stride(0), w2_stride=w2.stride(0), threads=executor.threads,
+                host_idle=int(executor.host_thread == "idle"), out_f32=int(out_TH.dtype == torch.float32),
+                x_TH=x_TH.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(),
+                key_M=self.keys_M.ctypes.data, token_M=self.token_M.ctypes.data,
+                weight_M=self.weight_M.ctypes.data, order_M=work["order"].data_ptr(),
+                key_U=work["key_U"].data_ptr(), start_U=work["start_U"].data_ptr(),
+                act_MI=work["act"].data_ptr(), acc_TH=work["acc"].data_ptr(), out_TH=out_TH.data_ptr(),
+            )  # fmt: skip
+            self._work = work  # kept alive with the struct that points into them
+
+    def __call__(self, m: int) -> torch.Tensor:
+        ex = self.executor
+        with ex._lock:
+            if self._args is not None:
+                self._args.M = m
+                rc = ex._fn(self._args)
+                if rc != 0:
+                    keys_t, token_t, _ = self._tensors
+                    raise ex._bad_triple(-rc - 1, keys_t, token_t, self.x_TH.shape[0])
+            else:
+                keys_t, token_t, weight_t = self._tensors
+                ex._run_torch(
+                    self.x_TH, keys_t[:m], token_t[:m], weight_t[:m], self.out_TH, self.x_TH.shape[0]
+                )
+        return self.out_TH
 
 
 def checked_call(

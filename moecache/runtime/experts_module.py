@@ -62,11 +62,12 @@ def miss_entries(layer: int, num_experts: int, ids_host_TK: np.ndarray, weights_
     return torch.from_numpy(keys_M[:m]), torch.from_numpy(token_M[:m]), torch.from_numpy(weight_M[:m])
 
 
-def log_cpu_call(log: list, tokens: int, keys_M: torch.Tensor, ns: int) -> None:
+def log_cpu_call(log: list, tokens: int, keys_M, ns: int) -> None:
     """One CPU-path call into a CPU-path log (both loops' `cpu_log`: calibrate's in-loop rows):
-    (tokens, entries, ns, uses: the token count of each of its experts)."""
-    uses = tuple(np.unique(keys_M.numpy(), return_counts=True)[1].tolist())
-    log.append((int(tokens), int(keys_M.numel()), int(ns), uses))
+    (tokens, entries, ns, uses: the token count of each of its experts). `keys_M`: 1-D, CPU tensor or
+    numpy."""
+    uses = tuple(np.unique(np.asarray(keys_M), return_counts=True)[1].tolist())
+    log.append((int(tokens), len(keys_M), int(ns), uses))
 
 
 @nb.njit(cache=True, nogil=True)
@@ -260,13 +261,30 @@ class ExpertsRuntime:
         keys_M, token_M, weights_M = miss_entries(layer, self.num_experts, ids_host_TK, weights_TK, hit_TK)
         y_TH = place(self.cpu.run(x_host_TH, keys_M, token_M, weights_M, out_TH))
         spent_ns = time.perf_counter_ns() - started
+        self._count_cpu_call(hit_TK.shape[0], keys_M, spent_ns)
+        return y_TH, spent_ns
+
+    def cpu_half_bound(self, layer, call, ids_host_TK: np.ndarray, w_host_TK: np.ndarray, hit_TK, *, place):
+        """`cpu_half` through `call`, a `CpuExperts.bind` on the caller's fixed host buffers (x in, the
+        float32 sum out: the fast loop's host points): the misses gathered straight into the call's
+        arrays (`ids_host_TK` int64, `w_host_TK` float32, contiguous), nothing allocated or checked
+        again per call. Returns (place's result, the host ns of it all)."""
+        started = time.perf_counter_ns()
+        m = _gather_misses(
+            layer * self.num_experts, ids_host_TK, w_host_TK, hit_TK, call.keys_M, call.token_M, call.weight_M
+        )
+        y_TH = place(call(m))
+        spent_ns = time.perf_counter_ns() - started
+        self._count_cpu_call(hit_TK.shape[0], call.keys_M[:m], spent_ns)
+        return y_TH, spent_ns
+
+    def _count_cpu_call(self, tokens: int, keys_M, spent_ns: int) -> None:
         counters = self.counters
         counters.cpu_ns += spent_ns
         counters.cpu_calls += 1
-        counters.cpu_entries += int(keys_M.numel())
+        counters.cpu_entries += len(keys_M)
         if self.cpu_log is not None:
-            log_cpu_call(self.cpu_log, hit_TK.shape[0], keys_M, spent_ns)
-        return y_TH, spent_ns
+            log_cpu_call(self.cpu_log, tokens, keys_M, spent_ns)
 
 
 class OffloadedExperts(nn.Module):

@@ -188,6 +188,7 @@ class ExpertsTaps:
         self.cpu_TH = torch.zeros((T, H), dtype=wide, device=where)
         self.wait_TH = torch.zeros((T, H), dtype=wide, device=where)
         self._staging_TH = self.device.host_buffer((T, H), wide) if self.is_cuda else None
+        self._cpu_call = None  # the CPU path bound to host_x_TH and the staging buffer (`_cpu_half`)
         self._visit_result = None
         # (layer, its routing, its CPU half's ns or None) whose visit `_combine` left to the next host
         # point: the routing copied out, since the next segment's read-back rewrites the host buffer
@@ -362,10 +363,7 @@ class ExpertsTaps:
             self._run_waited(visit)
         self.runtime.commit()
         if not visit.hit_TK.all():
-            _, visit.cpu_duration_ns = self.runtime.cpu_half(
-                layer, self.host_x_TH, self._ids_src_TK.numpy(), self._weights_src_TK, visit.hit_TK,
-                self._staging_TH if self.is_cuda else self.cpu_TH, place=self._place_cpu_sum,
-            )  # fmt: skip
+            visit.cpu_duration_ns = self._cpu_half(layer, self._ids_src_TK.numpy(), visit.hit_TK)
         self._visit_result = None
 
     def _defer_visit(self, layer: int, ids_TK: np.ndarray) -> bool:
@@ -381,12 +379,22 @@ class ExpertsTaps:
             return False
         cpu_ns = None
         if not hit_TK.all():
-            _, cpu_ns = self.runtime.cpu_half(
-                layer, self.host_x_TH, ids_TK, self._weights_src_TK, hit_TK,
-                self._staging_TH if self.is_cuda else self.cpu_TH, place=self._place_cpu_sum,
-            )  # fmt: skip
+            cpu_ns = self._cpu_half(layer, ids_TK, hit_TK)
         self._deferred = (layer, ids_TK.copy(), cpu_ns)  # a copy: the next read-back rewrites the buffer
         return True
+
+    def _cpu_half(self, layer: int, ids_TK: np.ndarray, hit_TK: np.ndarray) -> int:
+        """The layer's entries outside `hit_TK` on the CPU, from the host copy of x into the float32
+        staging buffer (`cpu_TH` on the stand-in), placed by `_place_cpu_sum`; returns its host ns. The
+        executor is bound to those buffers once (`CpuExperts.bind`), again if the runtime's changed."""
+        call = self._cpu_call
+        if call is None or call.executor is not self.runtime.cpu:
+            out_TH = self._staging_TH if self.is_cuda else self.cpu_TH
+            call = self._cpu_call = self.runtime.cpu.bind(self.host_x_TH, out_TH, ids_TK.size)
+        _, spent_ns = self.runtime.cpu_half_bound(
+            layer, call, ids_TK, self._weights_src_TK.numpy(), hit_TK, place=self._place_cpu_sum
+        )
+        return spent_ns
 
     def _place_cpu_sum(self, y_host_TH: torch.Tensor) -> None:
         """The CPU half's float32 sum into `cpu_TH` (on CUDA from its pinned staging buffer) and added into

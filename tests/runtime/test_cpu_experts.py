@@ -276,3 +276,44 @@ def test_bf16_activations_stay_fp32_and_a_float32_out_is_the_unrounded_sum(backe
     assert torch.equal(ex.run(x_TH, keys_M, token_M, weight_M), out32_TH.to(torch.bfloat16))
     with pytest.raises(MoecacheError, match="torch.bfloat16 or torch.float32"):
         ex.run(x_TH, keys_M, token_M, weight_M, torch.empty(x_TH.shape, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_bound_call_equals_run_on_its_fixed_buffers(backend, dtype):
+    skip_unless_runs(backend, dtype)
+    g, h, i, t, k = 7, 80, 24, 3, 4
+    w13, w2 = make_weights(g, h, i, dtype, seed=3)
+    ex = CpuExperts(w13, w2, backend=backend, threads=2)
+    gen = torch.Generator().manual_seed(4)
+    x_TH = torch.randn(t, h, generator=gen).to(dtype)
+    out_TH = torch.full((t, h), float("nan"))
+    call = ex.bind(x_TH, out_TH, t * k)
+    for m in (t * k, 1, 5):  # the same buffers, calls of different sizes, new x each time
+        x_TH.copy_(torch.randn(t, h, generator=gen).to(dtype))
+        keys_M, token_M = torch.randint(0, g, (m,), generator=gen), torch.randint(0, t, (m,), generator=gen)
+        weight_M = torch.rand(m, generator=gen)
+        call.keys_M[:m], call.token_M[:m], call.weight_M[:m] = keys_M, token_M, weight_M
+        out_TH.fill_(float("nan"))
+        assert call(m) is out_TH
+        want_TH = ex.run(x_TH, keys_M, token_M, weight_M, torch.empty(t, h))
+        assert torch.equal(out_TH, want_TH)  # the same kernel on the same triples: identical sums
+
+
+def test_a_bound_call_refuses_bad_triples_and_buffers(backend):
+    skip_unless_runs(backend, torch.float32)
+    w13, w2 = make_weights(4, 32, 16, torch.float32)
+    ex = CpuExperts(w13, w2, backend=backend)
+    x_TH, out_TH = torch.randn(2, 32), torch.empty(2, 32)
+    call = ex.bind(x_TH, out_TH, 4)
+    call.keys_M[0], call.token_M[0], call.weight_M[0] = 4, 0, 1.0
+    with pytest.raises(MoecacheError, match="key 4"):
+        call(1)
+    call.keys_M[0], call.token_M[0] = 0, 2
+    with pytest.raises(MoecacheError, match="token 2"):
+        call(1)
+    with pytest.raises(MoecacheError, match="contiguous"):
+        ex.bind(torch.randn(32, 2).t(), out_TH, 4)
+    with pytest.raises(MoecacheError, match="max_entries"):
+        ex.bind(x_TH, out_TH, 0)
+    with pytest.raises(MoecacheError, match="out must be"):
+        ex.bind(x_TH, torch.empty(3, 32), 4)

@@ -672,17 +672,21 @@ def test_a_layers_visit_follows_its_cpu_half_at_the_next_host_point():
     L = adapter_for(plain).num_layers
     model = moecache.offload(plain, capacity=0, policy="lru")
     runtime, manager = model.moecache.runtime, model.moecache.manager
-    order, cpu_half, visit = [], runtime.cpu_half, manager.visit
+    order = []
 
-    def cpu_spy(layer, *args, **kwargs):
-        order.append(("cpu", layer))
-        return cpu_half(layer, *args, **kwargs)
+    def spy(what, call):
+        def logged(layer, *args, **kwargs):
+            order.append((what, layer))
+            return call(layer, *args, **kwargs)
 
-    def visit_spy(layer, *args, **kwargs):
-        order.append(("visit", layer))
-        return visit(layer, *args, **kwargs)
+        return logged
 
-    runtime.cpu_half, manager.visit = cpu_spy, visit_spy
+    # the prefill's whole visits run `cpu_half`, the host points its bound form
+    runtime.cpu_half, runtime.cpu_half_bound = (
+        spy("cpu", runtime.cpu_half),
+        spy("cpu", runtime.cpu_half_bound),
+    )
+    manager.visit = spy("visit", manager.visit)
     decoder = FastDecoder(model, max_cache_len=len(PROMPT_T) + 4)
     decoder.generate(torch.tensor([PROMPT_T]), 4)  # the prefill's token, then 3 decode steps
     decode = order[2 * L :]  # after the prefill's whole layer visits (visit, then its CPU half)
