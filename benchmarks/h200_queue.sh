@@ -109,13 +109,16 @@ part_decode_compiled() {
 # tg128, compiled as in its compiled column, with the host point's read-back wait, manager and CPU-path
 # time per MoE layer; then every expert on the CPU and 50% (lfu, generate's default) uncompiled. Every
 # offloaded run twice (--visit-first): each layer's visit at the next host point (the default) and before
-# its CPU half, an A/B on one machine.
+# its CPU half, an A/B on one machine; then the host point's calls alone, warm and with the caches swept.
 part_decode_qwen() {
   step decode_qwen 900 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 \
     --capacities 100%,0% --skip hf,eager,unmodified --compile --visit-first --prompt-tokens 512 --new-tokens 128
   step decode_qwen_ab 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml \
     --layers 20 --capacities 0%,50% --policy lfu --skip hf,eager,unmodified --visit-first --prompt-tokens 512 \
     --new-tokens 128
+  # the manager's calls and the CPU half's Python on this host, warm and with 64 MiB swept before each
+  step host_point_calls 300 python3 benchmarks/bench_runtime.py --device null --sections manager,cpu_call \
+    --capacity 0 --sweep-mib 64
 }
 
 # The Qwen3.6 shape at 50% and 25% with llama.cpp's placement (static_layers: whole layers resident, the
