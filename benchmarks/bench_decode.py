@@ -218,8 +218,8 @@ def set_cpu_team(model, threads: int, host_thread: str) -> None:
 @contextlib.contextmanager
 def visit_first():
     """The fast loop's host points with each layer's visit before its CPU half, on the step's critical
-    path (the order before the visit was deferred past it), for an A/B on one machine: only a visit
-    whose every entry hits is deferred, on CUDA (ExpertsTaps._defer_visit's "split" rule)."""
+    path (the order before the visit was deferred past it), for an A/B on one machine: as then, only a
+    visit whose every entry hits is deferred, and only on CUDA."""
     from moecache.runtime.segments import ExpertsTaps
 
     deferred = ExpertsTaps._defer_visit

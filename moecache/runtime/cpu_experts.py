@@ -310,18 +310,21 @@ class CpuExperts:
             buf = self._work[name] = torch.empty(max(numel, 1), dtype=dtype)
         return buf
 
+    def _base_args(self) -> RunArgs:
+        """A call struct with this executor's fixed fields (weights, shape, team); the rest is the caller's."""
+        w13, w2 = self.w13_GIH, self.w2_GHI
+        return RunArgs(
+            dtype=_DTYPE_CODE[self.dtype], H=self.hidden, I=self.inter, G=self.num_keys,
+            w13_stride=w13.stride(0), w2_stride=w2.stride(0), threads=self.threads,
+            host_idle=int(self.host_thread == "idle"), w13=w13.data_ptr(), w2=w2.data_ptr(),
+        )  # fmt: skip
+
     def _cpp_args(self, t: int, m: int) -> RunArgs:
         """The call struct, its workspaces grown (and their pointers refreshed) only when t or m exceed
         every earlier call's."""
         args = self._args
         if args is None:
-            w13, w2 = self.w13_GIH, self.w2_GHI
-            args = self._args = RunArgs(
-                dtype=_DTYPE_CODE[self.dtype], H=self.hidden, I=self.inter, G=self.num_keys,
-                w13_stride=w13.stride(0), w2_stride=w2.stride(0), threads=self.threads,
-                host_idle=int(self.host_thread == "idle"),
-                w13=w13.data_ptr(), w2=w2.data_ptr(),
-            )  # fmt: skip
+            args = self._args = self._base_args()
             self._cap_t = self._cap_m = -1
         if m > self._cap_m:
             args.order_M = self._workspace("order", m, torch.int32).data_ptr()
@@ -400,25 +403,22 @@ class BoundCall:
         self._tensors = (keys_t, token_t, weight_t)
         self._args = None
         if executor.backend == "cpp":
-            t, h, i = x_TH.shape[0], executor.hidden, executor.inter
+            t = x_TH.shape[0]
             work = {  # this call's own workspaces (`run`'s are the executor's)
                 "order": torch.empty(max_entries, dtype=torch.int32),
                 "key_U": torch.empty(max_entries, dtype=torch.int64),
                 "start_U": torch.empty(max_entries + 1, dtype=torch.int32),
-                "act": torch.empty(max_entries * i, dtype=torch.float32),
-                "acc": torch.empty(t * h, dtype=torch.float32),
+                "act": torch.empty(max_entries * executor.inter, dtype=torch.float32),
+                "acc": torch.empty(t * executor.hidden, dtype=torch.float32),
             }
-            w13, w2 = executor.w13_GIH, executor.w2_GHI
-            self._args = RunArgs(
-                dtype=_DTYPE_CODE[executor.dtype], T=t, H=h, I=i, G=executor.num_keys, M=0,
-                w13_stride=w13.stride(0), w2_stride=w2.stride(0), threads=executor.threads,
-                host_idle=int(executor.host_thread == "idle"), out_f32=int(out_TH.dtype == torch.float32),
-                x_TH=x_TH.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(),
-                key_M=self.keys_M.ctypes.data, token_M=self.token_M.ctypes.data,
-                weight_M=self.weight_M.ctypes.data, order_M=work["order"].data_ptr(),
-                key_U=work["key_U"].data_ptr(), start_U=work["start_U"].data_ptr(),
-                act_MI=work["act"].data_ptr(), acc_TH=work["acc"].data_ptr(), out_TH=out_TH.data_ptr(),
-            )  # fmt: skip
+            args = self._args = executor._base_args()
+            args.T, args.out_f32 = t, int(out_TH.dtype == torch.float32)
+            args.x_TH, args.out_TH = x_TH.data_ptr(), out_TH.data_ptr()
+            args.key_M, args.token_M = self.keys_M.ctypes.data, self.token_M.ctypes.data
+            args.weight_M = self.weight_M.ctypes.data
+            args.order_M, args.key_U = work["order"].data_ptr(), work["key_U"].data_ptr()
+            args.start_U, args.act_MI = work["start_U"].data_ptr(), work["act"].data_ptr()
+            args.acc_TH = work["acc"].data_ptr()
             self._work = work  # kept alive with the struct that points into them
 
     def __call__(self, m: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
   while the GPU computes, not between the GPU's segments. With on_miss="wait" (synchronous copies) the
   visit runs at `_route` instead, before B(l), which reads the row it sets. With on_miss="split" the
   visit runs at `_combine`, before the CPU misses (it decides which copies the layer waits for), except
-  on CUDA where every entry is in the prepared row (then it is deferred as above); a visit that waits
+  where every entry is in the prepared row (then it is deferred as above); a visit that waits
   for some copies (VisitResult.waited) gets one more operator call at `_combine` over its wait row (a
   graph of its own once the step is captured, `capture_waits`), behind the compute stream's wait on
   those copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
@@ -372,10 +372,10 @@ class ExpertsTaps:
         snapshot). The visit (policy, copies: ~30-60 us per layer with the caches cold from the CPU
         path's weights) then runs while the GPU computes the next segment, off the step's critical path.
         With on_miss="cpu" always; with "split" (the visit decides which copies to wait for) only where
-        every entry hits, on CUDA. False: the visit runs now (an id outside 0..E-1 too: it refuses it)."""
+        every entry hits. False: the visit runs now (an id outside 0..E-1 too: it refuses it)."""
         manager = self.manager
         hit_TK = manager.prepared_hits(layer, ids_TK)
-        if hit_TK is None or (manager.on_miss != "cpu" and not (self.is_cuda and hit_TK.all())):
+        if hit_TK is None or (manager.on_miss != "cpu" and not hit_TK.all()):
             return False
         cpu_ns = None
         if not hit_TK.all():

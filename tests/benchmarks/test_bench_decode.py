@@ -13,15 +13,19 @@ import pytest
 from tests.benchmarks.script_module import script_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
+SMALL = ["--device", "cpu", "--prompt-tokens", "8", "--new-tokens", "4"]
+
+
+def run(monkeypatch, capsys, *args: str) -> dict:
+    """bench_decode.py's main with these arguments; its JSON line."""
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", *args])
+    with script_module("bench_decode_script", SCRIPT) as module:
+        module.main()
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def test_the_tiny_model_runs_unmodified_and_offloaded(monkeypatch, capsys):
-    argv = ["bench_decode.py", "--device", "cpu", "--capacities", "100%,0", "--skip", "hf",
-            "--prompt-tokens", "8", "--new-tokens", "4"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    with script_module("bench_decode_script", SCRIPT) as module:
-        module.main()
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = run(monkeypatch, capsys, *SMALL, "--capacities", "100%,0", "--skip", "hf")
     runs = {r["variant"]: r for r in result["runs"]}
     assert set(runs) == {"unmodified", "100%", "100% split", "0"}
     assert runs["unmodified"]["mode"] == "dense"
@@ -37,12 +41,8 @@ def test_the_tiny_model_runs_unmodified_and_offloaded(monkeypatch, capsys):
 
 
 def test_cpu_teams_run_each_capacity_below_100_once_per_team(monkeypatch, capsys):
-    argv = ["bench_decode.py", "--device", "cpu", "--capacities", "100%,0", "--skip", "hf,unmodified",
-            "--prompt-tokens", "8", "--new-tokens", "4", "--cpu-teams", "1:work,2:idle"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    with script_module("bench_decode_script", SCRIPT) as module:
-        module.main()
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    teams = ("--cpu-teams", "1:work,2:idle")
+    result = run(monkeypatch, capsys, *SMALL, "--capacities", "100%,0", "--skip", "hf,unmodified", *teams)
     runs = {r["variant"]: r for r in result["runs"]}
     assert set(runs) == {"100%", "100% split", "0 1:work", "0 2:idle"}
     assert (runs["0 1:work"]["cpu_threads"], runs["0 1:work"]["host_thread"]) == (1, "work")
@@ -53,10 +53,8 @@ def test_cpu_teams_run_each_capacity_below_100_once_per_team(monkeypatch, capsys
 
 
 def test_a_bad_cpu_team_is_refused(monkeypatch, capsys):
-    argv = ["bench_decode.py", "--device", "cpu", "--cpu-teams", "15:busy"]
-    monkeypatch.setattr(sys, "argv", argv)
-    with script_module("bench_decode_script", SCRIPT) as module, pytest.raises(SystemExit) as exc:
-        module.main()
+    with pytest.raises(SystemExit) as exc:
+        run(monkeypatch, capsys, "--device", "cpu", "--cpu-teams", "15:busy")
     assert exc.value.code == 2
     assert "--cpu-teams: '15:busy' is not THREADS:work or THREADS:idle" in capsys.readouterr().err
 
@@ -65,12 +63,10 @@ def test_visit_first_reruns_each_capacity_below_100_and_restores_the_taps(monkey
     from moecache.runtime.segments import ExpertsTaps
 
     deferred = ExpertsTaps._defer_visit
-    argv = ["bench_decode.py", "--device", "cpu", "--capacities", "100%,0", "--skip", "hf,unmodified",
-            "--prompt-tokens", "8", "--new-tokens", "4", "--visit-first"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    with script_module("bench_decode_script", SCRIPT) as module:
-        module.main()
-    runs = {r["variant"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]}
+    result = run(
+        monkeypatch, capsys, *SMALL, "--capacities", "100%,0", "--skip", "hf,unmodified", "--visit-first"
+    )
+    runs = {r["variant"]: r for r in result["runs"]}
     assert set(runs) == {"100%", "100% split", "0", "0 visit-first"}
     assert runs["0"]["fallback_entries"] == runs["0 visit-first"]["fallback_entries"] > 0
     assert ExpertsTaps._defer_visit is deferred
