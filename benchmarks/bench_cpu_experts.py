@@ -109,12 +109,11 @@ def make_executor(backend: str, w13_GIH, w2_GHI, threads: int, max_tokens: int, 
 
 
 def oracle(x_TH, w13_GIH, w2_GHI, keys_M, token_M, weight_M):
-    """tests/runtime/test_cpu_experts.py's oracle: each triple's expert in fp32, summed in fp32."""
+    """tests/runtime/test_cpu_experts.py's oracle: each triple's expert (`expert_forward`: fp32 sums,
+    transformers' roundings) times its float32 weight, summed in fp32."""
     y_TH = torch.zeros(x_TH.shape, dtype=torch.float32)
     for key, tok, w in zip(keys_M.tolist(), token_M.tolist(), weight_M.tolist(), strict=True):
-        y_TH[tok] += (
-            w * expert_forward(x_TH[tok : tok + 1], w13_GIH[key], w2_GHI[key], torch.float32)[0].float()
-        )
+        y_TH[tok] += w * expert_forward(x_TH[tok : tok + 1], w13_GIH[key], w2_GHI[key])[0]
     return y_TH.to(x_TH.dtype)
 
 

@@ -5,7 +5,7 @@
 references still import, and calling `slot_moe` raises ImportError saying so.
 """
 
-from .expert_reference import expert_forward, moe_reference
+from .expert_reference import expert_forward, moe_reference, rounded, rounds_product
 from .slot_moe_reference import slot_moe_reference
 
 try:
@@ -20,4 +20,11 @@ except ImportError as _err:  # triton is absent (it is an optional dependency: t
         raise ImportError(f"moecache_kernels.slot_moe needs triton: {_TRITON_ERROR}")
 
 
-__all__ = ["expert_forward", "moe_reference", "slot_moe", "slot_moe_reference"]
+__all__ = [
+    "expert_forward",
+    "moe_reference",
+    "rounded",
+    "rounds_product",
+    "slot_moe",
+    "slot_moe_reference",
+]

@@ -1,8 +1,18 @@
 """Plain torch reference of SwiGLU experts: one expert, and top-k routed experts over a weight pool.
 
-This is the oracle the Triton kernels are tested against. The weight layout is transformers' fused one
-(`Qwen3_5MoeExperts` and friends): `gate_up` stacks the gate projection's rows and then the up
-projection's rows, so `gate = x @ gate_up[:I].T`, `up = x @ gate_up[I:].T`, `y = (silu(gate) * up) @ down.T`.
+This is the oracle the Triton kernels and the CPU executor are tested against. The weight layout is
+transformers' fused one (`Qwen3_5MoeExperts` and friends): `gate_up` stacks the gate projection's rows and
+then the up projection's rows, so `gate = x @ gate_up[:I].T`, `up = x @ gate_up[I:].T`,
+`y = (silu(gate) * up) @ down.T`.
+
+Numerics: those of transformers' experts, its default `grouped_mm` path, which users run. Every dot
+product is a float32 sum, and every value transformers holds in x's dtype is rounded to it: the gate and
+up projections, silu(gate), the activation, the down projection; the router-weighted product too when
+its dtype, promote(x, weights), is x's (`rounds_product`: Qwen3.5/3.6's router hands bf16 weights,
+DeepSeek-V2's float32); the K products of a token are summed in float32 and rounded once. So a bf16
+model's MoE output here differs from transformers' only where float32 sums taken in another order round
+differently, well inside the gap between transformers' own eager loop (which also sums the K products
+in bf16) and grouped_mm (docs/validation.md, "Output agreement"). A float32 model rounds nothing.
 
 Shape legend (suffixes of tensor names):
     T tokens, H hidden size, I expert intermediate size, E experts in the pool, K experts per token (top-k).
@@ -15,29 +25,30 @@ import torch
 import torch.nn.functional as F
 
 
-def expert_forward(
-    x_TH: torch.Tensor,
-    gate_up_2IH: torch.Tensor,
-    down_HI: torch.Tensor,
-    compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """One SwiGLU expert on T tokens: `(silu(x @ gate.T) * (x @ up.T)) @ down.T`, shape (T, H).
+def rounds_product(x_dtype: torch.dtype, weights_dtype: torch.dtype) -> bool:
+    """Whether transformers rounds an expert's router-weighted output: its dtype, promote(x, weights), is
+    narrower than float32 (bf16 x and bf16 router weights: yes; float32 router weights: no)."""
+    return torch.finfo(torch.promote_types(x_dtype, weights_dtype)).bits < 32
 
-    With `compute_dtype` (e.g. torch.float32) the inputs are up-cast for the arithmetic and the result is
-    cast back to `x_TH.dtype`; otherwise everything runs in the tensors' own dtype.
-    """
-    out_dtype = x_TH.dtype
-    if compute_dtype is not None:
-        x_TH, gate_up_2IH, down_HI = (t.to(compute_dtype) for t in (x_TH, gate_up_2IH, down_HI))
-    inter = down_HI.shape[1]
+
+def rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 `t` rounded to `dtype` (nearest even), kept in float32 (exact)."""
+    return t if dtype == torch.float32 else t.to(dtype).float()
+
+
+def expert_forward(x_TH: torch.Tensor, gate_up_2IH: torch.Tensor, down_HI: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert on T tokens, `(silu(x @ gate.T) * (x @ up.T)) @ down.T`: shape (T, H), float32,
+    computed in float32 with the roundings to x's dtype of the module docstring (its values are x's
+    dtype's; float32 x: nothing rounded)."""
+    inter, dtype = down_HI.shape[1], x_TH.dtype
     if gate_up_2IH.shape != (2 * inter, x_TH.shape[1]) or down_HI.shape[0] != x_TH.shape[1]:
         raise ValueError(
             f"expert shapes disagree: x {tuple(x_TH.shape)}, gate_up {tuple(gate_up_2IH.shape)}"
             f" (want (2I, H)), down {tuple(down_HI.shape)} (want (H, I))"
         )
-    gate_up_T2I = F.linear(x_TH, gate_up_2IH)
-    act_TI = F.silu(gate_up_T2I[:, :inter]) * gate_up_T2I[:, inter:]
-    return F.linear(act_TI, down_HI).to(out_dtype)
+    gate_up_T2I = rounded(F.linear(x_TH.float(), gate_up_2IH.float()), dtype)
+    act_TI = rounded(rounded(F.silu(gate_up_T2I[:, :inter]), dtype) * gate_up_T2I[:, inter:], dtype)
+    return rounded(F.linear(act_TI, down_HI.float()), dtype)
 
 
 def moe_reference(
@@ -46,12 +57,14 @@ def moe_reference(
     weights_TK: torch.Tensor,
     gate_up_E2IH: torch.Tensor,
     down_EHI: torch.Tensor,
-    compute_dtype: torch.dtype | None = None,
+    round_product: bool | None = None,
 ) -> torch.Tensor:
-    """Top-k routed experts: `y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`, shape (T, H).
+    """Top-k routed experts: `y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`, shape (T, H), x's
+    dtype.
 
-    Each expert the batch routes to runs once on the tokens that chose it. Contributions are summed in
-    float32 (or `compute_dtype`) and cast to `x_TH.dtype` at the end.
+    Each expert the batch routes to runs once on the tokens that chose it (`expert_forward`); each
+    weighted product is rounded to x's dtype when `round_product` (default `rounds_product` of x's and
+    the weights' dtypes); the products are summed in float32 and cast to x's dtype at the end.
     """
     num_experts = gate_up_E2IH.shape[0]
     if expert_ids_TK.shape != weights_TK.shape or expert_ids_TK.shape[0] != x_TH.shape[0]:
@@ -61,10 +74,12 @@ def moe_reference(
         )
     if expert_ids_TK.numel() and (expert_ids_TK.min() < 0 or expert_ids_TK.max() >= num_experts):
         raise ValueError(f"expert ids must lie in [0, {num_experts}); got {expert_ids_TK.unique().tolist()}")
-    acc_dtype = compute_dtype or torch.float32
-    y_TH = torch.zeros(x_TH.shape, dtype=acc_dtype, device=x_TH.device)
+    if round_product is None:
+        round_product = rounds_product(x_TH.dtype, weights_TK.dtype)
+    y_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
     for expert in expert_ids_TK.unique().tolist():
         token_N, slot_N = torch.where(expert_ids_TK == expert)
-        out_NH = expert_forward(x_TH[token_N], gate_up_E2IH[expert], down_EHI[expert], compute_dtype)
-        y_TH.index_add_(0, token_N, out_NH.to(acc_dtype) * weights_TK[token_N, slot_N, None].to(acc_dtype))
+        out_NH = expert_forward(x_TH[token_N], gate_up_E2IH[expert], down_EHI[expert])
+        prod_NH = out_NH * weights_TK[token_N, slot_N, None].float()
+        y_TH.index_add_(0, token_N, rounded(prod_NH, x_TH.dtype) if round_product else prod_NH)
     return y_TH.to(x_TH.dtype)

@@ -4,12 +4,16 @@
 for each token, the router-weighted sum over its RESIDENT experts (`slot_of_E[e] >= 0`) straight from the
 slot pool; non-resident entries add nothing (the runtime computes them on the CPU). `slot_moe_reference`
 is its oracle. `out` may be float32 whatever x's dtype: the float32 sums are stored unrounded, so the
-runtime adds the CPU half to them in float32 and rounds once (docs/runtime.md, "One rounding"). Two paths, both graph-capturable (no host sync, grids fixed by T, K, H, I):
+runtime adds the CPU half to them in float32 and rounds once (docs/runtime.md, "One rounding"). The
+numerics are the reference's (expert_reference.py): float32 sums, rounded to x's dtype where transformers
+rounds (gate, up, SiLU(gate), the activation, each expert's down projection, and with `round_product` its
+router-weighted product; `_rounded`), the K products summed in float32. Two paths, both graph-capturable
+(no host sync, grids fixed by T, K, H, I):
 
 - decode (T <= DECODE_MAX_T), two launches ("two_stage"; no buffer depends on E, nothing is sorted or
   padded, a non-resident entry's programs exit at once and add nothing): launch 1, one program per
   (token, k, block of I), a GEMV of x[t] with the slot's gate and up rows, writes SiLU(gate) * up in
-  float32 to a [T*K, I] scratch (and each pair's slot, -1 where it does not run here, to a [T*K]
+  float32 (its values x's dtype's) to a [T*K, I] scratch (and each pair's slot, -1 where it does not run here, to a [T*K]
   scratch). Launch 2, one program per (token, block of H), sums the down projections of the token's
   resident experts times their router weights, reading each pair's slot from that scratch (one read,
   where the id and then the mapping would be two in a row). Other decode variants were tried on the
@@ -40,6 +44,7 @@ import triton.language as tl
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .expert_reference import rounds_product
 from .slot_moe_align import align_by_expert_triton
 from .slot_moe_config import DECODE_MAX_T, device_name, get_config, prefill_layout, prefill_tma
 
@@ -52,6 +57,19 @@ def _slot_of(ids_ptr, slot_ptr, pair, E, S):
     inside = (expert >= 0) & (expert < E)
     slot = tl.load(slot_ptr + tl.where(inside, expert, 0)).to(tl.int32)
     return expert, slot, inside & (slot >= 0) & (slot < S)
+
+
+@triton.jit
+def _rounded(v, RD: tl.constexpr):
+    """float32 v rounded to dtype RD (nearest even), kept in float32; RD float32: v. bf16 by integer
+    arithmetic, not `.to`: Triton's interpreter truncates a bf16 cast."""
+    if RD == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        v = u.to(tl.float32, bitcast=True)
+    elif RD == tl.float16:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -82,9 +100,10 @@ def _gate_up_decode(
     x_ptr, ids_ptr, slot_ptr, w13_ptr, act_ptr, slot_out_ptr,
     H: tl.constexpr, I: tl.constexpr, E, S, K: tl.constexpr,
     stride_xt, stride_ws, stride_wn,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, RD: tl.constexpr,
 ):  # fmt: skip
-    """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i]). The
+    """Program (pair p = t*K + k, block of I): act[p, i] = silu(x[t] . gate[i]) * (x[t] . up[i]), each
+    of gate, up, silu and act rounded to RD (x's dtype). The
     pair's first program also writes its slot (-1 when it does not run here) to slot_out[p], so the down
     launch reads one value instead of the id and then the mapping."""
     pair = tl.program_id(0)
@@ -101,7 +120,8 @@ def _gate_up_decode(
         x_ptr + token * stride_xt, w13_ptr + slot.to(tl.int64) * stride_ws, stride_wn, offs_i, mask_i,
         H, I, BLOCK_I, BLOCK_H,
     )  # fmt: skip
-    act = gate_i / (1.0 + tl.exp(-gate_i)) * up_i
+    gate_i, up_i = _rounded(gate_i, RD), _rounded(up_i, RD)
+    act = _rounded(_rounded(gate_i / (1.0 + tl.exp(-gate_i)), RD) * up_i, RD)
     tl.store(act_ptr + pair * I + offs_i, act, mask=mask_i)
 
 
@@ -110,28 +130,33 @@ def _down_decode(
     act_ptr, slot_P_ptr, wts_ptr, w2_ptr, y_ptr,
     H, I: tl.constexpr, K: tl.constexpr,
     stride_ws, stride_wh, stride_yt,
-    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, RD: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
 ):  # fmt: skip
-    """Program (token t, block of H): y[t, h] = sum over resident k of w[t, k] * down[h] . act[t*K + k];
-    slot_P: each pair's slot as the gate/up launch wrote it (-1: not run here)."""
+    """Program (token t, block of H): y[t, h] = sum over resident k of w[t, k] * R(down[h] . act[t*K + k]),
+    R rounding to RD (x's dtype), the product rounded too with ROUND_PRODUCT, summed in float32; slot_P:
+    each pair's slot as the gate/up launch wrote it (-1: not run here)."""
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+    y = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(K):  # unrolled, so the K experts' loads need not wait on each other
         pair = token * K + k
         slot = tl.load(slot_P_ptr + pair)
         resident = slot >= 0
         weight = tl.load(wts_ptr + pair).to(tl.float32)
         w_ptrs = w2_ptr + tl.where(resident, slot, 0).to(tl.int64) * stride_ws + offs_h[:, None] * stride_wh
-        i_end = tl.where(resident, I, 0)  # a non-resident entry loads nothing
+        i_end = tl.where(resident, I, 0)  # a non-resident entry loads nothing: it adds 0
+        acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
         for i0 in tl.static_range(0, I, BLOCK_I):
             offs_i = i0 + tl.arange(0, BLOCK_I)
             mask_i = offs_i < i_end
             act = tl.load(act_ptr + pair * I + offs_i, mask=mask_i, other=0.0)
             w = tl.load(w_ptrs + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
-            acc += w.to(tl.float32) * (act * weight)[None, :]
-    y = tl.sum(acc, axis=1)
+            acc += w.to(tl.float32) * act[None, :]
+        prod = _rounded(tl.sum(acc, axis=1), RD) * weight
+        if ROUND_PRODUCT:
+            prod = _rounded(prod, RD)
+        y += prod
     tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
 
 
@@ -152,8 +177,10 @@ def _gate_up_grouped(
     stride_xt, stride_ws, stride_wn, stride_at,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SORTED: tl.constexpr, W_DESC: tl.constexpr,
+    RD: tl.constexpr,
 ):  # fmt: skip
     """Program (block of BLOCK_M pairs sorted by expert, block of I): act = silu(x @ gate.T) * (x @ up.T),
+    gate, up, silu and act each rounded to RD (x's dtype, act's),
     into act's row of each pair (layout "pairs") or of its rank (layout "sorted": the block's rows are
     contiguous, from block_rank[block]). W_DESC: w13 is a tensor descriptor of the pool as [S * 2I, H]
     (TMA on Hopper), else a pointer. x's rows are gathered through pointers either way."""
@@ -192,7 +219,8 @@ def _gate_up_grouped(
         acc_gate = tl.dot(x, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
-    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    acc_gate, acc_up = _rounded(acc_gate, RD), _rounded(acc_up, RD)
+    act = _rounded(_rounded(acc_gate / (1.0 + tl.exp(-acc_gate)), RD) * acc_up, RD)
     if SORTED:
         rows = tl.load(block_rank_ptr + pid_m) + tl.arange(0, BLOCK_M)
     else:
@@ -208,9 +236,10 @@ def _down_grouped(
     stride_at, stride_ws, stride_wh, stride_op,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SORTED: tl.constexpr, ACT_DESC: tl.constexpr,
-    W_DESC: tl.constexpr,
+    W_DESC: tl.constexpr, RD: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
 ):  # fmt: skip
-    """Program (block of sorted pairs, block of H): out[row, h] = w[p] * act[row] . down[h], float32, row =
+    """Program (block of sorted pairs, block of H): out[row, h] = w[p] * R(act[row] . down[h]), float32 (R:
+    rounded to RD, x's dtype; the product too with ROUND_PRODUCT), row =
     the pair p (layout "pairs") or its rank (layout "sorted": the block's act and out rows are contiguous).
     ACT_DESC ("sorted" only): act is a tensor descriptor of [P, I], its box at the block's first rank (rows
     past the block's pairs are another expert's or unwritten: their results are masked off); W_DESC: w2 is
@@ -255,7 +284,10 @@ def _down_grouped(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     weight = tl.load(wts_ptr + pair_c, mask=mask_m, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + rows[:, None] * stride_op + offs_n[None, :]
-    tl.store(out_ptrs, acc * weight[:, None], mask=mask_m[:, None] & mask_n[None, :])
+    prod = _rounded(acc, RD) * weight[:, None]
+    if ROUND_PRODUCT:
+        prod = _rounded(prod, RD)
+    tl.store(out_ptrs, prod, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -363,6 +395,7 @@ def slot_moe(
     w2_SHI: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    round_product: bool | None = None,
 ) -> torch.Tensor:
     """Each token's router-weighted sum of SiLU-gated experts over its resident experts, shape [T, H].
 
@@ -370,6 +403,8 @@ def slot_moe(
     slot, -1 = not resident (adds nothing). Accumulates in float32, returns x's dtype; writes into `out`
     (and returns it) when given, e.g. a static buffer for CUDA-graph capture: of x's dtype, or float32
     (the float32 sums, not rounded: every launch's last store converts to `out`'s dtype).
+    `round_product`: each expert's weighted output rounded to x's dtype (default: `rounds_product` of x's
+    and the weights' dtypes; a caller holding widened router weights passes the router's).
     """
     _check(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, out)
     if x_TH.device.type != "cuda" and not knobs.runtime.interpret:
@@ -382,23 +417,31 @@ def slot_moe(
         return y_TH
     name = "cpu" if x_TH.device.type == "cpu" else device_name(x_TH.device)
     config = get_config(x_TH.shape[0], slot_of_E.shape[0], w2_SHI.shape[2], x_TH.dtype, name)
-    launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
+    launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config, round_product)
     return y_TH
 
 
-def launch(x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config: dict) -> None:
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def launch(
+    x_TH, topk_ids_TK, topk_weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config: dict, round_product=None
+) -> None:
     """slot_moe's launches with an explicit config (the tuning script's entry; inputs already checked)."""
     num_tokens = x_TH.shape[0]
     ids_P = topk_ids_TK.contiguous()
     weights_P = topk_weights_TK.contiguous()
     slots = slot_of_E.contiguous()
+    if round_product is None:
+        round_product = rounds_product(x_TH.dtype, topk_weights_TK.dtype)
+    rounding = {"RD": _TL_DTYPE[x_TH.dtype], "ROUND_PRODUCT": bool(round_product)}
     if num_tokens <= DECODE_MAX_T:
-        _decode(x_TH, ids_P, weights_P, slots, w13_SIH, w2_SHI, y_TH, config)
+        _decode(x_TH, ids_P, weights_P, slots, w13_SIH, w2_SHI, y_TH, config, rounding)
     else:
-        _prefill(x_TH, ids_P, weights_P, slots, w13_SIH, w2_SHI, y_TH, config)
+        _prefill(x_TH, ids_P, weights_P, slots, w13_SIH, w2_SHI, y_TH, config, rounding)
 
 
-def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
+def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config, rounding) -> None:
     """Two launches: gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch (and each pair's
     slot, -1 where it does not run here, into an int32 [P]), then down per (token, block of H)."""
     num_tokens, hidden = x_TH.shape
@@ -412,17 +455,18 @@ def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) 
         x_TH, ids_TK, slot_of_E, w13_SIH, act_PI, slot_P,
         hidden, inter, slot_of_E.shape[0], w13_SIH.shape[0], top_k,
         x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1),
-        BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], num_warps=gate_up["num_warps"],
+        BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], RD=rounding["RD"],
+        num_warps=gate_up["num_warps"],
     )  # fmt: skip
     _down_decode[(num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))](
         act_PI, slot_P, weights_TK, w2_SHI, y_TH,
         hidden, inter, top_k,
         w2_SHI.stride(0), w2_SHI.stride(1), y_TH.stride(0),
-        BLOCK_H=down["BLOCK_H"], BLOCK_I=down["BLOCK_I"], num_warps=down["num_warps"],
+        BLOCK_H=down["BLOCK_H"], BLOCK_I=down["BLOCK_I"], **rounding, num_warps=down["num_warps"],
     )  # fmt: skip
 
 
-def _prefill(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config) -> None:
+def _prefill(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config, rounding) -> None:
     """Sort pairs by expert (`align_by_expert_triton`), then tensor-core tiles: gate/up + SiLU, down x
     router weight, sum over k. The entry's "layout" places act and out rows by pair ("pairs") or by rank
     ("sorted"); its "tma" reads the weights (and, "sorted", act) through tensor descriptors where they can
@@ -451,7 +495,7 @@ def _prefill(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
         x_TH.stride(0), w13_SIH.stride(0), w13_SIH.stride(1), act_PI.stride(0),
         BLOCK_M=block_m, BLOCK_N=gate_up["BLOCK_N"], BLOCK_K=gate_up["BLOCK_K"], GROUP_M=gate_up["GROUP_M"],
         PRECISION=precision, UPCAST=interpret, SORTED=sorted_rows, W_DESC=w13 is not None,
-        num_warps=gate_up["num_warps"], num_stages=gate_up["num_stages"],
+        RD=rounding["RD"], num_warps=gate_up["num_warps"], num_stages=gate_up["num_stages"],
     )  # fmt: skip
     act = _descriptor(act_PI, [block_m, down["BLOCK_K"]]) if tma and sorted_rows else None
     w2 = _descriptor(w2_SHI, [down["BLOCK_N"], down["BLOCK_K"]]) if tma else None
@@ -463,7 +507,7 @@ def _prefill(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config)
         act_PI.stride(0), w2_SHI.stride(0), w2_SHI.stride(1), out_PH.stride(0),
         BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
         PRECISION=precision, UPCAST=interpret, SORTED=sorted_rows, ACT_DESC=act is not None,
-        W_DESC=w2 is not None, num_warps=down["num_warps"], num_stages=down["num_stages"],
+        W_DESC=w2 is not None, **rounding, num_warps=down["num_warps"], num_stages=down["num_stages"],
     )  # fmt: skip
     block_h = 1024 if x_TH.device.type != "cpu" else 64
     grid = (num_tokens, triton.cdiv(hidden, block_h))

@@ -3,7 +3,8 @@
 The runtime keeps only some experts on the GPU, in a pool of S slots; `slot_of_E[e]` is expert e's slot,
 or -1 when it is not resident (the runtime computes those on the CPU and adds them in itself). This
 reference computes what the GPU part must return: each token's router-weighted sum over its resident
-experts only, each expert run through `expert_forward` in float32, summed in float32, cast to x's dtype.
+experts only, each expert run through `expert_forward` (float32 sums, rounded where transformers rounds:
+expert_reference.py), the products summed in float32, cast to x's dtype.
 
 Shape legend: T tokens, H hidden, I intermediate, E experts, K top-k, S slots (`2I` = gate rows + up rows).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .expert_reference import expert_forward
+from .expert_reference import expert_forward, rounded, rounds_product
 
 
 def slot_moe_reference(
@@ -24,12 +25,14 @@ def slot_moe_reference(
     w2_SHI: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    round_product: bool | None = None,
 ) -> torch.Tensor:
     """`y[t] = sum over k with slot_of_E[ids[t, k]] >= 0 of weights[t, k] * expert(x[t])`, shape (T, H).
 
     `w13_SIH` is [S, 2I, H] (gate rows, then up rows), `w2_SHI` is [S, H, I]. As `slot_moe`: returns x's
     dtype, or writes into `out` (x's shape, x's dtype or float32: the float32 sums unrounded) and returns
-    it. Raises ValueError on shapes that disagree, expert ids outside [0, E), slots outside [-1, S) or a
+    it. `round_product`: each weighted product rounded to x's dtype (default: `rounds_product` of x's and
+    the weights' dtypes; a caller holding widened weights passes the router's). Raises ValueError on shapes that disagree, expert ids outside [0, E), slots outside [-1, S) or a
     bad `out`.
     """
     num_tokens, hidden = x_TH.shape
@@ -49,13 +52,15 @@ def slot_moe_reference(
         raise ValueError(
             f"out must be {tuple(x_TH.shape)} {x_TH.dtype} or float32, got {out.dtype} {tuple(out.shape)}"
         )
+    if round_product is None:
+        round_product = rounds_product(x_TH.dtype, topk_weights_TK.dtype)
     y_TH = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x_TH.device)
     slot_TK = slot_of_E[topk_ids_TK.long()]
     for slot in slot_TK[slot_TK >= 0].unique().tolist():
         token_N, k_N = torch.where(slot_TK == slot)
-        # float32 inputs, so the expert's output stays float32 until the final cast
-        out_NH = expert_forward(x_TH[token_N].float(), w13_SIH[slot].float(), w2_SHI[slot].float())
-        y_TH.index_add_(0, token_N, out_NH * topk_weights_TK[token_N, k_N, None].float())
+        out_NH = expert_forward(x_TH[token_N], w13_SIH[slot], w2_SHI[slot])
+        prod_NH = out_NH * topk_weights_TK[token_N, k_N, None].float()
+        y_TH.index_add_(0, token_N, rounded(prod_NH, x_TH.dtype) if round_product else prod_NH)
     if out is None:
         return y_TH.to(x_TH.dtype)
     return out.copy_(y_TH)

@@ -2,9 +2,11 @@
 
 While the GPU computes the hits, the misses (token, expert) of the same visit run here, weighted by the
 router exactly as the model combines experts: `y[t] += w * down(silu(gate(x[t])) * up(x[t]))` for every
-missed (token, key, weight) triple, the activations `silu(gate) * up` kept in fp32 (as the slot-pool
-kernel keeps them), summed in fp32, returned in x's dtype or, given a float32 `out_TH`, in fp32: the
-experts module adds that to the GPU half's fp32 sum and rounds once (docs/runtime.md, "One rounding").
+missed (token, key, weight) triple, with the numerics of transformers' experts and of the slot-pool
+kernel (moecache_kernels/expert_reference.py: float32 sums, gate, up, silu, the activation and the down
+projection rounded to x's dtype, the weighted product too with `round_product`), the products summed in
+fp32, returned in x's dtype or, given a float32 `out_TH`, in fp32: the experts module adds that to the
+GPU half's fp32 sum and rounds once (docs/runtime.md, "One rounding").
 The caller adds the shared expert itself, as the model does. All of a visit's misses go in ONE call:
 triples are grouped by key, so each expert's weights are read once for all its tokens.
 
@@ -15,9 +17,8 @@ Backends:
   torch's small-M bf16 path leaves unused. Compiled with g++ on first use into a cache directory
   (`$MOECACHE_CPU_EXPERTS_CACHE`, else `~/.cache/moecache/cpu_experts`), loaded with ctypes (which
   releases the GIL for the call), no torch headers and no ninja needed.
-- "torch": one `F.linear` pair per distinct expert (`moecache_kernels.expert_forward`) in fp32 (the
-  expert's weights widened for the call, so gate, up and the activations are never rounded), torch's
-  intra-op threads.
+- "torch": one `F.linear` pair per distinct expert (`moecache_kernels.expert_forward`: fp32, the same
+  roundings), torch's intra-op threads.
 - "auto": "cpp" where it builds and the CPU has the flags it needs, else "torch" with one warning line.
 Asking for "cpp" where it cannot run is refused (MoecacheError naming the reason), not downgraded.
 
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from moecache_kernels import expert_forward
+from moecache_kernels import expert_forward, rounded, rounds_product
 
 from moecache.errors import MoecacheError
 
@@ -151,6 +152,7 @@ class RunArgs(ctypes.Structure):
             "threads",
             "host_idle",
             "out_f32",
+            "round_product",
         )  # fmt: skip
     ] + [
         (name, ctypes.c_void_p)
@@ -258,29 +260,34 @@ class CpuExperts:
         token_M: torch.Tensor,
         weight_M: torch.Tensor,
         out_TH: torch.Tensor | None = None,
+        round_product: bool | None = None,
     ) -> torch.Tensor:
         """`y[t] = sum over triples m with token_M[m] == t of weight_M[m] * expert_{keys_M[m]}(x[t])`.
 
         Every row of the result is written (zeros for tokens without a triple). `out_TH`, when given,
         receives it (shape of x, contiguous; x's dtype, or float32: the fp32 sums unrounded) and is
-        returned. x must have the weights' dtype.
+        returned. x must have the weights' dtype. `round_product`: each weighted product rounded to x's
+        dtype (default: `rounds_product` of x's and weight_M's dtypes; a caller holding widened router
+        weights passes the router's).
         """
+        if round_product is None:
+            round_product = rounds_product(x_TH.dtype, weight_M.dtype)
         x_TH, keys_M, token_M, weight_M, out_TH = checked_call(
             self.hidden, self.dtype, x_TH, keys_M, token_M, weight_M, out_TH, float32_out=True
         )
         t = x_TH.shape[0]
         with self._lock:
             if self.backend == "cpp":
-                self._run_cpp(x_TH, keys_M, token_M, weight_M, out_TH)
+                self._run_cpp(x_TH, keys_M, token_M, weight_M, out_TH, round_product)
             else:
-                self._run_torch(x_TH, keys_M, token_M, weight_M, out_TH, t)
+                self._run_torch(x_TH, keys_M, token_M, weight_M, out_TH, t, round_product)
         return out_TH
 
     def bind(self, x_TH: torch.Tensor, out_TH: torch.Tensor, max_entries: int) -> BoundCall:
         """A `run` on fixed buffers, for a caller that computes into the same memory every time (the
         fast loop's host points): x_TH and out_TH (contiguous, kept alive and at their addresses by
         the caller) are checked once; each call's triples are written into the returned call's arrays
-        and `call(m)` computes the first m of them (BoundCall)."""
+        and `call(m, round_product)` computes the first m of them (BoundCall)."""
         return BoundCall(self, x_TH, out_TH, max_entries)
 
     def submit(
@@ -337,11 +344,12 @@ class CpuExperts:
             self._cap_t = t
         return args
 
-    def _run_cpp(self, x_TH, keys_M, token_M, weight_M, out_TH) -> None:
+    def _run_cpp(self, x_TH, keys_M, token_M, weight_M, out_TH, round_product: bool) -> None:
         t, m = x_TH.shape[0], keys_M.shape[0]
         args = self._cpp_args(t, m)
         args.T, args.M = t, m
         args.out_f32 = int(out_TH.dtype == torch.float32)
+        args.round_product = int(round_product)
         args.x_TH, args.out_TH = x_TH.data_ptr(), out_TH.data_ptr()
         args.key_M, args.token_M, args.weight_M = keys_M.data_ptr(), token_M.data_ptr(), weight_M.data_ptr()
         rc = self._fn(args)
@@ -355,7 +363,7 @@ class CpuExperts:
         )
 
     @torch.inference_mode()
-    def _run_torch(self, x_TH, keys_M, token_M, weight_M, out_TH, t) -> None:
+    def _run_torch(self, x_TH, keys_M, token_M, weight_M, out_TH, t, round_product: bool) -> None:
         if self._torch_threads is not None and torch.get_num_threads() != self._torch_threads:
             torch.set_num_threads(self._torch_threads)
         bad_M = (keys_M.clamp(0, self.num_keys - 1) != keys_M) | (token_M.clamp(0, max(t - 1, 0)) != token_M)
@@ -372,17 +380,17 @@ class CpuExperts:
             idx = order_M[start : start + count]
             start += count
             tok = token_M[idx]
-            # fp32 throughout (x and the weights widened exactly): nothing rounded before the sum
-            y_NH = expert_forward(x_TH[tok].float(), self.w13_GIH[key].float(), self.w2_GHI[key].float())
-            acc_TH.index_add_(0, tok, y_NH * weight_M[idx, None])
+            y_NH = expert_forward(x_TH[tok], self.w13_GIH[key], self.w2_GHI[key]) * weight_M[idx, None]
+            acc_TH.index_add_(0, tok, rounded(y_NH, x_TH.dtype) if round_product else y_NH)
         out_TH.copy_(acc_TH)
 
 
 class BoundCall:
     """`CpuExperts.run(x_TH, keys_M[:m], token_M[:m], weight_M[:m], out_TH)` on buffers fixed at
     `CpuExperts.bind`: the caller writes a call's (key, token, weight) triples into `keys_M` (int64),
-    `token_M` (int64) and `weight_M` (float32), numpy arrays of `max_entries`, then calls `call(m)`,
-    which returns out_TH. With the cpp backend the call's arguments (every pointer, its own workspaces)
+    `token_M` (int64) and `weight_M` (float32), numpy arrays of `max_entries`, then calls
+    `call(m, round_product)` (`run`'s `round_product`: the router's weights are in x's dtype), which
+    returns out_TH. With the cpp backend the call's arguments (every pointer, its own workspaces)
     are filled once, so a call sets one number and calls the library: the fewest Python steps between
     the routing's arrival and the experts' first weights, whose code and data the weights streamed by
     the previous call have pushed out of the caches. A bad key or token is refused as by `run`."""
@@ -421,20 +429,22 @@ class BoundCall:
             args.acc_TH = work["acc"].data_ptr()
             self._work = work  # kept alive with the struct that points into them
 
-    def __call__(self, m: int) -> torch.Tensor:
+    def __call__(self, m: int, round_product: bool) -> torch.Tensor:
         ex = self.executor
         with ex._lock:
             if self._args is not None:
-                self._args.M = m
-                rc = ex._fn(self._args)
+                args = self._args
+                args.M, args.round_product = m, round_product
+                rc = ex._fn(args)
                 if rc != 0:
                     keys_t, token_t, _ = self._tensors
                     raise ex._bad_triple(-rc - 1, keys_t, token_t, self.x_TH.shape[0])
             else:
                 keys_t, token_t, weight_t = self._tensors
                 ex._run_torch(
-                    self.x_TH, keys_t[:m], token_t[:m], weight_t[:m], self.out_TH, self.x_TH.shape[0]
-                )
+                    self.x_TH, keys_t[:m], token_t[:m], weight_t[:m], self.out_TH, self.x_TH.shape[0],
+                    round_product,
+                )  # fmt: skip
         return self.out_TH
 
 

@@ -28,7 +28,10 @@ One rounding: a visit whose entries run in more than one part (hits and misses, 
 copies) has every part write its float32 sums (the kernel into a float32 `out`, the CPU path into a
 float32 buffer), added in float32 and rounded to x's dtype once, so the result is the float32 sum over
 all K entries rounded once, as one all-resident kernel call gives. A visit run by one part alone writes
-x's dtype directly (that part's own single rounding).
+x's dtype directly (that part's own single rounding). Each entry's own arithmetic is the same in every
+part: transformers' roundings (moecache_kernels/expert_reference.py), the weighted product rounded when
+the router's weights are in x's dtype (`rounds_product`; the fast loop holds them widened to float32,
+so it passes the router's dtype's answer explicitly).
 
 Legend: T tokens, H hidden, K top-k, E experts, M (token, expert) entries run on the CPU.
 """
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 import torch
+from moecache_kernels import rounds_product
 from torch import nn
 
 from moecache.runtime.cpu_experts import CpuExperts
@@ -145,6 +149,7 @@ class ExpertsRuntime:
     def run(self, layer: int, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
         """y_TH for one layer visit (module docstring), in x's dtype, on x's device."""
         ids_host_TK = ids_TK.detach().to("cpu", torch.int64).numpy()  # a blocking read on CUDA
+        rounds = rounds_product(x_TH.dtype, weights_TK.dtype)
         visit = self.visit(layer, ids_host_TK)
         hit_TK = visit.hit_TK  # with waited copies (on_miss="split"): their entries too
         cpu_part = not hit_TK.all()
@@ -166,11 +171,13 @@ class ExpertsRuntime:
             timed = self.manager.time_gpu
             if timed:
                 visit.gpu_events = self._record_event(None)
-            y_TH = self.resident(x_TH, ids_TK, weights_TK, visit.slot_of_E, out_TH(x_TH.device))
+            y_TH = self.resident(x_TH, ids_TK, weights_TK, visit.slot_of_E, out_TH(x_TH.device), rounds)
             if timed:
                 visit.gpu_events = self._record_event(visit.gpu_events[0])
         if visit.waited:  # after the hits: they do not wait for the copies
-            y_wait_TH = self.waited(visit, x_TH, ids_TK, weights_TK, out_TH(x_TH.device))
+            y_wait_TH = self.waited(
+                visit, x_TH, ids_TK, weights_TK, out_TH(x_TH.device), round_product=rounds
+            )
             y_TH = y_wait_TH if y_TH is None else y_TH.add_(y_wait_TH)
         self.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
         if cpu_part:
@@ -178,7 +185,7 @@ class ExpertsRuntime:
                 x_host_TH = x_TH.detach().to("cpu")
             cpu_TH, visit.cpu_duration_ns = self.cpu_half(
                 layer, x_host_TH, ids_host_TK, w_host_TK, hit_TK, out_TH("cpu"),
-                place=lambda y_host_TH: y_host_TH.to(x_TH.device, non_blocking=False),
+                place=lambda y_host_TH: y_host_TH.to(x_TH.device, non_blocking=False), round_product=rounds,
             )  # fmt: skip
             y_TH = cpu_TH if y_TH is None else y_TH.add_(cpu_TH)
         if y_TH is None:
@@ -219,16 +226,20 @@ class ExpertsRuntime:
         self.manager.commit()
         self.counters.manager_ns += time.perf_counter_ns() - started
 
-    def resident(self, x_TH, ids_TK, weights_TK, slot_of_E, out_TH=None) -> torch.Tensor:
+    def resident(self, x_TH, ids_TK, weights_TK, slot_of_E, out_TH=None, round_product=None) -> torch.Tensor:
         """The entries resident in mapping row `slot_of_E`, from the slot pool, on the compute stream after
-        the row's upload: float32 into `out_TH` when given, else x's dtype."""
-        pool = self.pool
+        the row's upload: float32 into `out_TH` when given, else x's dtype. `round_product`: the kernel's
+        (default: from x's and the weights' dtypes)."""
+        pool, kernel = self.pool, self.kernel
         return self.device.launch(
             self.manager.compute,
-            lambda: self.kernel(x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI, out=out_TH),
-        )
+            lambda: kernel(
+                x_TH, ids_TK, weights_TK, slot_of_E, pool.w13_SIH, pool.w2_SHI, out=out_TH,
+                round_product=round_product,
+            ),
+        )  # fmt: skip
 
-    def waited(self, visit, x_TH, ids_TK, weights_TK, out_TH=None, replay=None):
+    def waited(self, visit, x_TH, ids_TK, weights_TK, out_TH=None, replay=None, round_product=None):
         """on_miss="split": the entries whose copies the visit waits for. The manager enqueues the compute
         stream's wait on those copies and their mapping row; then one more operator call over that row,
         or `replay()` (the same call captured as a graph, writing its own buffer: returns None). On CUDA
@@ -240,40 +251,59 @@ class ExpertsRuntime:
             replay()
             y_TH = None
         else:
-            pool = self.pool
+            pool, kernel = self.pool, self.kernel
             y_TH = self.device.launch(
                 self.manager.compute,
-                lambda: self.kernel(x_TH, ids_TK, weights_TK, row_E, pool.w13_SIH, pool.w2_SHI, out=out_TH),
+                lambda: kernel(
+                    x_TH, ids_TK, weights_TK, row_E, pool.w13_SIH, pool.w2_SHI, out=out_TH,
+                    round_product=round_product,
+                ),
                 after_copies=True,
-            )
+            )  # fmt: skip
         done = time.perf_counter_ns()
         if self.device.is_cuda:
             self.manager.stats.split_wait_ns += done - launched
         self.counters.manager_ns += done - started
         return y_TH
 
-    def cpu_half(self, layer, x_host_TH, ids_host_TK, weights_TK, hit_TK, out_TH=None, *, place):
+    def cpu_half(
+        self, layer, x_host_TH, ids_host_TK, weights_TK, hit_TK, out_TH=None, *, place, round_product=None
+    ):
         """The entries a visit leaves to the CPU (`hit_TK` False) from the host store: `CpuExperts.run`
         over their gathered (key, token, weight) triples on the host `x_host_TH` (float32 into `out_TH`
         when given), then `place(y_host_TH)` (onto the device, or into a buffer there). Returns
-        (place's result, the host ns of it all: the visit's `cpu_duration_ns`)."""
+        (place's result, the host ns of it all: the visit's `cpu_duration_ns`). `round_product`: the
+        executor's (default: from x's and `weights_TK`'s dtypes)."""
         started = time.perf_counter_ns()
+        if round_product is None:
+            round_product = rounds_product(x_host_TH.dtype, weights_TK.dtype)
         keys_M, token_M, weights_M = miss_entries(layer, self.num_experts, ids_host_TK, weights_TK, hit_TK)
-        y_TH = place(self.cpu.run(x_host_TH, keys_M, token_M, weights_M, out_TH))
+        y_TH = place(self.cpu.run(x_host_TH, keys_M, token_M, weights_M, out_TH, round_product))
         spent_ns = time.perf_counter_ns() - started
         self._count_cpu_call(hit_TK.shape[0], keys_M, spent_ns)
         return y_TH, spent_ns
 
-    def cpu_half_bound(self, layer, call, ids_host_TK: np.ndarray, w_host_TK: np.ndarray, hit_TK, *, place):
+    def cpu_half_bound(
+        self,
+        layer,
+        call,
+        ids_host_TK: np.ndarray,
+        w_host_TK: np.ndarray,
+        hit_TK,
+        *,
+        place,
+        round_product: bool,
+    ):
         """`cpu_half` through `call`, a `CpuExperts.bind` on the caller's fixed host buffers (x in, the
         float32 sum out: the fast loop's host points): the misses gathered straight into the call's
-        arrays (`ids_host_TK` int64, `w_host_TK` float32, contiguous), nothing allocated or checked
-        again per call. Returns (place's result, the host ns of it all)."""
+        arrays (`ids_host_TK` int64, `w_host_TK` float32, contiguous: widened router weights, so the
+        caller says whether products round), nothing allocated or checked again per call. Returns
+        (place's result, the host ns of it all)."""
         started = time.perf_counter_ns()
         m = _gather_misses(
             layer * self.num_experts, ids_host_TK, w_host_TK, hit_TK, call.keys_M, call.token_M, call.weight_M
         )
-        y_TH = place(call(m))
+        y_TH = place(call(m, round_product))
         spent_ns = time.perf_counter_ns() - started
         self._count_cpu_call(hit_TK.shape[0], call.keys_M[:m], spent_ns)
         return y_TH, spent_ns

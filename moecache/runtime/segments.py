@@ -66,6 +66,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from moecache_kernels import rounds_product
 
 from moecache.errors import MoecacheError
 
@@ -234,7 +235,9 @@ class ExpertsTaps:
         manager = self.manager
         if manager.row_uploads == "executor":  # the row as `_route`'s prepare (or visit) left it
             manager.slot_of_LE[layer].copy_(manager.staging_row(layer), non_blocking=True)
-        self.runtime.resident(*self._operands(manager.slot_of_LE[layer]), out_TH=self.y_TH)
+        self.runtime.resident(
+            *self._operands(manager.slot_of_LE[layer]), out_TH=self.y_TH, round_product=self._rounds(layer)
+        )
         self.segments.cut(lambda: self._combine(layer))
         # the CPU misses were added into y_TH at `_combine` (when there were any); the one rounding, in the
         # next segment (a float32 model gets the static buffer itself)
@@ -253,6 +256,11 @@ class ExpertsTaps:
     def _operands(self, slot_of_E: torch.Tensor):
         """The resident call's arguments over the static buffers and the mapping row `slot_of_E`."""
         return self.x_TH, self.ids_TK, self.weights_TK, slot_of_E
+
+    def _rounds(self, layer: int) -> bool:
+        """Whether the layer's weighted products round to x's dtype: the router's weights' dtype decides
+        (`rounds_product`); the static buffer holds them widened to float32."""
+        return rounds_product(self.x_TH.dtype, self._weights_dtype_L[layer])
 
     def _resident(self, x_TH, ids_TK, weights_TK, layer: int) -> torch.Tensor:
         return self.runtime.resident(x_TH, ids_TK, weights_TK, self.manager.slot_of_LE[layer])
@@ -392,8 +400,9 @@ class ExpertsTaps:
             out_TH = self._staging_TH if self.is_cuda else self.cpu_TH
             call = self._cpu_call = self.runtime.cpu.bind(self.host_x_TH, out_TH, ids_TK.size)
         _, spent_ns = self.runtime.cpu_half_bound(
-            layer, call, ids_TK, self._weights_src_TK.numpy(), hit_TK, place=self._place_cpu_sum
-        )
+            layer, call, ids_TK, self._weights_src_TK.numpy(), hit_TK, place=self._place_cpu_sum,
+            round_product=self._rounds(layer),
+        )  # fmt: skip
         return spent_ns
 
     def _place_cpu_sum(self, y_host_TH: torch.Tensor) -> None:
@@ -413,8 +422,11 @@ class ExpertsTaps:
             self.runtime.waited(visit, None, None, None, replay=graph.replay)
             return
         self.y_TH.add_(
-            self.runtime.waited(visit, self.x_TH, self.ids_TK, self.weights_TK, out_TH=self.wait_TH)
-        )
+            self.runtime.waited(
+                visit, self.x_TH, self.ids_TK, self.weights_TK, out_TH=self.wait_TH,
+                round_product=self._rounds(visit.layer),
+            )
+        )  # fmt: skip
 
     def capture_waits(self) -> None:
         """on_miss="split" on CUDA, after the step's capture: each MoE layer's wait call (`_run_waited`) as
@@ -430,7 +442,10 @@ class ExpertsTaps:
         for layer in sorted(self._weights_dtype_L):  # the MoE layers the step ran
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=handle, stream=stream):
-                self.runtime.kernel(*self._operands(rows[layer]), pool.w13_SIH, pool.w2_SHI, out=self.wait_TH)
+                self.runtime.kernel(
+                    *self._operands(rows[layer]), pool.w13_SIH, pool.w2_SHI, out=self.wait_TH,
+                    round_product=self._rounds(layer),
+                )  # fmt: skip
                 self.y_TH.add_(self.wait_TH)
             self._wait_graphs[layer] = graph
         torch.cuda.current_stream().wait_stream(stream)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from moecache_kernels import moe_reference
+from moecache_kernels import slot_moe_reference
 
 import moecache
 from moecache.runtime.experts_module import OffloadedExperts, miss_entries
@@ -65,10 +65,14 @@ def test_a_mixed_visit_rounds_the_float32_sum_of_both_halves_once():
     hit_TK = torch.from_numpy(seen[-1].hit_TK)
     assert hit_TK.any() and not hit_TK.all(), "the case must run both halves"
     store = session.manager.store
-    w13, w2 = store.w13_GIH[L0 * E : (L0 + 1) * E].float(), store.w2_GHI[L0 * E : (L0 + 1) * E].float()
+    w13, w2 = store.w13_GIH[L0 * E : (L0 + 1) * E], store.w2_GHI[L0 * E : (L0 + 1) * E]
 
-    def part(mask_TK):  # the float32 sum over the entries of mask_TK (0 weight elsewhere)
-        return moe_reference(x_TH.float(), ids_TK, w_TK.float() * mask_TK, w13, w2)
+    def part(mask_TK):  # the float32 sum over the entries of mask_TK (0 weight elsewhere), bf16 products
+        out_TH = torch.empty(T, H)
+        w_masked_TK = w_TK.float() * mask_TK
+        return slot_moe_reference(
+            x_TH, ids_TK, w_masked_TK, torch.arange(E), w13, w2, out=out_TH, round_product=True
+        )
 
     want_TH = part(torch.ones(T, K))
     bound_TH = _half_ulp_bf16(want_TH) + 1e-5 * want_TH.abs()

@@ -11,12 +11,16 @@
 // Shape legend: T tokens, H hidden, I intermediate, G global expert keys, M (token, key, weight)
 // triples, U distinct keys among them.
 //
-// Phase 1 (parallel over all U*I gate/up row pairs): act[m, r] = silu(x[t_m] . gate_r) * (x[t_m] . up_r),
-// kept in fp32 (as the GPU kernel keeps it: no rounding to the weights' dtype before the down projection).
-// Phase 2 (parallel over output rows h): acc[t, h] = sum_m w_m * (act[m] . down_h), fp32 (bf16 down rows
-// widened exactly to fp32, FMA with the fp32 act), in key order (deterministic whatever the thread
-// count), then out[t, h] = acc[t, h] in x's dtype, or in fp32 (out_f32: the caller adds it to the GPU
-// half in fp32 and rounds once).
+// Rounding: as transformers' experts (eager and grouped_mm alike) and the GPU kernel, every dot product
+// is an fp32 sum, and what transformers keeps in x's dtype is rounded to it (R below; fp32: nothing):
+// the gate and up projections, silu(gate), the activation, the down projection, and, when the router's
+// weights are in x's dtype too (round_product), the weighted product; the products are summed in fp32.
+// Phase 1 (parallel over all U*I gate/up row pairs):
+//   act[m, r] = R(R(silu(R(x[t_m] . gate_r))) * R(x[t_m] . up_r)), stored in fp32.
+// Phase 2 (parallel over output rows h): acc[t, h] = sum_m P(w_m * R(act[m] . down_h)), fp32 (bf16 down
+// rows widened exactly to fp32, FMA with act; P: R when round_product), in key order (deterministic
+// whatever the thread count), then out[t, h] = acc[t, h] in x's dtype, or in fp32 (out_f32: the caller
+// adds it to the GPU half in fp32 and rounds once).
 // A plain C ABI (called through ctypes, which releases the GIL): no torch headers, so it builds in
 // about a second with any g++ that knows -mavx512bf16 and no ninja.
 // host_idle: the calling thread (the one that drives the GPU and runs the cache manager's Python between
@@ -54,6 +58,12 @@ struct Bf16 {
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<Elem>(u >> 16);
   }
+  static inline float round(float f) {  // f rounded to bf16, as fp32 (exact)
+    const uint32_t u = static_cast<uint32_t>(from_float(f)) << 16;
+    float r;
+    std::memcpy(&r, &u, 4);
+    return r;
+  }
 };
 
 // fp32 elements: 16 per zmm, FMA.
@@ -67,6 +77,7 @@ struct F32 {
   }
   static inline __m512 dot(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
   static inline Elem from_float(float f) { return f; }
+  static inline float round(float f) { return f; }
 };
 
 // Weight rows read 16 at a time as fp32, against fp32 vectors (phase 2: the fp32 activations).
@@ -212,6 +223,7 @@ struct Problem {
   const int64_t* token_M;
   const float* weight_M;
   int64_t w13_stride, w2_stride;  // elements between consecutive experts
+  bool round_product;             // w_m * (act . down) rounded to x's dtype (the router's weights are in it)
 };
 
 // `idle` threads (the first: the calling thread, with host_idle) take no share of the work and only
@@ -243,8 +255,8 @@ void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E
       for (int j = 0; j < n; ++j) xs[j] = x_TH + p.token_M[p.order_M[q0 + j]] * p.H;
       dot2_n<E>(n, gate, up, xs, p.H, s0, s1);
       for (int j = 0; j < n; ++j) {
-        const float g = s0[j];
-        act_MI[static_cast<int64_t>(q0 + j) * p.I + r] = g / (1.0f + std::exp(-g)) * s1[j];
+        const float g = E::round(s0[j]), silu = E::round(g / (1.0f + std::exp(-g)));
+        act_MI[static_cast<int64_t>(q0 + j) * p.I + r] = E::round(silu * E::round(s1[j]));
       }
     }
   }
@@ -271,8 +283,11 @@ void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E
         for (int j = 0; j < n; ++j) {
           const int m = p.order_M[q0 + j];
           float* acc = acc_TH + p.token_M[m] * p.H + h;
-          acc[0] += p.weight_M[m] * s0[j];
-          if (pair) acc[1] += p.weight_M[m] * s1[j];
+          const float w = p.weight_M[m];
+          float y0 = w * E::round(s0[j]), y1 = w * E::round(s1[j]);
+          if (p.round_product) y0 = E::round(y0), y1 = E::round(y1);
+          acc[0] += y0;
+          if (pair) acc[1] += y1;
         }
       }
     }
@@ -291,11 +306,12 @@ void run_phases(const Problem& p, const typename E::Elem* x_TH, const typename E
 }  // namespace
 
 // The call's arguments in one struct (ctypes converts one pointer instead of twenty arguments: ~1 us).
-// dtype: 0 = bf16, 1 = fp32 (x and weights share it); out_f32: out is fp32, else x's dtype. Workspaces:
+// dtype: 0 = bf16, 1 = fp32 (x and weights share it); out_f32: out is fp32, else x's dtype;
+// round_product: the weighted products rounded to x's dtype (Problem). Workspaces:
 // order_M int32[M], key_U int64[M], start_U int32[M + 1], act_MI float[M * I], acc_TH float[T * H].
 // Strides count elements.
 struct RunArgs {
-  int64_t dtype, T, H, I, G, M, w13_stride, w2_stride, threads, host_idle, out_f32;
+  int64_t dtype, T, H, I, G, M, w13_stride, w2_stride, threads, host_idle, out_f32, round_product;
   const void *x_TH, *w13, *w2;
   const int64_t *key_M, *token_M;
   const float* weight_M;
@@ -331,7 +347,8 @@ int moecache_cpu_experts_run(const RunArgs* a) {
   }
   a->start_U[U] = M;
   const Problem p{static_cast<int>(a->T), static_cast<int>(a->H), static_cast<int>(a->I), M, U, a->key_U,
-                  a->start_U, order_M, a->token_M, a->weight_M, a->w13_stride, a->w2_stride};
+                  a->start_U, order_M, a->token_M, a->weight_M, a->w13_stride, a->w2_stride,
+                  a->round_product != 0};
   // `threads` workers; with host_idle the calling thread joins the team without a share (one more).
   const int threads = a->threads > 0 ? static_cast<int>(a->threads) : 1;
   const int idle = a->host_idle ? 1 : 0;
