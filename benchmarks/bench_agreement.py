@@ -1,17 +1,18 @@
 """Output agreement of an offloaded model, within the tolerance of the existing implementation.
 
 The plan: the operator must "preserve the model output within the tolerance of the existing CPU or ONNX
-Runtime implementation". The tolerance is measured here as the disagreement of two implementations
-transformers itself ships for the same layer on the same inputs: its eager per-expert loop (the baseline)
-against its `grouped_mm` path (and `batched_mm` with `--impls`). moecache offloaded at each capacity
-(policy lru, so hits run from the slot pool and misses on the CPU in the same layer visits) must be within
-it on every figure (moecache/validation/agreement.py): max and mean |logit - baseline logit| over all
-positions x vocabulary, and teacher-forced top-1 agreement.
+Runtime implementation". The baseline is the existing implementation as users run it, transformers'
+default experts path (`--baseline grouped_mm`); the tolerance is the disagreement of the other
+implementation transformers ships for the same layer (`--impls eager`, its per-expert loop) with it on the
+same inputs. moecache offloaded at each capacity (policy lru, so hits run from the slot pool and misses on
+the CPU in the same layer visits) must be within it on every figure (moecache/validation/agreement.py):
+max and mean |logit - baseline logit| over all positions x vocabulary, and teacher-forced top-1
+agreement. Every run is also compared with every transformers implementation (rows `vs <impl>`).
 
-With `--fp32` (the default) the same baseline in float32 is the common truth (`agreement.float32_logits`:
-the unmodified model's bfloat16 weights widened to float32 in place for one pass, exact both ways), eager,
-the same tokens and routing; every run, eager included, is also compared with it (rows `vs fp32`): both
-transformers implementations' and moecache's errors against the same truth.
+With `--fp32` (the default) the eager loop in float32 is the common truth (`agreement.float32_logits`: the
+unmodified model's bfloat16 weights widened to float32 in place for one pass, exact both ways), the same
+tokens and routing; every run is also compared with it (rows `vs fp32`): transformers' implementations'
+and moecache's errors against the same truth.
 
 One model of the `--model` yaml's shape (all its widths, the first `--layers` decoder layers, random
 weights in bf16 on the device: moecache/models/random_full.py). Every run is trace-forced (moecache/
@@ -129,11 +130,14 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=160, help="positions per request (prompt included)")
     ap.add_argument("--capacities", nargs="+", default=list(CAPACITIES))
     ap.add_argument("--policy", default="lru")
-    ap.add_argument("--impls", nargs="+", default=["grouped_mm"], help="transformers paths held to eager")
+    ap.add_argument(
+        "--baseline", default="grouped_mm", help="transformers' experts path every run is compared with"
+    )
+    ap.add_argument("--impls", nargs="+", default=["eager"], help="transformers' other paths: the tolerance")
     ap.add_argument("--device", default="auto")
     ap.add_argument(
         "--fp32", action=argparse.BooleanOptionalAction, default=True,
-        help="also compare every run with the eager baseline in float32 (module docstring)",
+        help="also compare every run with the eager loop in float32 (module docstring)",
     )  # fmt: skip
     args = ap.parse_args()
     from moecache.models.adapter import adapter_for
@@ -164,8 +168,10 @@ def main() -> None:
         routing = "forced to the baseline's own (captured in its greedy pass)"
     prompts = {rid: prompt_of(rid, P, args.vocab) for rid in arrays}
 
+    if args.baseline in args.impls:
+        raise SystemExit(f"--impls {args.impls}: the baseline {args.baseline!r} cannot be its own tolerance")
     # 1. the baseline's greedy continuation (its own routing captured, or the trace's forced)
-    model.set_experts_implementation("eager")
+    model.set_experts_implementation(args.baseline)
     feed = {}
     if args.trace is not None:
         forced = ForcedRouting.from_arrays(arrays, num_experts=arch["num_experts"])
@@ -182,12 +188,12 @@ def main() -> None:
 
     # 2. transformers' implementations, teacher-forced on the same tokens and routing
     progress(started, "baseline greedy pass done")
-    logits = {"eager": teacher_forced_all(model, prompts, feed, forced)}
+    logits = {args.baseline: teacher_forced_all(model, prompts, feed, forced)}
     for impl in args.impls:
         model.set_experts_implementation(impl)
         logits[impl] = teacher_forced_all(model, prompts, feed, forced)
         progress(started, f"{impl} done")
-    base = logits["eager"]
+    base = logits[args.baseline]
     scale = float(torch.cat(list(base.values())).std())
     truth = None
     if args.fp32:
@@ -195,14 +201,14 @@ def main() -> None:
         truth = float32_logits(model, prompts, feed, forced)
         progress(started, "float32 eager done")
     rows = [
-        {"run": impl, "vs": "eager", **logit_errors(logits[impl], base).figures(), "cpu_entries": None,
+        {"run": impl, "vs": args.baseline, **logit_errors(logits[impl], base).figures(), "cpu_entries": None,
          "gpu_entries": None}
         for impl in args.impls
     ]  # fmt: skip
     tolerance = {r["run"]: logit_errors(logits[r["run"]], base) for r in rows}
     spread = []  # transformers' own implementations against the float32 truth
     if truth is not None:
-        rows += [vs_fp32(run, logits[run], truth) for run in ["eager", *args.impls]]
+        rows += [vs_fp32(run, logits[run], truth) for run in [args.baseline, *args.impls]]
         spread = [r for r in rows if r["vs"] == "fp32"]
 
     # 3. moecache offloaded (the model's experts go to the host store), a new cold cache per capacity
@@ -216,14 +222,14 @@ def main() -> None:
         errors = logit_errors(got, base)
         progress(started, f"moecache {capacity} done")
         within = {impl: errors.within(tol) for impl, tol in tolerance.items()}
-        refs = [("eager", base)] + [(impl, logits[impl]) for impl in args.impls]
+        refs = [(args.baseline, base)] + [(impl, logits[impl]) for impl in args.impls]
         for vs, ref in refs + ([("fp32", truth)] if truth is not None else []):
             figures = logit_errors(got, ref).figures()
             rows.append({
                 "run": f"moecache {capacity} {args.policy}", "vs": vs, **figures,
                 "cpu_entries": stats.cpu_entries - cpu0, "gpu_entries": stats.gpu_entries - gpu0,
                 "slots": session.manager.capacity,
-                **({"within": within} if vs == "eager" else {}),
+                **({"within": within} if vs == args.baseline else {}),
                 **({"within_spread": within_spread(figures, spread)} if vs == "fp32" else {}),
             })  # fmt: skip
         del got
@@ -234,8 +240,8 @@ def main() -> None:
     print(
         f"agreement on {device}, bf16: {described['name']}, {arch['num_layers']} MoE layers x "
         f"{arch['num_experts']} experts, top-{arch['top_k']}, vocab {args.vocab}; {len(prompts)} requests x "
-        f"{N} positions ({P} prompt + {N - P} fed), teacher-forced on eager's greedy tokens; routing "
-        f"{routing}; baseline eager (logit std {scale:.4g}); {time.perf_counter() - started:.0f} s"
+        f"{N} positions ({P} prompt + {N - P} fed), teacher-forced on {args.baseline}'s greedy tokens; routing "
+        f"{routing}; baseline {args.baseline} (logit std {scale:.4g}); {time.perf_counter() - started:.0f} s"
     )
     print(
         f"{'run':<22} | {'vs':<10} | {'max |err|':>9} | {'mean |err|':>10} | {'top-1':>6} | "
@@ -261,6 +267,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "agreement", "device": str(device), "model": described, "routing": routing,
         "requests": len(prompts), "positions": N, "prompt_tokens": P, "policy": args.policy,
+        "baseline": args.baseline, "impls": args.impls,
         "logit_std": scale, "rows": rows, "within": verdict, "within_float32_spread": in_spread,
     }))  # fmt: skip
 

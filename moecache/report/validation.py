@@ -87,7 +87,7 @@ def _yes(value) -> str:
 
 def agreement_lines(result: dict, rows: list[dict]) -> list[str]:
     """The output-agreement subsection: per workload, how it was fed and routed, then transformers'
-    implementations (the tolerance) and every offloaded run against the eager baseline."""
+    implementations (the tolerance) and every offloaded run against the baseline, its default path."""
     summary = result.get("agreement") or {}
     lines = [
         "### Output agreement: within the tolerance of transformers' own implementations",
@@ -97,12 +97,12 @@ def agreement_lines(result: dict, rows: list[dict]) -> list[str]:
         return [*lines, "Not measured (validate.agreement_requests=0).", ""]
     lines += [
         "Every run teacher-forced on the same tokens with the same routing; its logits against transformers'"
-        " eager per-expert loop at every position (max and mean |logit error| over positions x vocabulary,"
-        " top-1 agreement). The tolerance is transformers' other implementation against the same baseline; a"
-        " moecache run is within it when its errors are at most that and its top-1 agreement at least that. The"
-        " eager baseline is rounded too: against the eager loop in float32 (the truth; a float32 model's"
-        " baseline is the truth itself) a run is within the spread when it is no further from it than"
-        " transformers' own implementations are.",
+        " default experts path (grouped_mm) at every position (max and mean |logit error| over positions x"
+        " vocabulary, top-1 agreement). The tolerance is transformers' other implementation (its eager"
+        " per-expert loop) against the same baseline; a moecache run is within it when its errors are at most"
+        " that and its top-1 agreement at least that. The baseline is rounded too: against the eager loop in"
+        " float32 (the truth; a float32 model's baseline is the truth itself) a run is within the spread when"
+        " it is no further from it than transformers' own implementations are.",
         "",
     ]
     for workload, a in summary.items():

@@ -88,7 +88,7 @@ def _checked(c: dict) -> dict:
         if impl not in IMPLEMENTATIONS:
             raise MoecacheError(
                 f"validate.agreement_impls: {impl!r}: expected some of {', '.join(IMPLEMENTATIONS)} (transformers'"
-                " implementations held to its eager loop)"
+                " implementations compared with its default grouped_mm path)"
             )
     if v["init"] is not None and not Path(v["init"]).exists():
         raise MoecacheError(f"validate.init={v['init']}: no such file or folder (a saved state or a trace)")

@@ -4,13 +4,15 @@ tolerance of the existing implementation".
 Every run is fed the SAME tokens (the baseline's greedy continuation; the prompt in one forward, then one
 token per forward), so its logits at every position are comparable with the baseline's: max and mean
 |logits - baseline logits| over all positions x vocabulary, and the share of positions whose top-1 token
-equals the baseline's (`LogitErrors`, `teacher_forced`). The tolerance is the disagreement of two
-implementations transformers itself ships for the same layer on the same inputs (its eager per-expert
-loop, the baseline, against its grouped_mm / batched_mm path): a run is within it when its max and mean
-errors are at most that pair's and its top-1 agreement at least theirs (`within`). The eager baseline
-is itself rounded: with a float32 truth (`float32_logits`: the same eager loop on the model widened to
-float32), every bfloat16 implementation, eager included, is also measured against the same truth, and a
-run is within their spread when it is no further from it than they are (`within_spread`). Forced routing
+equals the baseline's (`LogitErrors`, `teacher_forced`). The baseline is the existing implementation as
+users run it: transformers' default experts path (`grouped_mm`, what `from_pretrained` picks). The
+tolerance is the disagreement of the other implementation transformers ships for the same layer (its
+eager per-expert loop, which sums a token's K expert outputs in bf16 where grouped_mm sums them in
+float32) with it on the same inputs: a run is within it when its max and mean errors are at most that
+pair's and its top-1 agreement at least theirs (`within`). The baseline is itself rounded: with a
+float32 truth (`float32_logits`: the eager loop on the model widened to float32), every bfloat16
+implementation is also measured against the same truth, and a run is within their spread when it is no
+further from it than they are (`within_spread`). Forced routing
 (moecache/runtime/forced_routing.py: a forcing trace, or the baseline's own routing captured by
 `RoutingCapture`) keeps every run on the same experts with the same weights. moecache/validation/
 agreement_runs.py runs it inside `moecache validate`; benchmarks/bench_agreement.py on its own.
@@ -184,7 +186,7 @@ class Tolerance:
     """The baseline's teacher-forced logits per request and the disagreement of transformers' other
     implementations with it (per implementation name): what every run is held to. With a float32
     truth (`float32_logits`): its logits, and the baseline's and each implementation's errors against
-    it (`from_truth`, keyed "eager" and the implementation names)."""
+    it (`from_truth`, keyed by the baseline's and the implementations' names)."""
 
     base: dict[str, torch.Tensor]
     pairs: dict[str, LogitErrors]
@@ -217,21 +219,26 @@ def implementation_tolerance(
     prompts: dict,
     feed: dict,
     forced=None,
-    impls: Sequence[str] = ("grouped_mm",),
+    impls: Sequence[str] = ("eager",),
     float32: bool = False,
+    baseline: str = "grouped_mm",
 ) -> Tolerance:
     """On the unmodified model (before it is offloaded): every request teacher-forced on `feed` with
-    transformers' eager per-expert loop (the baseline) and with each of `impls`, the model's experts
-    implementation restored afterwards. `float32`: the eager loop in float32 too (`float32_logits`; a
-    float32 model's baseline is that truth itself), every implementation's errors against it."""
+    transformers' `baseline` experts path and with each of `impls`, the model's experts implementation
+    restored afterwards. `float32`: the eager loop in float32 too (`float32_logits`; a float32 model's
+    baseline is that truth itself), every implementation's errors against it."""
     before = getattr(model.config, "_experts_implementation", None)
-    model.set_experts_implementation("eager")
+    model.set_experts_implementation(baseline)
     base = teacher_forced_all(model, prompts, feed, forced)
     truth = None
     if float32:
         narrow = any(t.dtype in (torch.bfloat16, torch.float16) for t in model.parameters())
-        truth = float32_logits(model, prompts, feed, forced) if narrow else base
-    from_truth = {"eager": logit_errors(base, truth)} if truth is not None else {}
+        if narrow:
+            model.set_experts_implementation("eager")
+            truth = float32_logits(model, prompts, feed, forced)
+        else:
+            truth = base
+    from_truth = {baseline: logit_errors(base, truth)} if truth is not None else {}
     pairs = {}
     for impl in impls:
         model.set_experts_implementation(impl)

@@ -5,13 +5,14 @@ Per workload, on the unmodified model before it is offloaded (`prepare`, called 
 1. the requests: the workload's first `validate.agreement_requests` (a conversation's later turn built
    from the baseline's answer, as the runs' later turns are built from the reference's: workloads.py);
    a trace-forced workload's first requests;
-2. the baseline, transformers' eager per-expert loop, greedily continues each request by
+2. the baseline, transformers' default experts path (grouped_mm), greedily continues each request by
    `validate.agreement_tokens` tokens (null: as many as the workload's runs route after the prompt);
    that continuation is what every run is fed. The routing: a trace-forced workload's forcing trace;
    else the baseline's own, captured in that pass (`RoutingCapture`) and forced on every later pass, so
    every run routes the same (token, expert) entries with the same weights;
-3. the tolerance: every request teacher-forced with the eager loop (the baseline's logits) and with
-   each implementation of `validate.agreement_impls` on the same tokens and routing: one row each.
+3. the tolerance: every request teacher-forced with the baseline (its logits) and with each
+   implementation of `validate.agreement_impls` (default: the eager per-expert loop) on the same tokens
+   and routing: one row each.
    With `validate.agreement_float32`, the eager loop once more on the model widened to float32 (the
    truth; a float32 model's baseline is the truth itself): the baseline (a row of its own) and each
    implementation measured against it too.
@@ -42,8 +43,12 @@ from moecache.validation.agreement import (
 )
 from moecache.validation.runs import Outputs, Request, RunSpec
 
-BASELINE = "eager"  # transformers' per-expert loop: the logits every run is compared with
-IMPLEMENTATIONS = ("grouped_mm", "batched_mm")  # transformers' own other paths, each held to BASELINE
+# transformers' default experts path (what `from_pretrained` picks): the logits every run is compared with
+BASELINE = "grouped_mm"
+# transformers' other paths, each compared with BASELINE: eager sums a token's K expert outputs in bf16
+# (the tolerance); batched_mm shares grouped_mm's arithmetic (a bf16 model: its pair is 0, a bound no other
+# implementation can be held to)
+IMPLEMENTATIONS = ("eager", "batched_mm")
 BASE, TOLERANCE, MOECACHE = "baseline", "tolerance", "moecache"  # the agreement table's row kinds
 
 
@@ -94,7 +99,9 @@ def prepare(
         routing = "the baseline's own, captured in its greedy pass and forced on every other"
     else:
         routing = f"forced by the trace {forced_name}"
-    tolerance = implementation_tolerance(model, prompts, feed, forced, impls, float32=float32)
+    tolerance = implementation_tolerance(
+        model, prompts, feed, forced, impls, float32=float32, baseline=BASELINE
+    )
     if before is not None:
         model.set_experts_implementation(before)
     return AgreementSet(workload, prompts, feed, forced, routing, tolerance)
@@ -115,7 +122,7 @@ def _from_truth(aset: AgreementSet, name: str) -> dict:
 
 
 def tolerance_rows(aset: AgreementSet) -> list[dict]:
-    """With a float32 truth, the eager baseline's row (its error against the truth); then one row per
+    """With a float32 truth, the baseline's row (its error against the truth); then one row per
     transformers implementation: its figures against the baseline, and against the truth (no verdict:
     they are the tolerance)."""
     none = {f"{f}_within": None for f in FIGURES} | {"within_tolerance": None, "within_float32_spread": None}
@@ -148,7 +155,7 @@ def summary(aset: AgreementSet, rows: list[dict]) -> dict:
     mine = [r for r in rows if r["workload"] == aset.workload and r["kind"] == MOECACHE]
     truth = aset.tolerance.truth is not None
     return {
-        "baseline": f"transformers {BASELINE} (per-expert loop)",
+        "baseline": f"transformers {BASELINE} (its default experts path)",
         "requests": len(aset.prompts),
         "positions": aset.positions,
         "fed_tokens": sum(len(f) for f in aset.feed.values()),

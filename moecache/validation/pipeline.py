@@ -63,7 +63,7 @@ class Settings:
     init: str | None = None  # validate.init: the selected strategy's cache starts from it
     agreement_requests: int = 0  # validate.agreement_requests (0: no output agreement)
     agreement_tokens: int | None = None  # validate.agreement_tokens (None: as many as the runs route)
-    agreement_impls: tuple[str, ...] = ("grouped_mm",)  # validate.agreement_impls
+    agreement_impls: tuple[str, ...] = ("eager",)  # validate.agreement_impls
     agreement_float32: bool = False  # validate.agreement_float32
 
 

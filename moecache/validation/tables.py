@@ -1,7 +1,7 @@
 """The validation artifact's tables: `runs.parquet` (one row per workload x strategy x capacity, and
 one per workload for the unmodified model), `latency.parquet` (every generated token's latency),
-`agreement.parquet` (output agreement: per workload, transformers' implementations against their eager
-baseline, then every offloaded run; moecache/validation/agreement_runs.py) and `fidelity.parquet` (each
+`agreement.parquet` (output agreement: per workload, transformers' implementations against its default
+grouped_mm path, the baseline, then every offloaded run; moecache/validation/agreement_runs.py) and `fidelity.parquet` (each
 offloaded run predicted on profiles fitted elsewhere, marked fitted or predicted;
 moecache/validation/holdout.py)."""
 
@@ -84,7 +84,7 @@ AGREEMENT_SCHEMA = pa.schema(
         ("kind", pa.string()),  # baseline (with a float32 truth) | tolerance | moecache
         ("capacity", pa.string()),  # as in runs.parquet (null for a tolerance row)
         ("slots", pa.int64()),
-        ("baseline", pa.string()),  # the implementation every row is compared with: eager
+        ("baseline", pa.string()),  # the implementation every row is compared with: grouped_mm
         ("requests", pa.int64()),
         ("positions", pa.int64()),  # teacher-forced positions: prompt + fed tokens, over the requests
         ("max_abs_logit_error", pa.float64()),

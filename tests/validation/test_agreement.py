@@ -102,8 +102,9 @@ def test_the_baseline_itself_is_within_the_implementations_tolerance():
     model = tiny("qwen3_moe").to(torch.bfloat16)
     prompts, feed = {"a": PROMPT}, {"a": [1, 2]}
     tolerance = implementation_tolerance(model, prompts, feed)
-    assert set(tolerance.pairs) == {"grouped_mm"} and tolerance.pairs["grouped_mm"].positions == 9
-    model.set_experts_implementation("eager")
+    assert set(tolerance.pairs) == {"eager"} and tolerance.pairs["eager"].positions == 9
+    assert model.config._experts_implementation != "eager"  # restored
+    model.set_experts_implementation("grouped_mm")  # the baseline, transformers' default path
     row = agreement_row(model, prompts, feed, tolerance)
     assert row == {
         "positions": 9, "max_abs_logit_error": 0.0, "mean_abs_logit_error": 0.0, "top1_agreement": 1.0,
@@ -120,20 +121,21 @@ def test_the_float32_truth_leaves_a_bf16_model_as_it_was_and_measures_every_impl
     assert {n: t.dtype for n, t in model.state_dict().items()} == {n: t.dtype for n, t in before.items()}
     assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())  # bit for bit
     assert set(tolerance.from_truth) == {"eager", "grouped_mm"}
-    eager = tolerance.from_truth["eager"].figures()
-    assert eager["max_abs_logit_error"] > 0  # bf16 rounding, measured against float32
+    base = tolerance.from_truth["grouped_mm"].figures()
+    assert base["max_abs_logit_error"] > 0  # bf16 rounding, measured against float32
     model.set_experts_implementation("eager")
-    again = float32_logits(model, prompts, feed)  # the same truth twice
+    again = float32_logits(model, prompts, feed)  # the same truth twice (the eager loop in float32)
     assert torch.equal(again["a"], tolerance.truth["a"])
+    model.set_experts_implementation("grouped_mm")
     row = agreement_row(model, prompts, feed, tolerance)  # the baseline itself: inside the spread
-    assert row["float32_max_abs_logit_error"] == eager["max_abs_logit_error"] and row["within_float32_spread"]
+    assert row["float32_max_abs_logit_error"] == base["max_abs_logit_error"] and row["within_float32_spread"]
 
 
 def test_a_float32_model_is_its_own_truth():
     model = tiny("qwen3_moe")
     tolerance = implementation_tolerance(model, {"a": PROMPT}, {"a": [1]}, float32=True)
     assert tolerance.truth is tolerance.base
-    assert tolerance.from_truth["eager"].figures()["max_abs_logit_error"] == 0.0
+    assert tolerance.from_truth["grouped_mm"].figures()["max_abs_logit_error"] == 0.0
 
 
 def test_within_the_spread_means_no_further_from_the_truth_than_the_others():

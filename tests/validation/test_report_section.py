@@ -134,11 +134,11 @@ def test_the_agreement_is_a_table_per_workload_with_its_tolerance_first(tmp_path
     folder = artifact(tmp_path / "validate-8", None)
     figures = dict.fromkeys(("max_abs_logit_error", "mean_abs_logit_error", "top1_agreement"))
     rows = [
-        {**dict.fromkeys(AGREEMENT_SCHEMA.names), "workload": "multi_request", "run": "grouped_mm", "kind": "tolerance",
-         "baseline": "eager", "requests": 1, "positions": 40, "max_abs_logit_error": 0.5,
+        {**dict.fromkeys(AGREEMENT_SCHEMA.names), "workload": "multi_request", "run": "eager", "kind": "tolerance",
+         "baseline": "grouped_mm", "requests": 1, "positions": 40, "max_abs_logit_error": 0.5,
          "mean_abs_logit_error": 0.01, "top1_agreement": 0.95},
         {**dict.fromkeys(AGREEMENT_SCHEMA.names), "workload": "multi_request", "run": "selected", "kind": "moecache",
-         "capacity": "25%", "slots": 32, "baseline": "eager", "requests": 1, "positions": 40,
+         "capacity": "25%", "slots": 32, "baseline": "grouped_mm", "requests": 1, "positions": 40,
          "max_abs_logit_error": 0.25, "mean_abs_logit_error": 0.02, "top1_agreement": 0.975,
          **{f"{f}_within": f != "mean_abs_logit_error" for f in figures}, "within_tolerance": False,
          "gpu_entries": 100, "cpu_entries": 60},
@@ -156,7 +156,7 @@ def test_the_agreement_is_a_table_per_workload_with_its_tolerance_first(tmp_path
         "`multi_request`: 1 requests, 40 positions (8 fed tokens); routing forced by the trace t; 0 of 1"
         in text
     )
-    assert "| transformers grouped_mm (tolerance) | - | n/a | 0.5 | 0.01 | 0.95 | - | - | - | - |" in text
+    assert "| transformers eager (tolerance) | - | n/a | 0.5 | 0.01 | 0.95 | - | - | - | - |" in text
     assert "| selected | 25% | 32 | 0.25 | 0.02 | 0.975 | yes / NO / yes | - | - | 100 / 60 |" in text
 
 

@@ -27,7 +27,7 @@ def test_validate_on_cuda_agrees_with_the_unmodified_model(tmp_path):
     for key, r in by.items():
         assert r["peak_cuda_bytes"] is not None and r["peak_cuda_bytes"] > 0, key
     agreement = pq.read_table(folder / "agreement.parquet").to_pylist()
-    # the eager baseline, the grouped_mm tolerance, then every offloaded run (test_validate_stage.py)
+    # the grouped_mm baseline, the eager tolerance, then every offloaded run (test_validate_stage.py)
     assert [r["kind"] for r in agreement] == ["baseline", "tolerance"] + ["moecache"] * 6
     for r in agreement:
         assert r["top1_agreement"] == 1.0 and r["max_abs_logit_error"] < 1e-3, r["run"]

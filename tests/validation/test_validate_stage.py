@@ -1,7 +1,7 @@
 """`moecache validate` end to end through the CLI on the tiny model (CPU, fp32, the CPU stand-in device),
 composing the real conf: every strategy's run, capacity 0 without a hit, the n-cpu-moe placement holding
 exactly the last layer, traces with the cache columns filled, every offloaded run's output agreement
-against transformers' eager loop beside its grouped_mm tolerance, the fidelity table (hit rate only
+against transformers' default grouped_mm path beside its eager tolerance, the fidelity table (hit rate only
 without a profile), a reproducible artifact id; bad input is one line, exit 2, no artifact."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_every_run_says_on_stderr_when_it_is_done(done):
 
 
 def test_every_offloaded_run_is_held_to_transformers_own_tolerance(done):
-    """agreement.parquet: the eager baseline's row (a float32 model: its own float32 truth), the grouped_mm
+    """agreement.parquet: the grouped_mm baseline's row (a float32 model: its own float32 truth), the eager
     row (the tolerance) against it, then one row per offloaded run, each teacher-forced on the same
     positions with the same (captured) routing; all resident runs every entry from the slot pool, all on
     the CPU every one there, 25% both; fp32: every error at the float32 rounding level, the top-1 token
@@ -102,16 +102,17 @@ def test_every_offloaded_run_is_held_to_transformers_own_tolerance(done):
     assert (
         summary["requests"] == 1 and summary["fed_tokens"] == 3
     )  # max_new_tokens 4: 3 routed after the prompt
-    assert "captured" in summary["routing"] and set(summary["tolerance"]) == {"grouped_mm"}
+    assert "captured" in summary["routing"] and set(summary["tolerance"]) == {"eager"}
     baseline, tolerance, *moecache = rows
     assert (baseline["run"], baseline["kind"], baseline["float32_max_abs_logit_error"]) == (
-        "eager",
+        "grouped_mm",
         "baseline",
         0.0,
     )
-    assert tolerance["run"] == "grouped_mm" and tolerance["kind"] == "tolerance"
-    assert tolerance["float32_max_abs_logit_error"] == tolerance["max_abs_logit_error"]  # the truth is eager
-    assert tolerance["within_tolerance"] is None and tolerance["baseline"] == "eager"
+    assert tolerance["run"] == "eager" and tolerance["kind"] == "tolerance"
+    # a float32 model: the baseline is the truth
+    assert tolerance["float32_max_abs_logit_error"] == tolerance["max_abs_logit_error"]
+    assert tolerance["within_tolerance"] is None and tolerance["baseline"] == "grouped_mm"
     assert [(r["run"], r["capacity"]) for r in moecache] == [k for k in runs if k[0] != "unmodified"]
     assert summary["runs"] == 6 and summary["runs_within"] == sum(r["within_tolerance"] for r in moecache)
     entries = summary["positions"] * L * 4  # top-4
@@ -291,8 +292,8 @@ def test_auto_warms_up_where_times_are_predicted(tmp_path, monkeypatch):
         ("validate.agreement_requests=-1", "validate.agreement_requests=-1: expected an integer >= 0"),
         ("validate.agreement_tokens=x", "validate.agreement_tokens='x'"),
         (
-            "validate.agreement_impls=[eager]",
-            "validate.agreement_impls: 'eager': expected some of grouped_mm",
+            "validate.agreement_impls=[grouped_mm]",
+            "validate.agreement_impls: 'grouped_mm': expected some of eager, batched_mm",
         ),
         ("validate.forced_trace=[a.parquet,a.parquet]", "a trace is listed twice"),
         (
