@@ -49,13 +49,22 @@ REPO = Path(__file__).resolve().parents[1]
 CAPACITIES = ("10%", "25%", "50%")
 
 
-def build(model_yaml: Path, layers: int, vocab: int, device: torch.device, dtype: torch.dtype):
-    """The yaml's model cut to its first `layers` decoder layers (moecache/models/random_full.py)."""
+def build(
+    model_yaml: Path, layers: int, vocab: int, device: torch.device, dtype: torch.dtype, overrides=None
+):
+    """The yaml's model cut to its first `layers` decoder layers (moecache/models/random_full.py), its
+    text config's `overrides` (a dict: narrower widths) applied."""
     from moecache.models.adapter import adapter_for
     from moecache.models.random_full import build_random_model
 
     cfg = yaml.safe_load(model_yaml.read_text())
-    random = {"seed": 0, "vocab_size": vocab, "num_layers": layers, "config_json": None, "overrides": {}}
+    random = {
+        "seed": 0,
+        "vocab_size": vocab,
+        "num_layers": layers,
+        "config_json": None,
+        "overrides": overrides or {},
+    }
     model, _ = build_random_model({**cfg, "path": None, "random": random}, device, dtype)
     name = f"{cfg['name']} (first {layers} decoder layers)"
     return model, {"name": name, "vocab": vocab, **adapter_for(model).describe()}
@@ -136,6 +145,10 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=["eager"], help="transformers' other paths: the tolerance")
     ap.add_argument("--device", default="auto")
     ap.add_argument(
+        "--overrides", type=json.loads, default=None,
+        help='text config fields as JSON, e.g. \'{"hidden_size": 64}\' (a narrower model; the tests\')',
+    )  # fmt: skip
+    ap.add_argument(
         "--fp32", action=argparse.BooleanOptionalAction, default=True,
         help="also compare every run with the eager loop in float32 (module docstring)",
     )  # fmt: skip
@@ -157,7 +170,9 @@ def main() -> None:
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
     started = time.perf_counter()
-    model, described = build(Path(args.model), args.layers, args.vocab, device, torch.bfloat16)
+    model, described = build(
+        Path(args.model), args.layers, args.vocab, device, torch.bfloat16, args.overrides
+    )
     arch = adapter_for(model).describe()
     P, N = args.prompt_tokens, args.positions
     if args.trace is not None:

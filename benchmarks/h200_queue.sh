@@ -57,9 +57,9 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS. Default: the runtime's GPU tests (the fast loop's host point
-# changed since they last ran on a GPU), then what is still unmeasured, `tests_runtime decode_qwen
-# decode_qwen_policies fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen decode_compiled decode_qwen
+# The parts, run in the order of PARTS. Default: the kernel's GPU tests and speed (its rounding points
+# changed since it last ran on a GPU), the runtime's GPU tests (the fast loop's host point changed too),
+# then what is still unmeasured, `kernel tests_runtime decode_qwen decode_qwen_policies fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen decode_compiled decode_qwen
 # decode_qwen_policies fidelity_qwen`; the GPU tests while the checkpoint is written, without llama.cpp: `tests_write load fidelity`.
 # run.sh write keeps a checkpoint that is there; the step is logged once.
 write_dsv2() { [ -f "$DSV2_CKPT/config.json" ] || step write_dsv2 400 "${VS_RUN[@]}" write dsv2; }
@@ -72,6 +72,14 @@ part_load() {
 part_tests() { step gputests 900 python3 -m pytest -q -p no:cacheprovider -m gpu; }
 
 part_tests_runtime() { step gputests_runtime 600 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime; }
+
+# The slot-pool kernel: its GPU tests, then its decode and prefill tables (docs/benchmarks.md), after the
+# rounding points (transformers' numerics: per-expert down reductions in the decode launch) went in.
+part_kernel() {
+  step gputests_kernels 600 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels
+  step slot_moe_decode 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16
+  step slot_moe_prefill 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 512 4096
+}
 
 part_tests_write() {  # the GPU tests while the checkpoint is written (nothing is timed meanwhile)
   part_tests &
@@ -191,7 +199,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-tests_runtime decode_qwen decode_qwen_policies fidelity_qwen}; do "part_$part"; done
+  for part in ${PARTS:-kernel tests_runtime decode_qwen decode_qwen_policies fidelity_qwen}; do "part_$part"; done
   log "queue done"
   touch "$RES/DONE"
 }
