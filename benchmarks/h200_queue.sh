@@ -73,11 +73,18 @@ part_tests() { step gputests 900 python3 -m pytest -q -p no:cacheprovider -m gpu
 
 part_tests_runtime() { step gputests_runtime 600 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime; }
 
-# The slot-pool kernel: its GPU tests, then its decode and prefill tables (docs/benchmarks.md), after the
-# rounding points (transformers' numerics: per-expert down reductions in the decode launch) went in.
+# The slot-pool kernel after its rounding points went in (transformers' numerics: the decode down launch
+# reduces each expert's dot product on its own, a cross-warp reduction per k where there was one per
+# token): its GPU tests; its decode table (docs/benchmarks.md) on the shipped configs; the Qwen3.6 decode
+# retuned for that launch (the entries come back under configs/ in res.tgz and are used by what follows
+# in this queue); the decode table again; the prefill table.
 part_kernel() {
   step gputests_kernels 600 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels
   step slot_moe_decode 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16
+  step tune_decode_qwen 300 python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 \
+    --top-k 8 --tokens 1 4 16 --budget-s 200 --merge-from kernels/moecache_kernels/configs --out-dir "$RES/configs"
+  cp "$RES"/configs/*.json kernels/moecache_kernels/configs/ || log "no retuned decode entries"
+  step slot_moe_decode_tuned 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16
   step slot_moe_prefill 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 512 4096
 }
 
