@@ -9,10 +9,11 @@ Numerics: those of transformers' experts, its default `grouped_mm` path, which u
 product is a float32 sum, and every value transformers holds in x's dtype is rounded to it: the gate and
 up projections, silu(gate), the activation, the down projection; the router-weighted product too when
 its dtype, promote(x, weights), is x's (`rounds_product`: Qwen3.5/3.6's router hands bf16 weights,
-DeepSeek-V2's float32); the K products of a token are summed in float32 and rounded once. So a bf16
-model's MoE output here differs from transformers' only where float32 sums taken in another order round
-differently, well inside the gap between transformers' own eager loop (which also sums the K products
-in bf16) and grouped_mm (docs/validation.md, "Output agreement"). A float32 model rounds nothing.
+DeepSeek-V2's float32); the K products of a token are summed in float32 and rounded once (transformers'
+eager loop sums them in bf16 instead). On the CPU this reference equals grouped_mm bit for bit; a kernel
+or executor following it differs only where its float32 sums, taken in another order, round differently
+(docs/validation.md, "Output agreement", measures what that does to a model's logits). A float32 model
+rounds nothing.
 
 Shape legend (suffixes of tensor names):
     T tokens, H hidden size, I expert intermediate size, E experts in the pool, K experts per token (top-k).
