@@ -4,7 +4,8 @@ For each token count T, times candidate block sizes (triton.testing.do_bench ove
 flushed, routings rotating over the whole expert pool so weights are cold) and keeps the fastest, checking each result
 against the default config's. For T > 16 (prefill) the layout and TMA keys, BLOCK_M and the two stages'
 tiles are searched likeliest first (PREFILL_LAYOUT below), the stages in turns; for T <= 16 the
-decode's gate/up tile, then its down tile. The search stops at --budget-s (the best found so far is
+decode's variant (slot_moe_config.DECODE_VARIANTS), its gate/up tile, its down tile, then the variant
+again (the down tile may favour the other). The search stops at --budget-s (the best found so far is
 kept), and the file is written atomically:
 `E=..,N=..,device_name=..,dtype=bfloat16.json`, which `slot_moe` then loads for this device and shape.
 With --merge-from DIR, entries of DIR's file for this shape whose T is not tuned now are kept.
@@ -63,8 +64,12 @@ def candidates(num_tokens: int, default: dict, rows_per_expert: float | None = N
     """(stage, choice) pairs to try in order, each merged into the best entry so far (with_choice): each
     stage's options with the other stage at its best. `rows_per_expert`: T*K/E, for prefill's BLOCK_M."""
     if "BLOCK_M" not in default:
+        from moecache_kernels.slot_moe_config import DECODE_VARIANTS
+
+        yield from (("variant", v) for v in DECODE_VARIANTS)
         yield from (("gate_up", c) for c in DECODE_GATE_UP)
         yield from (("down", c) for c in DECODE_DOWN)
+        yield from (("variant", v) for v in DECODE_VARIANTS)
         return
     yield from prefill_candidates(num_tokens, rows_per_expert)
 

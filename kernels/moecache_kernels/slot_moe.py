@@ -10,14 +10,17 @@ rounds (gate, up, SiLU(gate), the activation, each expert's down projection, and
 router-weighted product; `_rounded`), the K products summed in float32. Two paths, both graph-capturable
 (no host sync, grids fixed by T, K, H, I):
 
-- decode (T <= DECODE_MAX_T), two launches ("two_stage"; no buffer depends on E, nothing is sorted or
-  padded, a non-resident entry's programs exit at once and add nothing): launch 1, one program per
+- decode (T <= DECODE_MAX_T), two launches ("two_stage", the default variant; no buffer depends on E,
+  nothing is sorted or padded, a non-resident entry's programs exit at once and add nothing): launch 1, one program per
   (token, k, block of I), a GEMV of x[t] with the slot's gate and up rows, writes SiLU(gate) * up in
   float32 (its values x's dtype's) to a [T*K, I] scratch (and each pair's slot, -1 where it does not run here, to a [T*K]
   scratch). Launch 2, one program per (token, block of H), sums the down projections of the token's
   resident experts times their router weights, reading each pair's slot from that scratch (one read,
-  where the id and then the mapping would be two in a row). Other decode variants were tried on the
-  H200 and removed (CHANGELOG.md).
+  where the id and then the mapping would be two in a row). The entry's "variant" "pairs" runs launch 2
+  per (pair, block of H) instead, each pair's weighted output into a float32 [T*K, H] buffer, and a third
+  launch sums a token's K rows in k order (`_sum_pairs`, prefill's): the same sums in the same order, K
+  times the down programs, no reduction shared by a token's experts. Other decode variants were tried on
+  the H200 and removed (CHANGELOG.md).
 - prefill (T > DECODE_MAX_T): as vLLM's fused_moe, (token, k) pairs are sorted by expert on the device
   (`align_by_expert_triton`) and each expert's run is padded to BLOCK_M; tensor-core tiles then run
   gate/up + activation (to a [T*K, I] buffer in x's dtype), then down times the router weight (to a
@@ -46,7 +49,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .expert_reference import rounds_product
 from .slot_moe_align import align_by_expert_triton
-from .slot_moe_config import DECODE_MAX_T, device_name, get_config, prefill_layout, prefill_tma
+from .slot_moe_config import (
+    DECODE_MAX_T,
+    DECODE_VARIANT,
+    device_name,
+    get_config,
+    prefill_layout,
+    prefill_tma,
+)
 
 
 @triton.jit
@@ -126,6 +136,27 @@ def _gate_up_decode(
 
 
 @triton.jit
+def _weighted_down(
+    act_ptr, pair, w_rows, weight, mask_h, i_end,
+    I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, RD: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+):  # fmt: skip
+    """One pair's weight * R(down[h] . act[pair]) for the down rows `w_rows` (BLOCK_H pointers), float32: R
+    rounds to RD, the product too with ROUND_PRODUCT. Columns at or past `i_end` (0: a pair not run here)
+    load nothing and add 0."""
+    acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+    for i0 in tl.static_range(0, I, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask_i = offs_i < i_end
+        act = tl.load(act_ptr + pair * I + offs_i, mask=mask_i, other=0.0)
+        w = tl.load(w_rows[:, None] + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
+        acc += w.to(tl.float32) * act[None, :]
+    prod = _rounded(tl.sum(acc, axis=1), RD) * weight
+    if ROUND_PRODUCT:
+        prod = _rounded(prod, RD)
+    return prod
+
+
+@triton.jit
 def _down_decode(
     act_ptr, slot_P_ptr, wts_ptr, w2_ptr, y_ptr,
     H, I: tl.constexpr, K: tl.constexpr,
@@ -144,20 +175,34 @@ def _down_decode(
         slot = tl.load(slot_P_ptr + pair)
         resident = slot >= 0
         weight = tl.load(wts_ptr + pair).to(tl.float32)
-        w_ptrs = w2_ptr + tl.where(resident, slot, 0).to(tl.int64) * stride_ws + offs_h[:, None] * stride_wh
+        w_rows = w2_ptr + tl.where(resident, slot, 0).to(tl.int64) * stride_ws + offs_h * stride_wh
         i_end = tl.where(resident, I, 0)  # a non-resident entry loads nothing: it adds 0
-        acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
-        for i0 in tl.static_range(0, I, BLOCK_I):
-            offs_i = i0 + tl.arange(0, BLOCK_I)
-            mask_i = offs_i < i_end
-            act = tl.load(act_ptr + pair * I + offs_i, mask=mask_i, other=0.0)
-            w = tl.load(w_ptrs + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
-            acc += w.to(tl.float32) * act[None, :]
-        prod = _rounded(tl.sum(acc, axis=1), RD) * weight
-        if ROUND_PRODUCT:
-            prod = _rounded(prod, RD)
-        y += prod
+        y += _weighted_down(
+            act_ptr, pair, w_rows, weight, mask_h, i_end, I, BLOCK_H, BLOCK_I, RD, ROUND_PRODUCT
+        )
     tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _down_decode_pairs(
+    act_ptr, slot_P_ptr, wts_ptr, w2_ptr, out_ptr,
+    H, I: tl.constexpr,
+    stride_ws, stride_wh, stride_op,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, RD: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+):  # fmt: skip
+    """Program (pair p, block of H), variant "pairs": out[p, h] = w[p] * R(down[h] . act[p]), float32 (R:
+    rounded to RD, x's dtype; the product too with ROUND_PRODUCT), for a pair run here (slot_P[p] >= 0);
+    the others' rows are left as they are (`_sum_pairs` skips them)."""
+    pair = tl.program_id(0)
+    slot = tl.load(slot_P_ptr + pair)
+    if slot < 0:
+        return
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    weight = tl.load(wts_ptr + pair).to(tl.float32)
+    w_rows = w2_ptr + slot.to(tl.int64) * stride_ws + offs_h * stride_wh
+    prod = _weighted_down(act_ptr, pair, w_rows, weight, mask_h, I, I, BLOCK_H, BLOCK_I, RD, ROUND_PRODUCT)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_op + offs_h, prod, mask=mask_h)
 
 
 @triton.jit
@@ -297,8 +342,8 @@ def _sum_pairs(
     stride_op, stride_yt,
     BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Program (token t, block of H): y[t] = sum over resident k of out[t*K + k], in float32 (layout
-    "pairs")."""
+    """Program (token t, block of H): y[t] = sum over resident k of out[t*K + k], in float32 (prefill's
+    layout "pairs", the decode's variant "pairs")."""
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
@@ -442,8 +487,9 @@ def launch(
 
 
 def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config, rounding) -> None:
-    """Two launches: gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch (and each pair's
-    slot, -1 where it does not run here, into an int32 [P]), then down per (token, block of H)."""
+    """Gate/up + SiLU per (pair, block of I) into a float32 [P, I] scratch (and each pair's slot, -1 where
+    it does not run here, into an int32 [P]), then down per (token, block of H); variant "pairs": down per
+    (pair, block of H) into a float32 [P, H] buffer, then the sum over each token's pairs."""
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[1]
     num_pairs = num_tokens * top_k
@@ -458,6 +504,22 @@ def _decode(x_TH, ids_TK, weights_TK, slot_of_E, w13_SIH, w2_SHI, y_TH, config, 
         BLOCK_I=gate_up["BLOCK_I"], BLOCK_H=gate_up["BLOCK_H"], RD=rounding["RD"],
         num_warps=gate_up["num_warps"],
     )  # fmt: skip
+    if config.get("variant", DECODE_VARIANT) == "pairs":
+        out_PH = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x_TH.device)
+        _down_decode_pairs[(num_pairs, triton.cdiv(hidden, down["BLOCK_H"]))](
+            act_PI, slot_P, weights_TK, w2_SHI, out_PH,
+            hidden, inter,
+            w2_SHI.stride(0), w2_SHI.stride(1), out_PH.stride(0),
+            BLOCK_H=down["BLOCK_H"], BLOCK_I=down["BLOCK_I"], **rounding, num_warps=down["num_warps"],
+        )  # fmt: skip
+        block_h = 1024 if x_TH.device.type != "cpu" else 64
+        _sum_pairs[(num_tokens, triton.cdiv(hidden, block_h))](
+            out_PH, ids_TK, slot_of_E, y_TH,
+            hidden, slot_of_E.shape[0], w13_SIH.shape[0], top_k,
+            out_PH.stride(0), y_TH.stride(0),
+            BLOCK_H=block_h,
+        )  # fmt: skip
+        return
     _down_decode[(num_tokens, triton.cdiv(hidden, down["BLOCK_H"]))](
         act_PI, slot_P, weights_TK, w2_SHI, y_TH,
         hidden, inter, top_k,

@@ -7,8 +7,11 @@ NEAREST_MAX_RATIO of the call's T. With no file for the device and shape,
 `default_config` gives a sane one. Two kinds of entry, one per path of the kernel:
 
 - decode (T <= DECODE_MAX_T): {"gate_up": {"BLOCK_I", "BLOCK_H", "num_warps"}, "down": {"BLOCK_H",
-    "BLOCK_I", "num_warps"}, "variant"?}; "variant", if present, must be "two_stage" (the one decode
-    variant left; the others are in CHANGELOG.md).
+    "BLOCK_I", "num_warps"}, "variant"?}; "variant", if present, is one of DECODE_VARIANTS: "two_stage"
+    (the default: gate/up launch, then a down launch per (token, block of H) over the token's K experts)
+    or "pairs" (the down launch per (pair, block of H), each pair's weighted output to a float32 [T*K, H]
+    buffer, then a launch summing a token's K rows: K times the programs, one launch more); the variants
+    tried and removed before are in CHANGELOG.md.
 - prefill (T > DECODE_MAX_T): {"BLOCK_M", "gate_up": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
                                "num_stages"}, "down": {the same keys}, "layout"?, "tma"?}, two optional keys:
     "layout": where the activations and the per-pair float32 down results live. "pairs" (the default when
@@ -38,8 +41,9 @@ DECODE_MAX_T = 16
 # (a T = 4096 entry, BLOCK_M 128, on a 64-token prefill), which wastes most of every tile.
 NEAREST_MAX_RATIO = 4
 
-# the decode (its one variant, "two_stage": gate/up launch, then down launch): stage -> its keys
-DECODE_VARIANT = "two_stage"
+# the decode's variants (module docstring), the default first; each has the same stages and keys
+DECODE_VARIANTS = ("two_stage", "pairs")
+DECODE_VARIANT = DECODE_VARIANTS[0]
 DECODE_KEYS = {"gate_up": ("BLOCK_I", "BLOCK_H", "num_warps"), "down": ("BLOCK_H", "BLOCK_I", "num_warps")}
 PREFILL_STAGE_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 PREFILL_LAYOUTS = ("pairs", "sorted")
@@ -82,8 +86,10 @@ def validate_entry(entry: object, where: str) -> dict:
         for key in ("layout", "tma"):
             if key in entry:
                 raise ValueError(f"{where}.{key}: only prefill entries (with BLOCK_M) have a {key}")
-        if entry.get("variant", DECODE_VARIANT) != DECODE_VARIANT:
-            raise ValueError(f"{where}.variant: want {DECODE_VARIANT!r} or none, got {entry['variant']!r}")
+        if entry.get("variant", DECODE_VARIANT) not in DECODE_VARIANTS:
+            raise ValueError(
+                f"{where}.variant: want one of {list(DECODE_VARIANTS)} or none, got {entry['variant']!r}"
+            )
         for stage, keys in DECODE_KEYS.items():
             _positive_ints(entry.get(stage), keys, f"{where}.{stage}")
     return entry
