@@ -37,7 +37,7 @@ DIRECTION_HEADERS = [
 ]  # fmt: skip
 FIDELITY_HEADERS = [
     "direction", "run of", "strategy", "capacity", "role", "measured ms/token", "predicted ms/token",
-    "error %", "measured hit rate", "predicted hit rate", "error pp",
+    "error %", "measured hit rate", "predicted hit rate", "error pp", "CPU probe vs profile %",
 ]  # fmt: skip
 
 
@@ -170,12 +170,22 @@ def fidelity_lines(result: dict, rows: list[dict]) -> list[str]:
             [d["direction"], d["fitted_runs"], d["predicted_runs"], time_cell, time_met, hit_cell, hit_met]
         )
     lines += [md.table(DIRECTION_HEADERS, table), ""]
+    held = fid["held_out"]
+    if held and held.get("time_judged_steady"):
+        lines += [
+            f"Of the held-out runs judged on time, {held['time_judged_steady']} ran on a steady machine (the CPU"
+            f" probe timed just before the run within {t['machine_steady_pct']:g}% of the profile's); of those,"
+            f" {held['time_within_steady']} are within {t['time_per_token_pct']:g}%. The others' errors mix the"
+            " model's with the machine's change.",
+            "",
+        ]
     per_run = [
         [
             r["direction"], r["workload"], r["strategy"], r["capacity"] or "-", r["role"],
             md.num(r["measured_time_per_token_ms"], 4), md.num(r["predicted_time_per_token_ms"], 4),
             md.num(r["time_per_token_error_pct"], 3), md.num(r["measured_hit_rate"], 4),
             md.num(r["predicted_hit_rate"], 4), md.num(r["hit_rate_error_pp"], 3),
+            md.num(r.get("cpu_probe_change_pct"), 3),
         ]
         for r in rows
     ]  # fmt: skip

@@ -391,7 +391,7 @@ class BoundCall:
     `token_M` (int64) and `weight_M` (float32), numpy arrays of `max_entries`, then calls
     `call(m, round_product)` (`run`'s `round_product`: the router's weights are in x's dtype), which
     returns out_TH. With the cpp backend the call's arguments (every pointer, its own workspaces)
-    are filled once, so a call sets one number and calls the library: the fewest Python steps between
+    are filled once, so a call sets two numbers and calls the library: the fewest Python steps between
     the routing's arrival and the experts' first weights, whose code and data the weights streamed by
     the previous call have pushed out of the caches. A bad key or token is refused as by `run`."""
 

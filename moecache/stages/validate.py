@@ -38,7 +38,8 @@ EXECUTION = {
     "transformers": "transformers generate (eager)",
     "fast": "moecache fast decode loop (FastDecoder; per run: the runs' loop column)",
 }
-SCHEMA_VERSION = 2
+# 3: runs.parquet and fidelity.parquet carry cpu_probe_change_pct; grouped_mm is the agreement baseline
+SCHEMA_VERSION = 3
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
     "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss", "init",
@@ -348,6 +349,8 @@ def run(cfg: DictConfig) -> StageResult:
             warmup=v["warmup"] == "on" or (v["warmup"] == "auto" and (device == "cuda" or profile is not None)),
         )  # fmt: skip
         costs = None if profile is None else CostProfile.load(profile)
+        runs_probe = None if costs is None else machine_check.RunProbe.of(costs)
+        settings.run_probe = None if runs_probe is None else runs_probe.probe
         before = None if costs is None else machine_check.probe(costs)
         done = validate_all(loaded, arch, workloads, strategies, grid, settings)
         after = None if costs is None else machine_check.probe(costs)

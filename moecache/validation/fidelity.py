@@ -44,6 +44,9 @@ HIT_RATE_TARGET_PP = 1.0  # |predicted - measured| hit rate, percentage points
 # Of the runs predicted on a profile not fitted on them (moecache/validation/holdout.py), the share that
 # must be within TIME_TARGET_PCT; every one must be within HIT_RATE_TARGET_PP.
 TIME_TARGET_SHARE = 0.9
+# A run is on a steady machine when the CPU probe timed just before it (machine_check.RunProbe) is within
+# this many percent of the profile's: its time error is then the model's, not the machine's.
+MACHINE_STEADY_PCT = 10.0
 
 
 def predict_run(

@@ -17,7 +17,9 @@ construction, fitted, not predicted. So each row of the table names what its pro
 A direction is (fit_on, predicted workload). Its targets (fidelity.py): time per token within
 TIME_TARGET_PCT for at least TIME_TARGET_SHARE of its predicted runs, and hit rate within
 HIT_RATE_TARGET_PP for every one. `summary` judges each direction and the held-out runs of every
-cross-workload direction together.
+cross-workload direction together, and counts apart the runs on a steady machine (the CPU probe timed
+just before the run within MACHINE_STEADY_PCT of the profile's: machine_check.RunProbe), whose time
+errors are the model's alone.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ import json
 from pathlib import Path
 
 from moecache.validation.anchors import ANCHORS, Predicted
-from moecache.validation.fidelity import HIT_RATE_TARGET_PP, TIME_TARGET_PCT, TIME_TARGET_SHARE
+from moecache.validation.fidelity import (
+    HIT_RATE_TARGET_PP,
+    MACHINE_STEADY_PCT,
+    TIME_TARGET_PCT,
+    TIME_TARGET_SHARE,
+)
 
 FITTED, PREDICTED = "fitted", "predicted"  # a row's role
 CALIBRATE, NO_PROFILE = "calibrate", "no cost profile"  # what fit_on null stands for in a direction's name
@@ -52,6 +59,7 @@ def _row(run: Predicted, predicted: dict, fit_on: str | None, profile: str | Non
         "measured_hit_rate": r["hit_rate"], "predicted_hit_rate": predicted["predicted_hit_rate"],
         "hit_rate_error_pp": errors["hit_rate_error_pp"],
         "hit_rate_within_target": errors["hit_rate_within_target"],
+        "cpu_probe_change_pct": r.get("cpu_probe_change_pct"),
     }  # fmt: skip
 
 
@@ -82,12 +90,20 @@ def _judged(rows: list[dict]) -> dict:
     times = [r["time_within_target"] for r in rows if r["time_within_target"] is not None]
     hits = [r["hit_rate_within_target"] for r in rows if r["hit_rate_within_target"] is not None]
     share = sum(times) / len(times) if times else None
+    steady = [
+        r["time_within_target"] for r in rows
+        if r["time_within_target"] is not None and r.get("cpu_probe_change_pct") is not None
+        and abs(r["cpu_probe_change_pct"]) <= MACHINE_STEADY_PCT
+    ]  # fmt: skip
     return {
         "predicted_runs": len(rows),
         "time_judged": len(times),
         "time_within": sum(times),
         "time_within_share": share,
         "time_target_met": None if share is None else share >= TIME_TARGET_SHARE,
+        # the judged runs whose machine was steady (module docstring), and how many of them are within
+        "time_judged_steady": len(steady),
+        "time_within_steady": sum(steady),
         "hit_rate_judged": len(hits),
         "hit_rate_within": sum(hits),
         "hit_rate_target_met": all(hits) if hits else None,
@@ -113,6 +129,7 @@ def summary(table: list[dict]) -> dict:
             "time_per_token_pct": TIME_TARGET_PCT,
             "time_within_share": TIME_TARGET_SHARE,
             "hit_rate_pp": HIT_RATE_TARGET_PP,
+            "machine_steady_pct": MACHINE_STEADY_PCT,
         },
         "directions": directions,
         "held_out": _judged(across) if across else None,

@@ -14,7 +14,10 @@ measurements again, the same way, before its first run and after its last:
 `compare` gives each probe's change against the profile's median, in percent, and `changed`: any change
 beyond CHANGE_PCT. validation.json keeps it (`machine_check`, null without a profile or without either
 measurement) and the report says where the fidelity errors mix the model's error with the machine's
-change. It only reports: no prediction is rescaled by it.
+change. A host's speed also moves between runs (an H100 host's CPU path ran at half speed under one
+workload and not the other: CHANGELOG.md), so `RunProbe` times the "cpu expert" probe again just before
+each run (runs.parquet's and fidelity.parquet's `cpu_probe_change_pct`), and the fidelity summary counts
+the runs on a steady machine apart (holdout.py). It only reports: no prediction is rescaled by it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ import torch
 
 from moecache import calibration as cal
 from moecache.cost_profile import CostProfile
+from moecache.validation.fidelity import MACHINE_STEADY_PCT
 
 PROBE_TOKENS = 1  # the profile's `cpu` row re-timed: one expert, one token (a decode step's CPU work)
-CHANGE_PCT = 10.0  # a change beyond this, before or after the runs, is reported as the machine's
+CHANGE_PCT = (
+    MACHINE_STEADY_PCT  # a change beyond this, before or after the runs, is reported as the machine's
+)
 PROBE_WARMUP = 3  # untimed calls first (calibrate's own warm-up is not in the profile)
 PROBE_REPEATS = 20  # where the row does not say how many calls it timed (calibrate's cost.repeats)
 
@@ -51,10 +57,16 @@ def references(profile: CostProfile) -> dict[str, tuple[str, dict]]:
     return out
 
 
-def _time_cpu_expert(profile: CostProfile, row: dict) -> dict:
-    """The `cpu` row timed now as calibrate timed it (its pool size, threads and repeats)."""
+def _probe_pool(profile: CostProfile, row: dict):
+    """The `cpu` row's pool of experts (its size and dtype), on the host."""
     shape = cal.ExpertShape(int(profile.shape["hidden_size"]), int(profile.shape["moe_intermediate_size"]))
-    pool = cal.make_pool(shape, int(row["pool_experts"]), cal.dtype_of(row["dtype"]), "cpu")
+    return cal.make_pool(shape, int(row["pool_experts"]), cal.dtype_of(row["dtype"]), "cpu")
+
+
+def _time_cpu_expert(profile: CostProfile, row: dict, pool=None) -> dict:
+    """The `cpu` row timed now as calibrate timed it (its pool size, threads and repeats); `pool`: one
+    built before (`_probe_pool`), else a new one."""
+    pool = _probe_pool(profile, row) if pool is None else pool
     before = torch.get_num_threads()
     torch.set_num_threads(int(row.get("threads") or before))
     try:
@@ -71,6 +83,27 @@ def probe(profile: CostProfile) -> dict[str, dict]:
         "host loop": lambda _: cal.time_host_loop().as_dict(),
     }
     return {name: timers[name](ref) for name, (_, ref) in references(profile).items()}
+
+
+class RunProbe:
+    """The "cpu expert" probe, timed again before each run (module docstring): `probe()` gives its change
+    against the profile's median, in percent. Its pool is built once and held while validate runs (the
+    row's pool_experts: 101 experts, 636 MB, in the shipped Qwen3.6 profile). `RunProbe.of(profile)` is
+    None where the profile has no such row."""
+
+    def __init__(self, profile: CostProfile, row: dict):
+        self.profile, self.row = profile, row
+        self.pool = _probe_pool(profile, row)
+
+    @classmethod
+    def of(cls, profile: CostProfile) -> RunProbe | None:
+        row = probe_row(profile)
+        return None if row is None else cls(profile, row)
+
+    def probe(self) -> float:
+        base = float(self.row["median_us"])
+        now = float(_time_cpu_expert(self.profile, self.row, self.pool)["median_us"])
+        return 100.0 * (now - base) / base
 
 
 def compare(profile: CostProfile, before: dict[str, dict], after: dict[str, dict]) -> dict | None:

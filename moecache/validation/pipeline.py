@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,9 @@ class Settings:
     agreement_tokens: int | None = None  # validate.agreement_tokens (None: as many as the runs route)
     agreement_impls: tuple[str, ...] = ("eager",)  # validate.agreement_impls
     agreement_float32: bool = False  # validate.agreement_float32
+    # the CPU probe timed before each run (machine_check.RunProbe.probe: % against the profile's); None:
+    # no profile
+    run_probe: Callable[[], float] | None = None
 
 
 @dataclass
@@ -222,6 +226,7 @@ def validate_all(
 
     def one(w: Workload, spec: RunSpec, requests, is_reference: bool, outputs=None):
         start = time.perf_counter()
+        probed = s.run_probe() if s.run_probe is not None and spec.strategy is not None else None
         trace_dir = s.folder / "traces" / w.name / (
             "unmodified" if spec.strategy is None else f"{spec.label}-c{spec.slots}"
         )  # fmt: skip
@@ -231,7 +236,7 @@ def validate_all(
             outputs=outputs, forced=w.forced,
         )  # fmt: skip
         trace = trace_dir / "trace.parquet"
-        row = {**outcome.row, "trace": str(trace.relative_to(s.folder))}
+        row = {**outcome.row, "trace": str(trace.relative_to(s.folder)), "cpu_probe_change_pct": probed}
         if spec.strategy is None:
             row.update(predict.EMPTY)
         else:

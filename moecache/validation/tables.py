@@ -39,6 +39,9 @@ RUNS_SCHEMA = pa.schema(
         ("decode_readback_wait_us_per_visit", pa.float64()),
         ("decode_cpu_path_us_per_call", pa.float64()),
         ("decode_cpu_entries_per_call", pa.float64()),
+        # the CPU probe timed just before the run against the cost profile's, % (machine_check.RunProbe;
+        # null without a profile)
+        ("cpu_probe_change_pct", pa.float64()),
         ("peak_cpu_rss_bytes", pa.int64()),
         ("peak_cuda_bytes", pa.int64()),
         ("hit_rate", pa.float64()),
@@ -125,6 +128,7 @@ FIDELITY_SCHEMA = pa.schema(
         ("predicted_hit_rate", pa.float64()),
         ("hit_rate_error_pp", pa.float64()),
         ("hit_rate_within_target", pa.bool_()),
+        ("cpu_probe_change_pct", pa.float64()),  # the run's (runs.parquet): the machine before it
     ]
 )
 

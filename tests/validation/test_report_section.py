@@ -120,6 +120,8 @@ def test_the_fidelity_is_judged_per_direction_drawn_and_another_decision_is_name
         *[fidelity_row("multi_request -> long_single", "multi_request", "long_single", "predicted", ok)
           for ok in (True, False)],
     ]  # fmt: skip
+    for r, probe in zip(rows, (1.0, 2.0, -3.0, 35.0), strict=True):  # the held-out miss: a slower machine
+        r["cpu_probe_change_pct"] = probe
     folder = artifact(tmp_path / "validate-2", 0.3, fidelity=rows)
     text, figures = section(folder, "decide-other", tmp_path / "figures")
     assert [f.name for f in figures] == ["validation_fidelity.png"] and figures[0].is_file()
@@ -128,6 +130,9 @@ def test_the_fidelity_is_judged_per_direction_drawn_and_another_decision_is_name
     assert "| multi_request -> long_single | 1 | 2 | 1 of 2 (50%) | **missed** | 2 of 2 | met |" in text
     assert "| every cross-workload direction | - | 2 | 1 of 2 (50%) | **missed** |" in text
     assert "| multi_request -> long_single | multi_request | selected | 25% | fitted | 2.5 | 2 | -5 |" in text
+    assert "Of the held-out runs judged on time, 1 ran on a steady machine" in text
+    assert "of those, 1 are within 15%" in text
+    assert "| -20 | 0.25 | 0.25 | 0 | 35 |" in text  # the per-run table's probe column
 
 
 def test_the_agreement_is_a_table_per_workload_with_its_tolerance_first(tmp_path):

@@ -120,7 +120,29 @@ def test_the_targets_are_judged_per_direction_and_over_the_held_out_runs(held_ou
     held = fid["held_out"]
     assert held["predicted_runs"] == 2 * len(STRATEGIES)
     assert held["time_within"] == sum(d["time_within"] for d in fid["directions"] if d["fit_on"])
-    assert fid["targets"] == {"time_per_token_pct": 15.0, "time_within_share": 0.9, "hit_rate_pp": 1.0}
+    assert fid["targets"] == {
+        "time_per_token_pct": 15.0, "time_within_share": 0.9, "hit_rate_pp": 1.0, "machine_steady_pct": 10.0,
+    }  # fmt: skip
+
+
+def test_each_run_carries_the_machine_probe_timed_before_it(held_out):
+    """The CPU probe timed just before every offloaded run (a % against the profile's), in runs.parquet and
+    on each of the run's fidelity rows; the held-out summary counts the runs on a steady machine (within
+    10%) and how many of those are within the time target."""
+    folder, result = held_out
+    runs = pq.read_table(folder / "runs.parquet").to_pylist()
+    probed = {(r["workload"], r["strategy"], r["capacity"]): r["cpu_probe_change_pct"] for r in runs}
+    assert all((v is None) == (strategy == "unmodified") for (_, strategy, _), v in probed.items()), (
+        probed
+    )  # the unmodified reference is not predicted: not probed
+    rows = pq.read_table(folder / "fidelity.parquet").to_pylist()
+    for r in rows:
+        assert r["cpu_probe_change_pct"] == probed[(r["workload"], r["strategy"], r["capacity"])]
+    across = [r for r in rows if r["fit_on"] is not None and r["role"] == "predicted"]
+    steady = [r for r in across if abs(r["cpu_probe_change_pct"]) <= 10.0]
+    held = result["fidelity"]["held_out"]
+    assert held["time_judged_steady"] == len(steady)
+    assert held["time_within_steady"] == sum(r["time_within_target"] for r in steady)
 
 
 def test_every_run_is_held_to_the_tolerance_on_its_forcing_trace(held_out):
