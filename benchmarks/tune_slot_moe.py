@@ -127,9 +127,9 @@ def with_choice(best: dict, stage: str, choice) -> dict:
 def tune_one(
     num_tokens: int, args, pool, deadline: float, seed: dict | None = None
 ) -> tuple[dict, float, dict[str, float]]:
-    """(best entry, its ms, {what: ms} of the default and of the search's best) for one T; the search
-    starts from `seed` (an entry already tuned for this T, e.g. from --merge-from) where it is of this
-    T's path, else from the default."""
+    """(best entry, its ms, {what: ms} of the default, of the search's best and, for decode, of the best
+    entry of each variant tried) for one T; the search starts from `seed` (an entry already tuned for
+    this T, e.g. from --merge-from) where it is of this T's path, else from the default."""
     from moecache_kernels.slot_moe import launch
     from moecache_kernels.slot_moe_config import DECODE_MAX_T, default_config
     from triton.testing import do_bench
@@ -170,10 +170,19 @@ def tune_one(
     want = out.float().clone()
     default_ms = timed(default)
     best, best_ms = default, default_ms
+    by_variant: dict[str, float] = {}  # decode: the best ms of each variant tried
+
+    def note(entry, ms) -> None:
+        if "BLOCK_M" not in entry:
+            v = entry.get("variant", "two_stage")
+            by_variant[v] = min(ms, by_variant.get(v, ms))
+
+    note(default, default_ms)
     if seed is not None and ("BLOCK_M" in seed) == (num_tokens > DECODE_MAX_T) and seed != default:
         ms = checked_ms(seed, "start")  # an entry of the other path is no start
         if ms is not None:  # the search starts from it even if the default is faster
             best, best_ms = seed, ms
+            note(seed, ms)
     tried = {json.dumps(best, sort_keys=True), json.dumps(default, sort_keys=True)}
     smem_limit = device_smem_limit()
     for stage, choice in candidates(num_tokens, best, num_tokens * args.top_k / args.experts):
@@ -191,9 +200,11 @@ def tune_one(
                   f" the device has {smem_limit})")  # fmt: skip
             continue
         ms = checked_ms(entry, f"{stage}={choice}")
+        if ms is not None:
+            note(entry, ms)
         if ms is not None and ms < best_ms:
             best, best_ms = entry, ms
-    times = {"default": default_ms, "best": best_ms}
+    times = {"default": default_ms, "best": best_ms} | {f"best {v}": ms for v, ms in by_variant.items()}
     if default_ms <= best_ms:  # e.g. a --merge-from start that nothing near it beat
         return default, default_ms, times
     return best, best_ms, times
