@@ -5,7 +5,7 @@
 references still import, and calling `slot_moe` raises ImportError saying so.
 """
 
-from .expert_reference import expert_forward, moe_reference, rounded, rounds_product
+from .expert_reference import expert_forward, moe_reference, rounded, rounds_product, weighted_expert
 from .slot_moe_reference import slot_moe_reference
 
 try:
@@ -27,4 +27,5 @@ __all__ = [
     "rounds_product",
     "slot_moe",
     "slot_moe_reference",
+    "weighted_expert",
 ]

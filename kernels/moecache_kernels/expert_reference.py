@@ -52,6 +52,19 @@ def expert_forward(x_TH: torch.Tensor, gate_up_2IH: torch.Tensor, down_HI: torch
     return rounded(F.linear(act_TI, down_HI.float()), dtype)
 
 
+def weighted_expert(
+    x_NH: torch.Tensor,
+    gate_up_2IH: torch.Tensor,
+    down_HI: torch.Tensor,
+    weight_N: torch.Tensor,
+    round_product: bool,
+) -> torch.Tensor:
+    """`expert_forward` on N rows times their router weights (float32 [N]), rounded to x's dtype when
+    `round_product`: each row's float32 contribution to its token's sum, [N, H]."""
+    prod_NH = expert_forward(x_NH, gate_up_2IH, down_HI) * weight_N[:, None].float()
+    return rounded(prod_NH, x_NH.dtype) if round_product else prod_NH
+
+
 def moe_reference(
     x_TH: torch.Tensor,
     expert_ids_TK: torch.Tensor,
@@ -80,7 +93,9 @@ def moe_reference(
     y_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
     for expert in expert_ids_TK.unique().tolist():
         token_N, slot_N = torch.where(expert_ids_TK == expert)
-        out_NH = expert_forward(x_TH[token_N], gate_up_E2IH[expert], down_EHI[expert])
-        prod_NH = out_NH * weights_TK[token_N, slot_N, None].float()
-        y_TH.index_add_(0, token_N, rounded(prod_NH, x_TH.dtype) if round_product else prod_NH)
+        weight_N = weights_TK[token_N, slot_N]
+        y_TH.index_add_(
+            0, token_N,
+            weighted_expert(x_TH[token_N], gate_up_E2IH[expert], down_EHI[expert], weight_N, round_product),
+        )  # fmt: skip
     return y_TH.to(x_TH.dtype)

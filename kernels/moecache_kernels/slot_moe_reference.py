@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .expert_reference import expert_forward, rounded, rounds_product
+from .expert_reference import rounds_product, weighted_expert
 
 
 def slot_moe_reference(
@@ -58,9 +58,10 @@ def slot_moe_reference(
     slot_TK = slot_of_E[topk_ids_TK.long()]
     for slot in slot_TK[slot_TK >= 0].unique().tolist():
         token_N, k_N = torch.where(slot_TK == slot)
-        out_NH = expert_forward(x_TH[token_N], w13_SIH[slot], w2_SHI[slot])
-        prod_NH = out_NH * topk_weights_TK[token_N, k_N, None].float()
-        y_TH.index_add_(0, token_N, rounded(prod_NH, x_TH.dtype) if round_product else prod_NH)
+        weight_N = topk_weights_TK[token_N, k_N]
+        y_TH.index_add_(
+            0, token_N, weighted_expert(x_TH[token_N], w13_SIH[slot], w2_SHI[slot], weight_N, round_product)
+        )
     if out is None:
         return y_TH.to(x_TH.dtype)
     return out.copy_(y_TH)

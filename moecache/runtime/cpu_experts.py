@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from moecache_kernels import expert_forward, rounded, rounds_product
+from moecache_kernels import rounds_product, weighted_expert
 
 from moecache.errors import MoecacheError
 
@@ -380,8 +380,11 @@ class CpuExperts:
             idx = order_M[start : start + count]
             start += count
             tok = token_M[idx]
-            y_NH = expert_forward(x_TH[tok], self.w13_GIH[key], self.w2_GHI[key]) * weight_M[idx, None]
-            acc_TH.index_add_(0, tok, rounded(y_NH, x_TH.dtype) if round_product else y_NH)
+            acc_TH.index_add_(
+                0,
+                tok,
+                weighted_expert(x_TH[tok], self.w13_GIH[key], self.w2_GHI[key], weight_M[idx], round_product),
+            )
         out_TH.copy_(acc_TH)
 
 

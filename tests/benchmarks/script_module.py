@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -20,3 +21,13 @@ def script_module(name: str, path: Path):
         yield module
     finally:
         del sys.modules[spec.name]
+
+
+def run_script(monkeypatch, capsys, path: Path, argv: list[str]) -> dict:
+    """The script at `path` run in this process (its folder on sys.path, for its sibling imports) with
+    `argv` after its name: its last stdout line, the benchmark's JSON line."""
+    monkeypatch.syspath_prepend(str(path.parent))
+    monkeypatch.setattr(sys, "argv", [path.name, *argv])
+    with script_module(f"{path.stem}_script", path) as module:
+        module.main()
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])

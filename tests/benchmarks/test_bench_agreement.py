@@ -6,12 +6,11 @@ refused."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.script_module import script_module
+from tests.benchmarks.script_module import run_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "bench_agreement.py"
@@ -19,17 +18,13 @@ TRACE = REPO.parent / "shared" / "data" / "traces" / "deepseek-v2-lite-esft" / "
 NARROW = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16, "num_attention_heads": 2,
           "num_key_value_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
           "v_head_dim": 8}  # fmt: skip
-ARGS = ["bench_agreement.py", "--model", str(REPO / "conf/model/deepseek_v2_lite.yaml"), "--layers", "3",
+ARGS = ["--model", str(REPO / "conf/model/deepseek_v2_lite.yaml"), "--layers", "3",
         "--vocab", "320", "--device", "cpu", "--trace", str(TRACE), "--requests", "1", "--positions", "12",
         "--prompt-tokens", "6", "--capacities", "25%", "--overrides", json.dumps(NARROW)]  # fmt: skip
 
 
 def run(monkeypatch, capsys, *extra: str) -> dict:
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    monkeypatch.setattr(sys, "argv", [*ARGS, *extra])
-    with script_module("bench_agreement_script", SCRIPT) as module:
-        module.main()
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return run_script(monkeypatch, capsys, SCRIPT, [*ARGS, *extra])
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="needs ../shared's traces")

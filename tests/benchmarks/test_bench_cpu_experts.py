@@ -3,13 +3,11 @@ refused."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.script_module import script_module
+from tests.benchmarks.script_module import run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 ARGS = ["--backends", "torch", "--dtypes", "float32", "--shapes", "qwen3.6", "--threads", "1",
@@ -17,11 +15,7 @@ ARGS = ["--backends", "torch", "--dtypes", "float32", "--shapes", "qwen3.6", "--
 
 
 def run(monkeypatch, capsys, *extra: str):
-    monkeypatch.syspath_prepend(str(BENCH))  # the script's `import kt_backend`
-    monkeypatch.setattr(sys, "argv", ["bench_cpu_experts.py", *ARGS, *extra])
-    with script_module("bench_cpu_experts_script", BENCH / "bench_cpu_experts.py") as module:
-        module.main()
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return run_script(monkeypatch, capsys, BENCH / "bench_cpu_experts.py", [*ARGS, *extra])
 
 
 def test_each_gap_is_a_row(monkeypatch, capsys):

@@ -4,13 +4,11 @@ and the host point's CPU-path time."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.script_module import script_module
+from tests.benchmarks.script_module import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
 SMALL = ["--device", "cpu", "--prompt-tokens", "8", "--new-tokens", "4"]
@@ -18,10 +16,7 @@ SMALL = ["--device", "cpu", "--prompt-tokens", "8", "--new-tokens", "4"]
 
 def run(monkeypatch, capsys, *args: str) -> dict:
     """bench_decode.py's main with these arguments; its JSON line."""
-    monkeypatch.setattr(sys, "argv", ["bench_decode.py", *args])
-    with script_module("bench_decode_script", SCRIPT) as module:
-        module.main()
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return run_script(monkeypatch, capsys, SCRIPT, list(args))
 
 
 def test_the_tiny_model_runs_unmodified_and_offloaded(monkeypatch, capsys):

@@ -4,25 +4,19 @@ of the CPU half, warm and swept); a negative sweep is refused."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.script_module import script_module
+from tests.benchmarks.script_module import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_runtime.py"
-ARGS = ["bench_runtime.py", "--device", "null", "--layers", "4", "--experts", "16", "--top-k", "2",
+ARGS = ["--device", "null", "--layers", "4", "--experts", "16", "--top-k", "2",
         "--capacity", "8", "--warm-tokens", "2", "--tokens", "4"]  # fmt: skip
 
 
 def run(monkeypatch, capsys, *extra: str) -> dict:
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    monkeypatch.setattr(sys, "argv", [*ARGS, *extra])
-    with script_module("bench_runtime_script", SCRIPT) as module:
-        module.main()
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return run_script(monkeypatch, capsys, SCRIPT, [*ARGS, *extra])
 
 
 @pytest.mark.parametrize("sweep", [0, 1])
