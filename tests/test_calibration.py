@@ -691,6 +691,40 @@ def test_the_split_pays_its_host_time_where_the_profile_has_it(make_trace) -> No
             CostProfile.from_dict(d, "p.json")
 
 
+def test_the_fast_loop_publishes_and_copies_at_its_host_points(make_trace) -> None:
+    """timed.py, 7.: in a profile of the fast loop, on_miss="cpu", a step's copies are enqueued after its
+    CPU half and its hits checked at that host point of the step before. Decode steps: non-expert 100 +
+    visit 3, CPU half 20 + 2 x 5 = 30 (each step here misses), so a step takes 133; copies 135 us.
+    transformers loop: step 0's copies at its routing (103): key 0 lands at 238, a hit at step 2 (369).
+    fast loop: at 133 (after the CPU half): key 0 lands at 268, after step 2's host point (266): a miss.
+    on_miss="split" and "wait" run their visits before the CPU half in both loops: no difference."""
+    from moecache.sim.cost_model import CostModel
+    from moecache.sim.policy import make_policy
+    from moecache.sim.timed import replay_timed
+
+    trace = _decode_trace(make_trace)
+    engine = {"expert_bytes": 1_000_000, "per_copy_us": 135.0, "single": {}, "batch": {}}
+
+    def replay(path, on_miss="cpu"):
+        d = _runtime_profile("parallel", copy_engine=engine)
+        d["runtime"]["execution"]["path"] = path
+        cost = CostModel.for_trace(CostProfile.from_dict(d), trace, non_expert_us_per_layer=0.0)
+        return replay_timed(trace, make_policy("lru"), 4, cost, on_miss=on_miss)
+
+    module, fast = replay("transformers"), replay("fast")
+    assert module.copy_start_us_C[:2].tolist() == [103.0, 238.0]
+    assert module.route_us_V[:3].tolist() == [103.0, 236.0, 369.0]
+    assert fast.copy_start_us_C[:2].tolist() == [133.0, 268.0]
+    assert fast.route_us_V[:3].tolist() == [0.0, 133.0, 266.0]
+    assert module.hit_A[4] and not fast.hit_A[4]  # step 2's key 0
+    assert fast.hit_A.sum() < module.hit_A.sum()
+    for on_miss in ("split", "wait"):
+        a, b = replay("transformers", on_miss), replay("fast", on_miss)
+        assert (
+            a.hit_A.tolist() == b.hit_A.tolist() and a.copy_start_us_C.tolist() == b.copy_start_us_C.tolist()
+        )
+
+
 def test_the_cpu_step_excess_is_paid_by_decode_steps_with_cpu_work(make_trace) -> None:
     """runtime.cpu_step_excess: a decode step with a miss on the CPU pays decode_us more, in both replays;
     a step of hits only and a prefill step do not; a bad value is refused, an absent row is 0."""

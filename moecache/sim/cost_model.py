@@ -309,6 +309,11 @@ class CostModel:
         """The step's GPU and CPU halves run one after the other (the runtime's step, module docstring)."""
         return self.runtime is not None and self.runtime.overlap == "serial"
 
+    def defers_visit(self, on_miss: str) -> bool:
+        """The fast decode loop runs an on_miss="cpu" layer's visit at the next host point, after the
+        layer's CPU half (moecache/runtime/segments.py; timed.py, 7.): a profile measured in that loop."""
+        return self.runtime is not None and self.runtime.path == "fast" and on_miss == "cpu"
+
     def copy_host_us(self) -> float:
         """Host time one admission's copy adds to its layer step (the fast loop's enqueue); 0.0 without
         a runtime section or where the visit rows already hold their copies (RuntimeCosts.copy_host_us)."""

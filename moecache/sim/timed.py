@@ -39,6 +39,13 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
    profile's runtime.split_host, where calibrate measured it): a step with candidates pays the
    decision (split_decide_us), a waiting one also its wait (split_wait_us: the stream's wait, the wait
    row, the wait call), which `split_waits` weighs.
+7. the fast decode loop's deferred visit (`CostModel.defers_visit`: a profile measured in the fast loop,
+   on_miss="cpu"; moecache/runtime/segments.py): the runtime publishes a layer's completed copies at the
+   host point after the layer's non-expert work is enqueued, and runs the layer's visit (policy, copies)
+   at the next host point, after its CPU half. Both happen at the host time h = the previous step's
+   routing time + its CPU half (0 without misses): step s's hits are those whose copy is complete by
+   h_s <= tr (route_us_V holds h_s), and its copies are enqueued at h_{s+1} = tr + the step's CPU time,
+   not at tr. A prefetch for the next layer is then rarely usable by it.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ class TimedResult(ReplayResult):
 
     slot_A: np.ndarray  # bool
     step_us_V: np.ndarray  # float64: duration of each layer step
-    route_us_V: np.ndarray  # float64: routing time of each layer step (hits checked, copies enqueued)
+    route_us_V: np.ndarray  # float64: when each layer step's hits are checked (its routing time; 7.: h)
     forward_us_F: np.ndarray  # float64: duration of each forward step (sum of its layer steps)
     first_F: np.ndarray  # int64: first layer step of each forward step
     copy_key_C: np.ndarray  # int32: admitted key of each copy, in enqueue order
@@ -118,7 +125,7 @@ class TimedResult(ReplayResult):
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
     cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, cpu_excess_V, serial, miss_mode,
-    copy_host_us, split_decide_us, split_wait_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
+    defer, copy_host_us, split_decide_us, split_wait_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
     copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G, uses_G,
     cand_key_J, cand_ready_J, cand_cpu_J, gpu_wait_W,
@@ -130,7 +137,8 @@ def _replay_timed(
     latest copy), gpu_step_G (int64, -1: last step that ran the key on the GPU), seen_G (int64, -1:
     last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy), uses_G
     (int64: the key's uses in the step that last accessed it); on_miss="split"'s candidates (cand_*_J,
-    gpu_wait_W: one more entry). miss_mode: ON_MISS_CODES (0 cpu, 1 wait, 2 split).
+    gpu_wait_W: one more entry). miss_mode: ON_MISS_CODES (0 cpu, 1 wait, 2 split); defer: the fast
+    loop's deferred visit (module docstring, 7.; on_miss="cpu" only).
     With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
     the operator's row at the step's usable resident entries, a step with a miss on the CPU adds
     cpu_call_us + cpu_excess_V[s] (the profile's CPU-step excess of its phase: CostModel.cpu_excess_V)
@@ -148,6 +156,7 @@ def _replay_timed(
         held += resident_G[k]
     safe_slots = capacity - held  # free slots whose last GPU user has finished
     t = 0.0
+    host = 0.0  # 7.: the host point that publishes this step's hits and enqueues the previous step's copies
     engine_free = 0.0
     cpu_fallback_sel = 0
     n_prefetch = 0
@@ -157,6 +166,7 @@ def _replay_timed(
         a0 = start_V[s]
         a1 = start_V[s + 1]
         tr = t + non_expert_V[s]
+        check = host if defer else tr  # hits: copies complete by then
         gpu = 0.0
         cpu = 0.0
         entries = 0
@@ -171,12 +181,12 @@ def _replay_timed(
             uses_G[k] = m
             if n_pending > 0 and pending_G[k] >= 0:  # a prefetched key accessed while it holds the slot
                 c = pending_G[k]
-                copy_used_C[c] = True  # used (timely if its copy is complete: ready_G[k] <= tr)
-                copy_use_C[c] = tr
+                copy_used_C[c] = True  # used (timely if its copy is complete: ready_G[k] <= check)
+                copy_use_C[c] = check
                 pending_G[k] = -1
                 n_pending -= 1
                 n_used += 1
-            if held_k and ready_G[k] <= tr:
+            if held_k and ready_G[k] <= check:
                 hit_A[a] = True
                 gpu += gpu_us_M[m]
                 entries += m
@@ -239,9 +249,13 @@ def _replay_timed(
                     kept += 1
             n_cand = kept
         n_pf = 0
+        enqueue = tr
+        if defer:  # 7.: at the next host point, after the step's CPU half
+            enqueue = tr + cpu if misses > 0 else tr
+            host = enqueue
         for j in range(n_admit):
             k = admit_buf[j]
-            start = max(tr, engine_free)
+            start = max(enqueue, engine_free)
             if safe_slots > 0:
                 safe_slots -= 1
                 if split and seen_G[k] == s:  # a miss of this step into a safe slot: a candidate
@@ -315,7 +329,7 @@ def _replay_timed(
         evicts_V[s] = n_evict
         prefetch_V[s] = n_pf
         step_us_V[s] = step_us
-        route_us_V[s] = tr
+        route_us_V[s] = check
         t += step_us
     return n_copies, cpu_fallback_sel, n_prefetch, n_used
 
@@ -384,7 +398,7 @@ def replay_timed(
                 trace.request_V, resident_G, int(capacity), cpu_us_M, cost.gpu_table(),
                 cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
                 cost.cpu_call_us(), cost.cpu_excess_V(trace), cost.serial, ON_MISS_CODES[on_miss],
-                float(cost.copy_host_us()),
+                cost.defers_visit(on_miss), float(cost.copy_host_us()),
                 *cost.split_host_us(),
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
