@@ -94,6 +94,14 @@ part_kernel_check() {
   step slot_moe_decode 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16
 }
 
+# Output agreement on the GPU (the kernel's rounding points): dev's two commands (docs/benchmarks.md).
+part_agreement() {
+  step agreement_dsv2 600 python3 benchmarks/bench_agreement.py --model conf/model/deepseek_v2_lite.yaml \
+    --layers 3 --trace .vendor/traces/esft_law_routing.npz --requests 2 --positions 160 --prompt-tokens 64
+  step agreement_qwen 600 python3 benchmarks/bench_agreement.py --model conf/model/qwen3_6_35b_a3b.yaml \
+    --layers 4 --requests 2 --positions 160 --prompt-tokens 64
+}
+
 part_kernel_prefill() { step slot_moe_prefill 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 512 4096; }
 
 part_tests_write() {  # the GPU tests while the checkpoint is written (nothing is timed meanwhile)
