@@ -117,6 +117,22 @@ def test_timed_prediction_prices_the_runtime_step(tiny_model, tmp_path):
     assert any("copies free" in note for note in predicted["cost_notes"])
 
 
+def test_with_a_profile_the_predicted_hit_rate_is_the_timed_one(tiny_model, tmp_path):
+    """A copy counts once it has landed (the runtime's published row on CUDA): with copies slower than a
+    whole run, no copy is ever usable and the predicted hit rate is the timed replay's, below instant
+    mode's (what the stand-in, whose copies are free, measured); with free copies the two are equal."""
+    stats, trace = recorded_run(tiny_model, tmp_path, "lru", 16)
+    free = predict_run(trace, policy=PolicySpec.of("lru"), capacity=16, profile_path=_profile(tmp_path))
+    assert free["hit_rate"] == free["timed_hit_rate"] == free["instant_hit_rate"] == stats["hit_rate"] > 0
+    path = Path(_profile(tmp_path))
+    data = json.loads(path.read_text())
+    data["runtime"]["copy_engine"] = {"expert_bytes": 24576, "per_copy_us": 1e9, "single": {}, "batch": {}}
+    path.write_text(json.dumps(data))
+    slow = predict_run(trace, policy=PolicySpec.of("lru"), capacity=16, profile_path=str(path))
+    assert slow["hit_rate"] == slow["timed_hit_rate"] == 0.0
+    assert slow["instant_hit_rate"] == stats["hit_rate"]
+
+
 def test_compare_errors_and_targets():
     errors = compare(
         {"hit_rate": 0.505, "time_per_token_ms": 1.2}, {"hit_rate": 0.5, "time_per_token_ms": 1.0}

@@ -171,3 +171,18 @@ def test_the_report_draws_fitted_and_predicted_runs(held_out, tmp_path):
     assert "| alpha -> beta | 2 | 3 |" in text and "| every cross-workload direction | - | 6 |" in text
     assert "| alpha -> beta | alpha | all_resident | all | fitted |" in text
     assert "forced by the trace beta" in text
+
+
+def test_the_rejudge_script_reproduces_validates_fidelity(held_out, tmp_path, monkeypatch, capsys):
+    """benchmarks/rejudge_fidelity.py predicts the artifact's measured runs again with this tree's
+    simulator: with the code that made the artifact, validate's own verdicts, direction by direction."""
+    from moecache.env_info import REPO_ROOT
+    from tests.benchmarks.script_module import run_script
+
+    folder, result = held_out
+    out = run_script(monkeypatch, capsys, REPO_ROOT / "benchmarks/rejudge_fidelity.py", [
+        "--validation", str(folder / "validation.json"), "--profile", result["cost_profile"],
+        "--traces", str(folder), "--out", str(tmp_path / "rejudge"),
+    ])  # fmt: skip
+    assert out["directions"] == result["fidelity"]["directions"]
+    assert out["held_out"] == result["fidelity"]["held_out"] and out["held_out"]["predicted_runs"] == 6
