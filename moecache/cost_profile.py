@@ -383,20 +383,36 @@ def _copy_host_us(rt: dict) -> float:
 
 def _prefill_curve(ne: dict | None) -> Curve | None:
     """One prefill layer step's non-expert µs against its tokens, through the measured prompt lengths
-    (None with fewer than two: one length cannot say how the cost grows)."""
+    (None with fewer than two: one length cannot say how the cost grows). Not forced non-decreasing: an
+    eager prefill step is bound by the host's launches at short prompts and by the device at long ones,
+    and its non-expert share can shrink as the prompt grows (H100, Qwen3.6: 86 ms at 32 tokens, 33 at 512,
+    the expert path taken off); pooling the two priced a 1-token first step at their mean."""
     points = (ne or {}).get("prefill_points") or []
     if len({int(p["prompt_tokens"]) for p in points}) < 2:
         return None
     layers = int(ne["moe_layers"])
-    return Curve([(float(p["prompt_tokens"]), float(p["median_us"]) / layers) for p in points])
+    return Curve(
+        [(float(p["prompt_tokens"]), float(p["median_us"]) / layers) for p in points], monotone=False
+    )
+
+
+def _excess_prefill_tokens(rt: dict) -> int:
+    """RuntimeCosts.cpu_step_excess_prefill_tokens: calibrate's all-CPU prompt where the profile prices the
+    prefill excess and says the prompt's length (more than one token), else 0."""
+    excess, runs = rt.get("cpu_step_excess") or {}, rt.get("cpu_path_prefill") or {}
+    tokens = runs.get("prompt_tokens")
+    if excess.get("prefill_us") is None or not isinstance(tokens, int) or isinstance(tokens, bool):
+        return 0
+    return tokens if tokens > 1 else 0
 
 
 class Curve:
-    """y(x) through measured (x, y) points: non-decreasing (isotonic), piecewise linear, flat below the
-    first point, extrapolated past the last with the last two points' slope (>= 0). Vectorised."""
+    """y(x) through measured (x, y) points: non-decreasing (isotonic; `monotone=False`: as measured),
+    piecewise linear, flat below the first point, extrapolated past the last with the last two points'
+    slope (>= 0). Vectorised."""
 
-    def __init__(self, points: list[tuple[float, float]]):
-        fitted = _non_decreasing(sorted(points))
+    def __init__(self, points: list[tuple[float, float]], monotone: bool = True):
+        fitted = _non_decreasing(sorted(points)) if monotone else sorted(points)
         self.x = np.array([p[0] for p in fitted], np.float64)
         self.y = np.array([p[1] for p in fitted], np.float64)
 
@@ -441,6 +457,10 @@ class RuntimeCosts:
     # (runtime.cpu_step_excess, calibrate's all-CPU run); 0.0 where the profile has no such row
     cpu_step_excess_us: float = 0.0
     cpu_step_excess_prefill_us: float = 0.0
+    # the prompt tokens calibrate's all-CPU prefill had (runtime.cpu_path_prefill.prompt_tokens): the
+    # prefill excess is then linear in a step's tokens through (1, decode's) and (these, prefill's);
+    # 0 where the profile does not say (the prefill excess is then one per step)
+    cpu_step_excess_prefill_tokens: int = 0
     source: str = ""
 
     @classmethod
@@ -474,6 +494,7 @@ class RuntimeCosts:
             split_wait_us=_split_host(rt, "wait_us"),
             cpu_step_excess_us=float((rt.get("cpu_step_excess") or {}).get("decode_us") or 0.0),
             cpu_step_excess_prefill_us=float((rt.get("cpu_step_excess") or {}).get("prefill_us") or 0.0),
+            cpu_step_excess_prefill_tokens=_excess_prefill_tokens(rt),
             source=source,
         )
 

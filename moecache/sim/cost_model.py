@@ -331,13 +331,19 @@ class CostModel:
         """float64 [V]: what a layer step with CPU work costs beyond its halves, non-expert time and
         visit: the profile's excess (RuntimeCosts.cpu_step_excess_us on decode steps,
         cpu_step_excess_prefill_us on prefill steps: the fast loop's all-CPU run); 0 without a runtime
-        section."""
+        section. Where the profile says the all-CPU prompt's length P, a prefill step of T tokens pays
+        the line through (1, the decode excess) and (P, the prefill excess) at T (at least 0): a 1-token
+        first step costs what a decode step does, not what calibrate's P-token prefill did."""
         if self.runtime is None:
             return np.zeros(trace.num_steps, np.float64)
         rt = self.runtime
-        return np.where(trace.phase_V == DECODE, rt.cpu_step_excess_us, rt.cpu_step_excess_prefill_us).astype(
-            np.float64
-        )
+        prefill_V = np.full(trace.num_steps, rt.cpu_step_excess_prefill_us, np.float64)
+        P = rt.cpu_step_excess_prefill_tokens
+        if P > 1:
+            T_V = trace.tokens_V.astype(np.float64)
+            slope = (rt.cpu_step_excess_prefill_us - rt.cpu_step_excess_us) / (P - 1)
+            prefill_V = np.maximum(rt.cpu_step_excess_us + slope * (T_V - 1), 0.0)
+        return np.where(trace.phase_V == DECODE, rt.cpu_step_excess_us, prefill_V).astype(np.float64)
 
     def cpu_call_us(self) -> float:
         """Fixed CPU-path cost of a step with misses (scaled); 0.0 without a runtime section."""
