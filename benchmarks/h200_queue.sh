@@ -81,13 +81,12 @@ part_tests_runtime() { step gputests_runtime 600 python3 -m pytest -q -p no:cach
 # retuned for that launch (the entries come back under configs/ in res.tgz and are used by what follows
 # in this queue); the decode table again; the prefill table.
 part_kernel() {
-  step gputests_kernels 600 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels
-  step slot_moe_decode 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16
+  part_kernel_check
   step tune_decode_qwen 300 python3 benchmarks/tune_slot_moe.py --hidden 2048 --inter 512 --experts 256 \
     --top-k 8 --tokens 1 4 16 --budget-s 200 --merge-from kernels/moecache_kernels/configs --out-dir "$RES/configs"
   cp "$RES"/configs/*.json kernels/moecache_kernels/configs/ || log "no retuned decode entries"
   step slot_moe_decode_tuned 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 1 4 16
-  step slot_moe_prefill 400 python3 benchmarks/bench_slot_moe.py --quick --tokens 512 4096
+  part_kernel_prefill
 }
 
 # The kernel's GPU tests and its decode table on the shipped configs, without the retune; its prefill table.

@@ -39,10 +39,8 @@ def main() -> None:
             sys.exit(f"rejudge_fidelity: {path}: no such file or folder")
     data = json.loads(args.validation.read_text())
     selected = PolicySpec.from_dict(data["selected"], f"{args.validation}: selected")
-    on_miss = {r["strategy"]: r["on_miss"] for r in data["runs"] if r["strategy"] == "selected"}
-    strategies = {
-        s.name: s for s in baselines.build(data["strategies"], selected, on_miss.get("selected", "cpu"))
-    }
+    on_miss = next((r["on_miss"] for r in data["runs"] if r["strategy"] == "selected"), "cpu")
+    strategies = {s.name: s for s in baselines.build(data["strategies"], selected, on_miss)}
     args.out.mkdir(parents=True, exist_ok=True)
     profile = str(args.profile)
     runs_of: dict[str, list[anchors.Predicted]] = {}
@@ -56,8 +54,7 @@ def main() -> None:
         run = anchors.Predicted(dict(row), trace, strategy.sim_policy, int(row["slots"]), strategy.on_miss)
         run.row.update(run.predict(profile))
         runs_of.setdefault(row["workload"], []).append(run)
-    anchored = {w: anchors.add_anchored(runs, profile, args.out, w) for w, runs in runs_of.items()}
-    table = holdout.rows(runs_of, anchored, profile, args.out)
+    table = holdout.anchored_rows(runs_of, profile, args.out)
     print(
         "direction | strategy | capacity | measured ms/token | predicted | error % | hit measured | hit predicted | pp"
     )

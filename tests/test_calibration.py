@@ -757,6 +757,13 @@ def test_the_fast_loop_publishes_and_copies_at_its_host_points(make_trace) -> No
     assert fast.route_us_V[:3].tolist() == [0.0, 133.0, 266.0]
     assert module.hit_A[4] and not fast.hit_A[4]  # step 2's key 0
     assert fast.hit_A.sum() < module.hit_A.sum()
+    # the step's evictions happen at its visit too: copies 130 us, key 1 lands at 133 + 2 x 130 = 393;
+    # step 2 (routing 369, one miss: CPU half 25) evicts it at 394, landed: not a wasted copy
+    engine["per_copy_us"] = 130.0
+    late = replay("fast")
+    assert late.copy_key_C[1] == 1 and late.copy_ready_us_C[1] == 393.0 and late.route_us_V[3] == 394.0
+    assert late.evicts_V[2] == 1 and not late.copy_wasted_C[1]
+    engine["per_copy_us"] = 135.0
     for on_miss in ("split", "wait"):
         a, b = replay("transformers", on_miss), replay("fast", on_miss)
         assert (

@@ -44,8 +44,9 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
    host point after the layer's non-expert work is enqueued, and runs the layer's visit (policy, copies)
    at the next host point, after its CPU half. Both happen at the host time h = the previous step's
    routing time + its CPU half (0 without misses): step s's hits are those whose copy is complete by
-   h_s <= tr (route_us_V holds h_s), and its copies are enqueued at h_{s+1} = tr + the step's CPU time,
-   not at tr. A prefetch for the next layer is then rarely usable by it.
+   h_s <= tr (route_us_V holds h_s), and its evictions and copies happen at h_{s+1} = tr + the step's
+   CPU time, not at tr (a copy still loading then is wasted). A prefetch for the next layer is then
+   rarely usable by it.
 """
 
 from __future__ import annotations
@@ -200,6 +201,11 @@ def _replay_timed(
                     cand_key_J[n_cand] = k
                     n_cand += 1
         cpu_misses = cpu  # the misses' CPU cost, no call cost
+        # when the step's visit runs (its evictions, its copies enqueued): at its routing, or (7.) after
+        # its CPU half, which is the next step's host point
+        visit_t = tr
+        if defer and misses > 0:
+            visit_t = tr + cpu_misses + (cpu_call_us + cpu_excess_V[s] if fused else 0.0)
         # the hits' GPU work ends here: the eviction's busy-slot test (with wait, the copies' below)
         gpu_end = tr + (kernel_us_X[kernel_off_V[s] + entries] if fused else gpu)
         n_admit, n_evict, held = apply_step(
@@ -209,7 +215,7 @@ def _replay_timed(
         busy_slots = 0  # freed by this step but used by its GPU work: safe at gpu_end
         for j in range(n_evict):
             k = evict_buf[j]
-            if ready_G[k] > tr:  # still loading: the copy is wasted
+            if ready_G[k] > visit_t:  # still loading: the copy is wasted
                 copy_wasted_C[copy_of_G[k]] = True
             if n_pending > 0 and pending_G[k] >= 0:  # a pending prefetch evicted unused
                 pending_G[k] = -1
@@ -249,13 +255,10 @@ def _replay_timed(
                     kept += 1
             n_cand = kept
         n_pf = 0
-        enqueue = tr
-        if defer:  # 7.: at the next host point, after the step's CPU half
-            enqueue = tr + cpu if misses > 0 else tr
-            host = enqueue
+        host = visit_t
         for j in range(n_admit):
             k = admit_buf[j]
-            start = max(enqueue, engine_free)
+            start = max(visit_t, engine_free)
             if safe_slots > 0:
                 safe_slots -= 1
                 if split and seen_G[k] == s:  # a miss of this step into a safe slot: a candidate

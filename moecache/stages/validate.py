@@ -423,11 +423,14 @@ def _summary(result: dict) -> dict:
         )
     if check is not None and check["changed"]:
         out["machine since calibrate"] = f"changed (beyond {check['change_target_pct']:.0f}%)"
+    from moecache.validation.agreement_runs import BASELINE
+
     for workload, a in result["agreement"].items():
         out[f"{workload} agreement (teacher-forced, {a['positions']} positions)"] = (
             f"{a['runs_within']} of {a['runs']} runs within transformers' tolerance ("
             + ", ".join(
-                f"{impl} vs eager: max {t['max_abs_logit_error']:.3g}" for impl, t in a["tolerance"].items()
+                f"{impl} vs {BASELINE}: max {t['max_abs_logit_error']:.3g}"
+                for impl, t in a["tolerance"].items()
             )
             + ")"
             + (

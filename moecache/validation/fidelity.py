@@ -74,9 +74,10 @@ def predict_run(
     instant = replay_instant(trace, _policy(policy, cost), int(capacity))
     _, first_F = forward_index(trace)
     accesses = trace.num_accesses
+    instant_hit_rate = int(np.count_nonzero(instant.hit_A)) / accesses if accesses else None
     out = {
-        "hit_rate": int(np.count_nonzero(instant.hit_A)) / accesses if accesses else None,
-        "instant_hit_rate": int(np.count_nonzero(instant.hit_A)) / accesses if accesses else None,
+        "hit_rate": instant_hit_rate,
+        "instant_hit_rate": instant_hit_rate,
         "time_per_token_ms": None,
         "tokens": int(forward_tokens(trace, first_F).sum()),
         "accesses": int(accesses),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moecache.validation.anchors import ANCHORS, Predicted
+from moecache.validation.anchors import ANCHORS, Predicted, add_anchored
 from moecache.validation.fidelity import (
     HIT_RATE_TARGET_PP,
     MACHINE_STEADY_PCT,
@@ -83,6 +83,16 @@ def rows(
             if workload != fit_on:
                 out += [_row(run, run.predict(str(path)), fit_on, name, PREDICTED) for run in runs]
     return out
+
+
+def anchored_rows(runs_of: dict[str, list[Predicted]], profile: str | None, folder: Path) -> list[dict]:
+    """Each workload's runs anchored (anchors.add_anchored: their rows gain the anchored columns, the
+    anchored profile is written to `folder`; nothing without a profile), then the fidelity table (`rows`):
+    validate's step and benchmarks/rejudge_fidelity.py's."""
+    anchored = {} if profile is None else {
+        w: add_anchored(runs, profile, folder, w) for w, runs in runs_of.items()
+    }  # fmt: skip
+    return rows(runs_of, anchored, profile, folder)
 
 
 def _judged(rows: list[dict]) -> dict:

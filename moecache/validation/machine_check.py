@@ -29,9 +29,8 @@ from moecache.cost_profile import CostProfile
 from moecache.validation.fidelity import MACHINE_STEADY_PCT
 
 PROBE_TOKENS = 1  # the profile's `cpu` row re-timed: one expert, one token (a decode step's CPU work)
-CHANGE_PCT = (
-    MACHINE_STEADY_PCT  # a change beyond this, before or after the runs, is reported as the machine's
-)
+# a change beyond this, before or after the runs, is reported as the machine's
+CHANGE_PCT = MACHINE_STEADY_PCT
 PROBE_WARMUP = 3  # untimed calls first (calibrate's own warm-up is not in the profile)
 PROBE_REPEATS = 20  # where the row does not say how many calls it timed (calibrate's cost.repeats)
 

@@ -306,11 +306,7 @@ def validate_all(
                 one(w, RunSpec(w.name, strategy, capacity, slots), made, False)
         _release()
     # 4. the second prediction on each workload's own anchors, and the held-out one on the others'
-    anchored: dict[str, object] = {}
-    if s.profile is not None:
-        for w in workloads:
-            anchored[w.name] = anchors.add_anchored(predicted_of[w.name], s.profile, s.folder, w.name)
-    fidelity = holdout.rows(predicted_of, anchored, s.profile, s.folder)
+    fidelity = holdout.anchored_rows(predicted_of, s.profile, s.folder)
     return Validated(
         rows=[r for w in workloads for r in rows_of[w.name]], latencies=latencies, agreement=agreement,
         agreement_of={name: agreement_runs.summary(aset, agreement) for name, aset in sets.items()},

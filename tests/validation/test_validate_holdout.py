@@ -186,3 +186,13 @@ def test_the_rejudge_script_reproduces_validates_fidelity(held_out, tmp_path, mo
     ])  # fmt: skip
     assert out["directions"] == result["fidelity"]["directions"]
     assert out["held_out"] == result["fidelity"]["held_out"] and out["held_out"]["predicted_runs"] == 6
+
+
+def test_the_summary_names_the_agreement_baseline(held_out):
+    """The stage's summary line per workload: each tolerance named as transformers' pair, the other
+    implementation against the baseline (grouped_mm)."""
+    from moecache.stages.validate import _summary
+
+    _, result = held_out
+    lines = [v for k, v in _summary(result).items() if " agreement (teacher-forced" in k]
+    assert len(lines) == 2 and all("(eager vs grouped_mm: max " in v for v in lines), lines
