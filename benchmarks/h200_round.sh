@@ -143,7 +143,7 @@ for section in "$@"; do
       | tee "$OUT/validate_$MT${TAG:-}.log" | tail -60 | tee "$OUT/validate_$MT${TAG:-}.txt"  # .log: every line as it comes
     VAL=$(tail -1 "$OUT/validate_$MT${TAG:-}.txt")
     cp "$VAL/validation.json" "$OUT/validation_$MT${TAG:-}.json"
-    for table in runs agreement fidelity; do cp "$VAL/$table.parquet" "$OUT/${table}_$MT${TAG:-}.parquet"; done
+    for table in runs agreement fidelity latency; do cp "$VAL/$table.parquet" "$OUT/${table}_$MT${TAG:-}.parquet"; done
     tar -C "$VAL" -czf "$OUT/traces_$MT${TAG:-}.tgz" traces  # one file: the tool returns no deep folders
     echo "== the runs' CPU path per call against the profile's (entries at one token each)"
     python3 - "$OUT/validation_$MT${TAG:-}.json" "$PROF" <<'PY'

@@ -36,7 +36,7 @@ from moecache.errors import MoecacheError
 from moecache.trace.schema import TraceMeta
 from moecache.validation import agreement_runs, anchors, holdout, predict
 from moecache.validation.baselines import Strategy, hindsight_keys, install_hindsight
-from moecache.validation.runs import Outputs, Request, RunSpec, measure
+from moecache.validation.runs import Outputs, Request, RunSpec, cache_length, measure
 from moecache.validation.workloads import request_stream
 
 REFERENCES = ("unmodified", "all_resident")
@@ -129,9 +129,10 @@ def _release() -> None:
 WARMUP_TOKENS = 2  # tokens of each untimed warm-up generation (_warm_up)
 
 
-def _warm_up(model, w, strategies, grid, request, count_G, s: Settings, run) -> None:
+def _warm_up(model, w, strategies, grid, requests, count_G, s: Settings, run) -> None:
     """Before a workload's timed runs (validate.warmup; auto: on CUDA): one untimed generation of its first request
-    (WARMUP_TOKENS tokens) per strategy at its first capacity, traces thrown away. The process's
+    (WARMUP_TOKENS tokens, in a decoder as long as the timed runs' `requests` need: a decoder's length is
+    a shape its first step compiles for) per strategy at its first capacity, traces thrown away. The process's
     first-call costs (what the first call at a new shape compiles or fills: Triton's operator, cuBLAS,
     the allocator; which of them was not measured) belong to no run; the first run would carry them (on the H200, the
     DeepSeek-V2-Lite shape: the first run's time to first token 344 ms without the warm-up, 64 with). Each
@@ -139,7 +140,9 @@ def _warm_up(model, w, strategies, grid, request, count_G, s: Settings, run) -> 
     import tempfile
 
     label, arch, pad_id, num_keys = run
-    warm = Request(request.request_id, request.prompt_ids, WARMUP_TOKENS)
+    first = requests[0]
+    warm = Request(first.request_id, first.prompt_ids, WARMUP_TOKENS)
+    cache_len = cache_length(requests, _new_tokens(w, s))
     with tempfile.TemporaryDirectory(prefix="moecache-warmup-") as tmp:
         for n, strategy in enumerate(strategies):
             fixed = strategy.fixed_capacity
@@ -155,7 +158,7 @@ def _warm_up(model, w, strategies, grid, request, count_G, s: Settings, run) -> 
             measure(
                 model, spec, [warm], loop=s.loop, device=s.device, max_new_tokens=WARMUP_TOKENS,
                 pad_id=pad_id, trace_dir=Path(tmp) / str(n), meta=_meta(label, arch, w.name, spec, s),
-                run_id=s.run_id, forced=w.forced,
+                run_id=s.run_id, forced=w.forced, cache_len=cache_len,
             )  # fmt: skip
 
 
@@ -285,7 +288,7 @@ def validate_all(
                 peek: list[Request] = []
                 next(iter(requests_of(w, Outputs(), peek)), None)  # the first request needs no answer
                 if peek:
-                    _warm_up(model, w, [first], grid, peek[0], None, s, run)
+                    _warm_up(model, w, [first], grid, peek, None, s, run)
                     warm.remove(first)
             made, answers = [], Outputs()
             _configure(model, first, num_keys, None)
@@ -294,7 +297,7 @@ def validate_all(
             refs[w.name] = (made, key_counts(load_trace(trace)))
         made, count_G = refs[w.name]
         if s.warmup and made and warm:
-            _warm_up(model, w, warm, grid, made[0], count_G, s, run)
+            _warm_up(model, w, warm, grid, made, count_G, s, run)
         for strategy in strategies:
             if s.reference == "all_resident" and strategy.name == "all_resident":
                 continue  # it ran first, as the reference

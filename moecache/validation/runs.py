@@ -90,6 +90,11 @@ def _recorder(model, logger: RoutingLogger, offloaded: bool):
     return RoutingRecorder(model, adapter_for(model), logger)
 
 
+def cache_length(requests: Iterable[Request], max_new_tokens: int) -> int:
+    """The fast loop's decoder length for `requests`: the longest prompt and its tokens."""
+    return max(len(r.prompt_ids) + int(r.max_new_tokens or max_new_tokens) for r in requests)
+
+
 def measure(
     model,
     spec: RunSpec,
@@ -104,11 +109,13 @@ def measure(
     run_id: str,
     outputs: Outputs | None = None,
     forced=None,
+    cache_len: int | None = None,
 ) -> RunOutcome:
     """Run `requests` on `model` as it is (module docstring); its trace goes to trace_dir/trace.parquet.
     `requests` may be a stream that reads `outputs` (filled request by request; a new one by default).
     `forced`: the stage's ForcedWorkload (moecache/validation/forcing.py) or None. `max_new_tokens`: for
-    a request without its own."""
+    a request without its own. `cache_len`: the fast loop's decoder length (None: the longest request's
+    prompt and tokens); a warm-up passes its timed runs' length, so their first step meets no new shape."""
     import contextlib
 
     from moecache.validation.generation import make_loop
@@ -125,7 +132,7 @@ def measure(
     longest = 2
     if not hooks:  # the fast loop's decoder is sized for the run's longest request
         requests = list(requests)
-        longest = max(len(r.prompt_ids) + int(r.max_new_tokens or max_new_tokens) for r in requests)
+        longest = cache_len or cache_length(requests, max_new_tokens)
     runner = make_loop(
         loop, model, device=device, pad_id=pad_id, max_cache_len=longest,
         forced=forced.forced if forced is not None else None,

@@ -198,3 +198,28 @@ def test_the_fast_loop_reports_its_host_points(transformers_run, fast_run):
             assert row["decode_cpu_path_us_per_call"] is None, key  # no miss, no CPU call
     assert all(r["decode_cpu_path_us_per_call"] is None for r in slow.values())
     assert all(r["decode_readback_wait_us_per_visit"] is None for r in slow.values())
+
+
+def test_a_fast_warm_up_decodes_in_a_decoder_as_long_as_its_runs(trace_root, monkeypatch):
+    """validate.warmup=on with the fast loop: each warm-up generates WARMUP_TOKENS tokens in a decoder of
+    the timed runs' length (their prompt and tokens), so the timed run's first step meets no new shape."""
+    from moecache.validation import generation
+
+    lengths = []  # the max_cache_len of every decoder validate builds, in order
+    real = generation.make_loop
+
+    def make_loop(name, model, **kw):
+        lengths.append(kw["max_cache_len"])
+        return real(name, model, **kw)
+
+    monkeypatch.setattr(generation, "make_loop", make_loop)
+    root, trace_id = trace_root
+    res = run(
+        root, f"validate.forced_trace={trace_id}", f"validate.forced_requests={REQUESTS}",
+        f"validate.forced_max_tokens={NEW}", "validate.capacities=[25%]", "validate.loop=fast",
+        "validate.strategies=[all_resident,lru_sync]", "validate.reference=all_resident", "validate.warmup=on",
+        "validate.agreement_requests=0",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert len(lengths) == 4  # the reference's warm-up and run, lru_sync's warm-up and run
+    assert set(lengths) == {PROMPT + NEW}
