@@ -57,10 +57,10 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS. Default: what issue 30 still lacks on a GPU, `agreement_long
-# fidelity fidelity_qwen` (Qwen3.6's top-1 agreement over 4x the positions; the DeepSeek-V2-Lite held-out
-# fidelity with the current simulator, then the Qwen3.6 one again), then `tests_runtime kernel_prefill
-# decode_qwen decode_qwen_policies`; the whole round: `load tests_llama bench fidelity llama_qwen
+# The parts, run in the order of PARTS. Default: what issue 29 still lacks on a GPU, `decode_qwen_policies
+# decode_qwen kernel` (where an offloaded Qwen3.6 step's time goes at 50% and 25% with llama.cpp's split
+# and lfu's; the kernel's decode variants A/B), then `tests_runtime`; issue 30's: `agreement_long fidelity
+# fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen
 # decode_compiled decode_qwen decode_qwen_policies fidelity_qwen`; the GPU tests while the checkpoint is
 # written, without llama.cpp: `tests_write load fidelity`; the kernel's A/B with a retune: `kernel`.
 # run.sh write keeps a checkpoint that is there; the step is logged once.
@@ -230,7 +230,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-agreement_long fidelity fidelity_qwen tests_runtime kernel_prefill decode_qwen decode_qwen_policies}; do
+  for part in ${PARTS:-decode_qwen_policies decode_qwen kernel tests_runtime}; do
     "part_$part"
   done
   log "queue done"
