@@ -114,8 +114,9 @@ def measure(
     """Run `requests` on `model` as it is (module docstring); its trace goes to trace_dir/trace.parquet.
     `requests` may be a stream that reads `outputs` (filled request by request; a new one by default).
     `forced`: the stage's ForcedWorkload (moecache/validation/forcing.py) or None. `max_new_tokens`: for
-    a request without its own. `cache_len`: the fast loop's decoder length (None: the longest request's
-    prompt and tokens); a warm-up passes its timed runs' length, so their first step meets no new shape."""
+    a request without its own. `cache_len`: the fast loop's decoder length, at least the longest request's
+    prompt and tokens (None: that); a warm-up passes its timed runs' length, so their first step meets no
+    new shape."""
     import contextlib
 
     from moecache.validation.generation import make_loop
@@ -132,7 +133,7 @@ def measure(
     longest = 2
     if not hooks:  # the fast loop's decoder is sized for the run's longest request
         requests = list(requests)
-        longest = cache_len or cache_length(requests, max_new_tokens)
+        longest = max(cache_len or 0, cache_length(requests, max_new_tokens))
     runner = make_loop(
         loop, model, device=device, pad_id=pad_id, max_cache_len=longest,
         forced=forced.forced if forced is not None else None,
