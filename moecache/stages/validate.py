@@ -459,7 +459,8 @@ def _summary(result: dict) -> dict:
             )
             tps = r["decode_tokens_per_s"]
             hit = r["hit_rate"]
-            out[where] = f"{tps:.1f} tok/s" + (f", hit {hit:.3f}" if hit is not None else "")
+            rate = "no decode step" if tps is None else f"{tps:.1f} tok/s"  # one token per request: a prefill
+            out[where] = rate + (f", hit {hit:.3f}" if hit is not None else "")
     return out
 
 

@@ -223,3 +223,19 @@ def test_a_fast_warm_up_decodes_in_a_decoder_as_long_as_its_runs(trace_root, mon
     assert res.exit_code == 0, res.output
     assert len(lengths) == 4  # the reference's warm-up and run, lru_sync's warm-up and run
     assert set(lengths) == {PROMPT + NEW}
+
+
+def test_a_warm_up_longer_than_its_runs_gets_a_decoder_it_fits(trace_root):
+    """validate.forced_max_tokens=1 with the fast loop's warm-up: the warm-up's 2 tokens need a longer
+    decoder than the timed runs' one token, and get it; a run without a decode step says so in the
+    summary."""
+    root, trace_id = trace_root
+    res = run(
+        root, f"validate.forced_trace={trace_id}", "validate.forced_requests=1", "validate.forced_max_tokens=1",
+        "validate.capacities=[25%]", "validate.loop=fast", "validate.strategies=[all_resident]",
+        "validate.reference=all_resident", "validate.warmup=on", "validate.agreement_requests=0",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    runs = pq.read_table(Path(res.stdout.strip().splitlines()[-1]) / "runs.parquet").to_pylist()
+    assert [r["generated_tokens"] for r in runs] == [1]
+    assert "no decode step, hit 1.000" in res.stderr
