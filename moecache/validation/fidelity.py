@@ -57,7 +57,7 @@ def predict_run(
 ) -> dict:
     """What the simulator predicts for the run that recorded `trace_path` (module docstring). Keys:
     hit_rate, time_per_token_ms (None without a profile), tokens, accesses, decode_ms_per_token,
-    prefill_ms_per_token, total_ms, timed_hit_rate, cost_notes. `on_miss`: the run's manager setting;
+    prefill_ms_per_token, total_ms, instant_hit_rate, cost_notes. `on_miss`: the run's manager setting;
     "wait" replays the timed mode with the step waiting for its own copies (timed.py, 5.)."""
     path = Path(trace_path)
     if not path.is_file():
@@ -84,7 +84,6 @@ def predict_run(
         "decode_ms_per_token": None,
         "prefill_ms_per_token": None,
         "total_ms": None,
-        "timed_hit_rate": None,
         "cost_notes": [],
     }
     if cost is None:
@@ -97,7 +96,6 @@ def predict_run(
         decode_ms_per_token=metrics["est_ms_per_token_decode"],
         prefill_ms_per_token=metrics["est_ms_prefill_per_token"],
         total_ms=metrics["est_total_ms"],
-        timed_hit_rate=metrics["hit_rate"],
         cost_notes=list(cost.all_notes()),
     )
     return out
