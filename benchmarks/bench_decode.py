@@ -497,7 +497,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="full models: the first N decoder layers only")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--capacities", default="100%,25%")
-    ap.add_argument("--policy", default="lru", help="the policy of capacities below 100%%")
+    ap.add_argument(
+        "--policy",
+        default="lru",
+        help="comma list: the policies of capacities below 100%% (each capacity runs once per policy)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
@@ -546,6 +550,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.forced_trace and args.strategies is None:
         args.strategies = "all"
+    if args.strategies is not None and "," in args.policy:
+        ap.error(f"--policy {args.policy}: one policy with --strategies (its 'policy' strategy)")
     if args.requests < 1:
         ap.error(f"--requests {args.requests}: must be >= 1")
     if args.warm_requests < 0 or (args.warm_requests and not args.forced_trace):
@@ -609,9 +615,14 @@ def main() -> None:
     for g, compiled in variants if "unmodified" not in skip else ():
         record("unmodified", None, run_fast(model, prompt, args.new_tokens, g, compile=compiled), hf_ref)
     if "offloaded" not in skip:
-        for capacity in filter(None, args.capacities.split(",")):
+        policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+        runs_of = [
+            (capacity, policy)
+            for capacity in filter(None, args.capacities.split(","))
+            for policy in (["static_cold"] if capacity.strip() == "100%" else policies)
+        ]
+        for capacity, policy in runs_of:
             full = capacity.strip() == "100%"
-            policy = "static_cold" if full else args.policy
             t1 = time.perf_counter()
             offload_session(model, capacity, policy, device)
             offload_s = time.perf_counter() - t1

@@ -163,16 +163,15 @@ part_decode_qwen() {
 }
 
 # The Qwen3.6 shape at 50% and 25% with llama.cpp's placement (static_layers: whole layers resident, the
-# rest on the CPU, one host point per CPU layer) beside lfu's (experts of every layer resident, every
-# layer a host point with a partial CPU call); then the CPU path alone at 1-8 experts per call, whose
-# in-place cost at 50% (3.7 experts, 416-558 us per call) was near the 8-expert call's (624 us).
+# rest on the CPU) beside lfu's (experts of every layer resident, every layer a partial CPU call), one
+# model build; the same with the CPU team's OpenMP threads spinning between calls (OMP_WAIT_POLICY=ACTIVE:
+# no wake-up at each call); then the CPU path alone at 1-8 experts per call, whose in-place cost at 50%
+# (3.7 experts, 416-558 us per call) was near the 8-expert call's (624 us).
 part_decode_qwen_policies() {
-  local policy
-  for policy in static_layers lfu; do
-    step "decode_qwen_$policy" 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml \
-      --layers 20 --capacities 50%,25% --policy "$policy" --skip hf,eager,unmodified --prompt-tokens 512 \
-      --new-tokens 128
-  done
+  local qwen=(python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20
+    --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128)
+  step decode_qwen_policies 600 "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu
+  step decode_qwen_active 400 env OMP_WAIT_POLICY=ACTIVE "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu
   step cpu_experts_calls 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
     --shapes qwen3.6 --threads 14,15,16 --tokens 1 --experts 1,2,4,8 --modes cold --gap-us 0,300 \
     --repeats 30 --warmup 3 --max-pool-mib 1024
