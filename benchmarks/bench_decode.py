@@ -536,6 +536,12 @@ def main() -> None:
         "threads; the GPU-driving thread working in it, or idle in it); default: the executor's own",
     )
     ap.add_argument(
+        "--split-all",
+        action="store_true",
+        help="capacities below 100%%: each run again with every layer split (host_points=always: no fused or "
+        "CPU-only layers under a fixed placement), an A/B",
+    )
+    ap.add_argument(
         "--visit-first",
         action="store_true",
         help="capacities below 100%%: each run again with the layer's visit before its CPU half (A/B)",
@@ -647,6 +653,10 @@ def main() -> None:
                         with visit_first():
                             r = run_fast(model, prompt, args.new_tokens, g, compile=compiled)
                         record(label + " visit-first", policy, r, hf_ref)
+                    if args.split_all and not full:
+                        model.moecache.reset()
+                        r = run_fast(model, prompt, args.new_tokens, g, host_points="always", compile=compiled)
+                        record(label + " split", policy, r, hf_ref)
                     if full:
                         model.moecache.reset()
                         r = run_fast(

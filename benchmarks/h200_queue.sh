@@ -75,6 +75,10 @@ part_tests() { step gputests 900 python3 -m pytest -q -p no:cacheprovider -m gpu
 
 part_tests_runtime() { step gputests_runtime 600 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime; }
 
+part_tests_decode() {  # the fast decode loop's GPU tests alone
+  step gputests_decode 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_decode_loop.py
+}
+
 # The slot-pool kernel after its rounding points went in (transformers' numerics: the decode down launch
 # reduces each expert's dot product on its own, a cross-warp reduction per k where there was one per
 # token): its GPU tests; its decode table (docs/benchmarks.md) on the shipped configs; the Qwen3.6 decode
@@ -163,14 +167,14 @@ part_decode_qwen() {
 }
 
 # The Qwen3.6 shape at 50% and 25% with llama.cpp's placement (static_layers: whole layers resident, the
-# rest on the CPU) beside lfu's (experts of every layer resident, every layer a partial CPU call), one
-# model build; the same with the CPU team's OpenMP threads spinning between calls (OMP_WAIT_POLICY=ACTIVE:
+# rest on the CPU: no host point at a resident layer, one at a CPU layer) beside lfu's (experts of every
+# layer resident, every layer a partial CPU call), each again with every layer split, one model build; the same with the CPU team's OpenMP threads spinning between calls (OMP_WAIT_POLICY=ACTIVE:
 # no wake-up at each call); then the CPU path alone at 1-8 experts per call, whose in-place cost at 50%
 # (3.7 experts, 416-558 us per call) was near the 8-expert call's (624 us).
 part_decode_qwen_policies() {
   local qwen=(python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20
     --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128)
-  step decode_qwen_policies 600 "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu
+  step decode_qwen_policies 600 "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu --split-all
   step decode_qwen_active 400 env OMP_WAIT_POLICY=ACTIVE "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu
   step cpu_experts_calls 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
     --shapes qwen3.6 --threads 14,15,16 --tokens 1 --experts 1,2,4,8 --modes cold --gap-us 0,300 \

@@ -266,8 +266,21 @@ class FastDecoder:
         if self._taps is None:
             return "dense"
         if self.host_points == "always" or self.forced is not None:
+            self._set_layer_kinds({})
             return "split"
-        return "fused" if self._taps.frozen() else "split"
+        if self._taps.frozen():
+            return "fused"
+        self._set_layer_kinds(self._taps.layer_kinds())
+        return "split"
+
+    def _set_layer_kinds(self, kinds: dict[int, str]) -> None:
+        """The split step's fused and CPU-only layers (ExpertsTaps.layer_kinds). A step captured with other
+        kinds is dropped: the next split step warms up and is captured again."""
+        taps = self._taps
+        if kinds != taps.kind_L:
+            taps.set_layer_kinds(kinds)
+            self._segments["split"] = Segments()
+            self._eager_steps["split"] = 0
 
     def _decode(
         self, mode: str, budget: int, eos: set[int], streamer
@@ -310,6 +323,8 @@ class FastDecoder:
                         host_start = self._taps.runtime.counters.copy()
                 segments.replay() if segments.graphs else self._run_step()
                 timed += 1
+            if self._taps is not None:
+                self._taps.count_fused_step()  # the layers that ran with no visit call
             if eos or streamer is not None:
                 token = int(self.ids_11.item())
                 if streamer is not None:

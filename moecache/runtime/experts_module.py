@@ -48,6 +48,7 @@ import torch
 from moecache_kernels import rounds_product
 from torch import nn
 
+from moecache.errors import MoecacheError
 from moecache.runtime.cpu_experts import CpuExperts
 from moecache.runtime.manager import CacheManager
 
@@ -219,6 +220,15 @@ class ExpertsRuntime:
         counters.gpu_entries += int(visit.hit_TK.sum())
         self.device.drain(self.manager.compute)  # the stand-in: the row's upload, before a kernel reads it
         return visit
+
+    def count_resident_visits(self, visits: int, tokens: int) -> None:
+        """`visits` layer steps of one token each run from the slot pool with no visit call (the fast
+        loop's fused layers): each a visit whose K distinct experts hit, K entries from the slot pool."""
+        if tokens != 1:
+            raise MoecacheError(f"fused layer steps of {tokens} tokens: their distinct experts are not known")
+        K = self.manager.shape.top_k
+        self.manager.count_resident_visits(visits, visits * K)
+        self.counters.gpu_entries += visits * K
 
     def commit(self) -> None:
         """The visit's kernels are enqueued: the manager may reuse its slots (`manager.commit`)."""

@@ -651,6 +651,13 @@ class CacheManager:
             for key, slot in deferred:
                 self._start_copy(key, slot, result)
 
+    def count_resident_visits(self, visits: int, hits: int) -> None:
+        """Layer visits the fast decode loop ran with no visit call (a fused layer: every expert resident
+        under a placement that cannot change), counted as visits and their `hits`."""
+        with self._lock:
+            self._tally_X[TALLY.index("visits")] += visits
+            self._tally_X[TALLY.index("hits")] += hits
+
     def _covering_event(self, serial: int):
         """An event that completes once every visit up to `serial` has run on the compute stream."""
         if self._covering_serial < serial:

@@ -200,6 +200,11 @@ class ExpertsTaps:
             self._count_np = self._count_host.numpy()
         self._expected = 0  # read-backs the host points have asked for (the counter's value to wait for)
         self.mode = "split"
+        # Split mode under a fixed placement (`layer_kinds`): MoE layers run without the split's two host
+        # points, "fused" (every expert resident: the slot-pool kernel inline, no host point) or "cpu" (no
+        # expert resident: one host point, the CPU half alone). Every other layer is split.
+        self.kind_L: dict[int, str] = {}
+        self._fused_layers = 0  # the "fused" layers of kind_L
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
         self.forced = None
@@ -221,14 +226,15 @@ class ExpertsTaps:
 
     @torch.compiler.disable  # a compiled step breaks here: the cuts and host points stay Python
     def __call__(self, layer: int, x_TH, ids_TK, weights_TK) -> torch.Tensor:
-        if self.mode == "fused":
+        kind = self.kind_L.get(layer)
+        if self.mode == "fused" or kind == "fused":
             return self._resident(x_TH, ids_TK, weights_TK, layer)
         self._weights_dtype_L[layer] = weights_TK.dtype  # what forced weights are rounded to
         self.ids_TK.copy_(ids_TK)
         self.weights_TK.copy_(weights_TK)
         self.x_TH.copy_(x_TH)
         self._enqueue_readback()
-        if self.num_slots == 0:  # nothing can be resident: the CPU computes every entry
+        if self.num_slots == 0 or kind == "cpu":  # nothing resident: the CPU computes every entry
             self.segments.cut(lambda: self._route_and_combine(layer))
             return self.cpu_TH.to(x_TH.dtype, copy=True)
         self.segments.cut(lambda: self._route(layer))
@@ -252,6 +258,39 @@ class ExpertsTaps:
         return bool((m.published_LE >= 0).all()) and np.array_equal(
             m.slot_of_LE.cpu().numpy(), m.published_LE
         )
+
+    def layer_kinds(self) -> dict[int, str]:
+        """Under a fixed placement (`Policy.fixed_placement`: the residents never change), the MoE layers
+        that need no split: "fused" where every expert is resident, published, and its device row is the
+        published one; "cpu" where none is. {} under any other policy, or while a copy is in flight."""
+        m = self.manager
+        if not m.policy.fixed_placement or any(m.loading_L):
+            return {}
+        m.device.synchronize()  # the device rows' uploads have landed
+        published_LE = m.published_LE
+        device_LE = m.slot_of_LE.cpu().numpy()
+        kinds = {}
+        for layer in range(published_LE.shape[0]):
+            row_E = published_LE[layer]
+            if (row_E >= 0).all() and np.array_equal(device_LE[layer], row_E):
+                kinds[layer] = "fused"
+            elif (row_E < 0).all():
+                kinds[layer] = "cpu"
+        return kinds
+
+    def set_layer_kinds(self, kinds: dict[int, str]) -> None:
+        """The split step's layer kinds (`layer_kinds`'s, or {}: every layer split)."""
+        self.kind_L = dict(kinds)
+        self._fused_layers = sum(1 for kind in kinds.values() if kind == "fused")
+
+    def count_fused_step(self) -> int:
+        """One decode step's layers that ran fused (the whole step in "fused" mode, else the "fused" layers
+        of `kind_L`) counted as the visits they stand for: each of its one token's K distinct experts a
+        hit. Returns how many layers."""
+        n = self.manager.shape.num_layers if self.mode == "fused" else self._fused_layers
+        if n:
+            self.runtime.count_resident_visits(n, self.ids_TK.shape[0])
+        return n
 
     def _operands(self, slot_of_E: torch.Tensor):
         """The resident call's arguments over the static buffers and the mapping row `slot_of_E`."""
@@ -399,19 +438,23 @@ class ExpertsTaps:
         if call is None or call.executor is not self.runtime.cpu:
             out_TH = self._staging_TH if self.is_cuda else self.cpu_TH
             call = self._cpu_call = self.runtime.cpu.bind(self.host_x_TH, out_TH, ids_TK.size)
+        alone = self.num_slots == 0 or self.kind_L.get(layer) == "cpu"
         _, spent_ns = self.runtime.cpu_half_bound(
-            layer, call, ids_TK, self._weights_src_TK.numpy(), hit_TK, place=self._place_cpu_sum,
-            round_product=self._rounds(layer),
+            layer, call, ids_TK, self._weights_src_TK.numpy(), hit_TK,
+            place=self._place_cpu_alone if alone else self._place_cpu_sum, round_product=self._rounds(layer),
         )  # fmt: skip
         return spent_ns
 
     def _place_cpu_sum(self, y_host_TH: torch.Tensor) -> None:
-        """The CPU half's float32 sum into `cpu_TH` (on CUDA from its pinned staging buffer) and added into
-        y_TH on the compute stream, after B(l); with no slots `cpu_TH` is the layer's result."""
+        """The CPU half's float32 sum into `cpu_TH` and added into y_TH on the compute stream, after B(l)."""
+        self._place_cpu_alone(y_host_TH)
+        self.y_TH.add_(self.cpu_TH)
+
+    def _place_cpu_alone(self, y_host_TH: torch.Tensor) -> None:
+        """The CPU half's float32 sum into `cpu_TH` (on CUDA from its pinned staging buffer): the layer's
+        result where it has no resident half (no slots, or a "cpu" layer)."""
         if y_host_TH is not self.cpu_TH:
             self.cpu_TH.copy_(y_host_TH, non_blocking=True)
-        if self.num_slots:
-            self.y_TH.add_(self.cpu_TH)
 
     def _run_waited(self, visit) -> None:
         """on_miss="split": the experts whose copies the compute stream waits for, one more operator call

@@ -56,6 +56,9 @@ class Policy:
     # Parameter names and defaults; `params` holds the values of one instance.
     defaults: ClassVar[dict[str, Any]] = {}
     step: ClassVar[Any]  # the @njit step function
+    # True: the residents are the initial ones for good (`step` never admits or evicts): the fast decode
+    # loop runs a layer whose experts are all resident with no host point (moecache/runtime/segments.py).
+    fixed_placement: ClassVar[bool] = False
     # True: the policy may admit keys the step did not access (prefetch), so it can beat demand
     # caching's compulsory misses; the demand-only properties of the tests skip it.
     prefetches: ClassVar[bool] = False

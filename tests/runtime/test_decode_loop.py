@@ -150,7 +150,8 @@ def test_compiled_warm_up_lasts_until_a_step_compiles_nothing(monkeypatch):
 
 def test_a_frozen_mapping_decodes_with_no_host_point():
     """Every expert resident (static_cold at 100%): the experts call is the slot-pool kernel inline,
-    no visit during decode; host_points=always still splits, with the same tokens."""
+    no visit call during decode (each layer step counted as a visit whose experts all hit);
+    host_points=always still splits, with the same tokens and counts."""
     plain = tiny("qwen3_5_moe")
     want, _ = hf_greedy(plain)
     L = adapter_for(plain).num_layers
@@ -159,13 +160,51 @@ def test_a_frozen_mapping_decodes_with_no_host_point():
         torch.tensor([PROMPT_T]), NEW
     )
     assert fused.mode == "fused" and torch.equal(fused.tokens, want)
-    assert fused_model.moecache.stats()["visits"] == L  # the prefill's only
+    assert fused_model.moecache.runtime.counters.visits == L  # visit calls: the prefill's only
+    fused_stats = fused_model.moecache.stats()
+    assert fused_stats["visits"] == NEW * L and fused_stats["hit_rate"] == 1.0
     split_model = moecache.offload(copy.deepcopy(plain), capacity="100%", policy="static_cold")
     split = FastDecoder(split_model, len(PROMPT_T) + NEW, host_points="always")
     result = split.generate(torch.tensor([PROMPT_T]), NEW)
     assert result.mode == "split" and torch.equal(result.tokens, want)
     stats = split_model.moecache.stats()
     assert stats["visits"] == NEW * L and stats["hit_rate"] == 1.0 and stats["copies"] == 0
+    assert fused_stats["hits"] == stats["hits"] and fused_stats["gpu_entries"] == stats["gpu_entries"]
+
+
+def layers_split(L: int) -> dict[int, str]:
+    """static_layers at 50% of L MoE layers: the first half on the CPU, the last half resident."""
+    return {layer: "cpu" if layer < L - L // 2 else "fused" for layer in range(L)}
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_a_fixed_placement_runs_whole_layers_with_no_split(model_type):
+    """static_layers at 50%: the resident layers run the slot-pool kernel inline (no visit call), the
+    layers with no resident expert run the CPU half alone; the tokens, logits and counts are the split
+    step's (host_points=always). lfu, whose placement changes, splits every layer."""
+    plain = tiny(model_type)
+    want, want_logits = hf_greedy(plain)
+    L = adapter_for(plain).num_layers
+    runs = {}
+    for host_points in ("auto", "always"):
+        model = moecache.offload(copy.deepcopy(plain), capacity="50%", policy="static_layers")
+        decoder = FastDecoder(model, len(PROMPT_T) + NEW, host_points=host_points, keep_logits=True)
+        result = decoder.generate(torch.tensor([PROMPT_T]), NEW)
+        assert result.mode == "split" and torch.equal(result.tokens, want), host_points
+        torch.testing.assert_close(result.logits, want_logits, rtol=1e-4, atol=1e-5)
+        runs[host_points] = (decoder, result, model.moecache.stats(), model.moecache.runtime.counters.visits)
+    (fixed, fixed_run, fixed_stats, fixed_calls), (split, split_run, split_stats, split_calls) = runs.values()
+    assert fixed._taps.kind_L == layers_split(L) and split._taps.kind_L == {}
+    torch.testing.assert_close(fixed_run.logits, split_run.logits, rtol=0, atol=0)
+    cpu_layers = L - L // 2
+    assert fixed_calls == L + (NEW - 1) * cpu_layers and split_calls == NEW * L  # the prefill's and decode's
+    for key in ("visits", "hits", "misses", "gpu_entries", "fallback_entries", "copies"):
+        assert fixed_stats[key] == split_stats[key], key
+    assert fixed_stats["hit_rate"] == split_stats["hit_rate"] and 0 < fixed_stats["hit_rate"] < 1
+    lfu = moecache.offload(copy.deepcopy(plain), capacity="50%", policy="lfu")
+    decoder = FastDecoder(lfu, len(PROMPT_T) + NEW)
+    assert torch.equal(decoder.generate(torch.tensor([PROMPT_T]), NEW).tokens, want)
+    assert decoder._taps.kind_L == {}
 
 
 def test_static_buffers_and_the_cache_keep_their_addresses(monkeypatch):
@@ -424,6 +463,37 @@ def test_one_graph_per_step_for_an_unmodified_model_and_a_frozen_mapping():
     assert replayed.mode == "split" and torch.equal(replayed.tokens, want)
     assert after["visits"] - before["visits"] == new * L  # the prompt's visit and new - 1 decode steps
     assert after["fallback_entries"] == before["fallback_entries"] and split._taps._deferred is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_a_fixed_placement_replays_one_graph_per_cpu_layer(model_type):
+    """static_layers at 50% on CUDA: a host point per layer with no resident expert and none at the
+    resident layers (graphs: one per CPU layer, plus the step's last), replayed with the tokens and
+    logits of the split step (host_points=always: two per layer), and its counts."""
+    new = 12
+    plain = tiny(model_type).cuda()
+    L = adapter_for(plain).num_layers
+    model = moecache.offload(
+        copy.deepcopy(plain).cpu(), capacity="50%", policy="static_layers", device="cuda"
+    )
+    runs = {}
+    for host_points in ("auto", "always"):
+        decoder = FastDecoder(
+            model, len(PROMPT_T) + new, graphs="on", host_points=host_points, keep_logits=True
+        )
+        decoder.generate(torch.tensor([PROMPT_T]), new)  # warm-up, capture
+        before = model.moecache.stats()
+        result = decoder.generate(torch.tensor([PROMPT_T]), new)
+        after = model.moecache.stats()
+        runs[host_points] = (result, {k: after[k] - before[k] for k in ("visits", "hits", "misses")})
+    (fixed, fixed_counts), (split, split_counts) = runs.values()
+    assert fixed.graphs_per_step == (L - L // 2) + 1 and split.graphs_per_step == 2 * L + 1
+    assert torch.equal(fixed.tokens, split.tokens) and fixed_counts == split_counts
+    torch.testing.assert_close(fixed.logits, split.logits, rtol=1e-5, atol=1e-5)
+    K = adapter_for(plain).top_k
+    assert fixed_counts["visits"] == new * L and 0 < fixed_counts["misses"] < fixed_counts["visits"] * K
 
 
 @pytest.mark.gpu

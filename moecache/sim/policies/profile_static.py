@@ -46,6 +46,7 @@ def profile_keys(count_G: np.ndarray, num_layers: int, capacity: int, split: str
 class ProfileStatic(Policy):
     name = "profile_static"
     cold_start = False
+    fixed_placement = True
     step = static_step
     state_fields = ("profile_keys",)
     # null: not given (the conf/policy file's value, the class's default); refused below

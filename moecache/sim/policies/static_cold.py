@@ -14,6 +14,7 @@ from moecache.sim.policy import Policy, register
 class StaticCold(Policy):
     name = "static_cold"
     cold_start = False
+    fixed_placement = True
     step = static_step
     state_fields = ("keys",)
 

@@ -34,6 +34,7 @@ class StaticHindsight(Policy):
 
     name = "static_hindsight"
     cold_start = False
+    fixed_placement = True
     step = static_step
     offline = True  # init_state reads the future of the replayed trace
     state_fields = ("keys",)

@@ -24,6 +24,7 @@ def resident_layers(num_layers: int, num_experts: int, capacity: int) -> int:
 class StaticLayers(Policy):
     name = "static_layers"
     cold_start = False
+    fixed_placement = True
     step = static_step
     state_fields = ("keys",)
 
