@@ -655,7 +655,9 @@ def main() -> None:
                         record(label + " visit-first", policy, r, hf_ref)
                     if args.split_all and not full:
                         model.moecache.reset()
-                        r = run_fast(model, prompt, args.new_tokens, g, host_points="always", compile=compiled)
+                        r = run_fast(
+                            model, prompt, args.new_tokens, g, host_points="always", compile=compiled
+                        )
                         record(label + " split", policy, r, hf_ref)
                     if full:
                         model.moecache.reset()
