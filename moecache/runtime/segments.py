@@ -36,6 +36,10 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
   rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
+- split under a fixed placement (`Policy.fixed_placement`: the residents never change; `layer_kinds`):
+  a layer with every expert resident runs as in "fused" (no host point), a layer with none has one host
+  point (`_route_and_combine`: the CPU half alone is its output, no B(l)); the others split as above.
+  The layers run without a visit call are counted as visits whose experts all hit (`count_fused_step`).
 
 The read-back is ordered by the stream, not by an event: A(l)'s copies run in order, so once the
 counter's copy has landed (its host value is the one `_route` expects) the routing and x before it have
