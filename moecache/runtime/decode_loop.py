@@ -16,7 +16,8 @@ What runs (docs/runtime.md, "Fast decode loop"):
    - An offloaded model's experts modules are tapped (moecache/runtime/segments.py): "split" cuts the
      step at two host points per MoE layer (routing read-back + `manager.visit`; then commit + the CPU
      misses), "fused" (every expert resident, the mapping frozen) runs the slot-pool kernel inline with
-     no host point. An unmodified model runs its own experts, no host point.
+     no host point; under a fixed placement split mode cuts only the layers that need it (segments.py,
+     `layer_kinds`). An unmodified model runs its own experts, no host point.
    - On CUDA (graphs on by default) the first decode step of a mode runs eagerly (warm-up: kernel
      compilation, cuBLAS), then the step is captured once as CUDA graphs (one per segment, one private
      memory pool) and replayed for every later step, the host points between the replays. Capture
