@@ -57,9 +57,10 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS. Default: what issue 29 still lacks on a GPU, `decode_qwen_policies
-# decode_qwen kernel` (where an offloaded Qwen3.6 step's time goes at 50% and 25% with llama.cpp's split
-# and lfu's; the kernel's decode variants A/B), then `tests_runtime`; issue 30's: `agreement_long fidelity
+# The parts, run in the order of PARTS. Default: what issue 29 still lacks on a GPU, `llama_qwen` (the
+# Qwen3.6 shape beside llama.cpp on one machine, moecache's default policy and static_layers, compiled;
+# carry .vendor/llama.cpp); where an offloaded Qwen3.6 step's time goes: `decode_qwen_policies
+# decode_qwen`; the kernel's decode variants A/B: `kernel`; issue 30's: `agreement_long fidelity
 # fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen
 # decode_compiled decode_qwen decode_qwen_policies fidelity_qwen`; the GPU tests while the checkpoint is
 # written, without llama.cpp: `tests_write load fidelity`; the kernel's A/B with a retune: `kernel`.
@@ -182,14 +183,16 @@ part_decode_qwen_policies() {
 }
 
 # The Qwen3.6 shape beside llama.cpp (run.sh's LAYERS_QWEN layers): the dsv2 files make room first; its
-# checkpoint goes to /dev/shm, since the disk cannot hold it and its GGUF at once.
+# checkpoint goes to /dev/shm, since the disk cannot hold it and its GGUF at once. moecache compiled with
+# its default policy and with llama.cpp's placement (static_layers), then as generate runs by default.
 part_llama_qwen() {
   local q=(env CKPT_ROOT=/dev/shm/ck "${VS_RUN[@]}")
   step clean_dsv2 120 "${VS_RUN[@]}" clean dsv2
   step prepare_qwen 1500 "${q[@]}" prepare qwen  # write; then llama-bench's build (unless built) while converting
   step bench_llama_qwen 600 env SIDE=llama "${q[@]}" bench qwen
-  step bench_moecache_qwen 900 env SIDE=moecache "${q[@]}" bench qwen
   step bench_moecache_compiled_qwen 900 env SIDE=moecache_compiled "${q[@]}" bench qwen
+  step bench_static_compiled_qwen 900 env SIDE=moecache_compiled POLICY=static_layers "${q[@]}" bench qwen
+  step bench_moecache_qwen 900 env SIDE=moecache "${q[@]}" bench qwen
   local shapes=qwen  # with dsv2's where this machine measured them too
   [ ! -f "$VS/results/dsv2-llama.json" ] || shapes="dsv2 qwen"
   # shellcheck disable=SC2086  # shapes: words
@@ -233,7 +236,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-decode_qwen_policies decode_qwen kernel tests_runtime}; do
+  for part in ${PARTS:-llama_qwen}; do
     "part_$part"
   done
   log "queue done"

@@ -538,8 +538,8 @@ def moecache_side(args) -> dict:
             f"moecache loaded MoE blocks {described['model_layer_indices']} of {described['expert_bytes']}-byte "
             f"experts; the plan has {blocks} of {expert_bytes(config)}"
         )
-    model = offload_model(loaded.model, capacity=points[0].capacity, device=args.device, store=loaded.store,
-                          cpu_threads=args.threads)  # fmt: skip
+    model = offload_model(loaded.model, capacity=points[0].capacity, policy=args.policy, device=args.device,
+                          store=loaded.store, cpu_threads=args.threads)  # fmt: skip
     vocab = int(model.get_output_embeddings().weight.shape[0])
     forced_sets, forced_about = None, None
     if args.forced_trace is not None:
@@ -558,7 +558,7 @@ def moecache_side(args) -> dict:
     rows = []
     for i, point in enumerate(points):
         if i:
-            model.moecache.reconfigure(capacity=point.capacity)
+            model.moecache.reconfigure(capacity=point.capacity, policy=args.policy)
         if model.moecache.capacity != point.slots:
             raise BadInput(
                 f"{point.label}: moecache gave {model.moecache.capacity} slots for {point.capacity}"
@@ -579,13 +579,18 @@ def moecache_side(args) -> dict:
         "model": {k: described[k] for k in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_bytes")},
         "points": rows, "unmodified": unmodified,
     }  # fmt: skip
-    save(args.results / f"{args.shape}-{moecache_results(compile)}.json", result)
+    save(args.results / f"{args.shape}-{moecache_results(compile, args.policy)}.json", result)
     return result
 
 
-def moecache_results(compile: bool) -> str:
-    """The moecache side's results name: the fast loop as generate runs it by default, or compiled."""
-    return "moecache-compiled" if compile else "moecache"
+# The policy whose runs the report shows beside the default's: llama.cpp's own placement, whole layers
+SPLIT_POLICY = "static_layers"
+
+
+def moecache_results(compile: bool, policy: str | None = None) -> str:
+    """The moecache side's results name: the fast loop as generate runs it by default, or compiled; with
+    its default policy, or `policy` (`bench.py moecache --policy`)."""
+    return "moecache" + (f"-{policy}" if policy else "") + ("-compiled" if compile else "")
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -620,8 +625,9 @@ def build_summary(llama_result: dict | None) -> dict | None:
 def report(results: Path, shapes: list[str]) -> dict:
     """One table over every shape's saved results, and the JSON summary it prints last."""
     header = ("| shape | point | experts on GPU | llama-bench | moecache capacity | llama.cpp pp | moecache pp "
-              "| forced pp | llama.cpp tg | moecache tg | forced tg | compiled tg | compiled forced tg |")  # fmt: skip
-    lines = [header, "|" + " --- |" * 13]
+              "| forced pp | llama.cpp tg | moecache tg | forced tg | compiled tg | compiled forced tg "
+              f"| {SPLIT_POLICY} tg | {SPLIT_POLICY} compiled tg |")  # fmt: skip
+    lines = [header, "|" + " --- |" * 15]
     summary = {"shapes": {}}
     for shape in shapes:
         sides = {}
@@ -629,6 +635,11 @@ def report(results: Path, shapes: list[str]) -> dict:
             f = results / f"{shape}-{side}.json"
             sides[side] = json.loads(f.read_text()) if f.is_file() else None
         compiled = sides.pop(moecache_results(True))
+        split_by = {}  # the SPLIT_POLICY runs, uncompiled and compiled: {compiled: {label: tg}}
+        for c in (False, True):
+            f = results / f"{shape}-{moecache_results(c, SPLIT_POLICY)}.json"
+            runs = json.loads(f.read_text())["points"] if f.is_file() else []
+            split_by[c] = {p["label"]: ((p.get("own") or {}).get("tg") or {}).get("median_ts") for p in runs}
         if not any(sides.values()):
             raise BadInput(f"{results}: no results of {shape} ({shape}-llama.json, {shape}-moecache.json)")
         points = (sides["llama"] or sides["moecache"])["points"]
@@ -651,6 +662,8 @@ def report(results: Path, shapes: list[str]) -> dict:
                 "forced_tg": (forced.get("tg") or {}).get("median_ts"),
                 "compiled_tg": (c_own.get("tg") or {}).get("median_ts"),
                 "compiled_forced_tg": (c_forced.get("tg") or {}).get("median_ts"),
+                f"{SPLIT_POLICY}_tg": split_by[False].get(p["label"]),
+                f"{SPLIT_POLICY}_compiled_tg": split_by[True].get(p["label"]),
                 "moecache_tg_hit_rate": (own.get("tg") or {}).get("hit_rate"),
                 "forced_tg_hit_rate": (forced.get("tg") or {}).get("hit_rate"),
             }  # fmt: skip
@@ -661,7 +674,8 @@ def report(results: Path, shapes: list[str]) -> dict:
                 f"{p['n_cpu_moe']} | {p['capacity']} ({p['slots']} slots) | {fmt(row['llama_pp'])} | "
                 f"{fmt(row['moecache_pp'])} | {fmt(row['forced_pp'])} | {fmt(row['llama_tg'])} | "
                 f"{fmt(row['moecache_tg'])} | {fmt(row['forced_tg'])} | {fmt(row['compiled_tg'])} | "
-                f"{fmt(row['compiled_forced_tg'])} |"
+                f"{fmt(row['compiled_forced_tg'])} | {fmt(row[f'{SPLIT_POLICY}_tg'])} | "
+                f"{fmt(row[f'{SPLIT_POLICY}_compiled_tg'])} |"
             )
         meta = sides["moecache"] or {}
         unmodified = meta.get("unmodified")
@@ -671,7 +685,7 @@ def report(results: Path, shapes: list[str]) -> dict:
             utg = unmodified["tg"]["median_ts"] if unmodified else None
             ctg = c_unmodified["tg"]["median_ts"] if c_unmodified else None
             lines.append(f"| {shape} | unmodified model (moecache's loop, no offloading) | 100% | - | - | - | "
-                         f"{fmt(upp)} | - | - | {fmt(utg)} | - | {fmt(ctg)} | - |")  # fmt: skip
+                         f"{fmt(upp)} | - | - | {fmt(utg)} | - | {fmt(ctg)} | - | - | - |")  # fmt: skip
         settings = {side: r.get("settings") for side, r in sides.items() if r}
         if len({json.dumps(v, sort_keys=True) for v in settings.values()}) > 1:
             print(f"{shape}: the two sides ran with different settings: {settings}", file=sys.stderr)
@@ -689,7 +703,9 @@ def report(results: Path, shapes: list[str]) -> dict:
     print("\n".join(lines))
     print(
         "pp / tg: tokens/s, medians; 'forced': moecache with the routing of real DeepSeek-V2-Lite traces "
-        "(that routing shape only); 'compiled': moecache with runtime.compile=true (`bench.py moecache --compile`)."
+        "(that routing shape only); 'compiled': moecache with runtime.compile=true (`bench.py moecache --compile`); "
+        f"'{SPLIT_POLICY}': moecache with llama.cpp's placement, whole layers (`bench.py moecache --policy "
+        f"{SPLIT_POLICY}`)."
     )
     print(json.dumps(summary))
     return summary
@@ -738,6 +754,11 @@ def main(argv: list[str] | None = None) -> int:
     mc.add_argument(
         "--unmodified", action=argparse.BooleanOptionalAction, default=True,
         help="first the unmodified model (every expert on the device) on the same loop and requests",
+    )  # fmt: skip
+    mc.add_argument(
+        "--policy", default=None,
+        help="a placement policy instead of generate's default (e.g. static_layers: llama.cpp's whole layers); "
+        "results saved apart (<shape>-moecache-<policy>[-compiled].json)",
     )  # fmt: skip
     mc.add_argument(
         "--compile", action="store_true",

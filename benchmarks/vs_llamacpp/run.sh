@@ -8,7 +8,8 @@
 #   run.sh convert SHAPE          that checkpoint to a bf16 GGUF with llama.cpp's convert_hf_to_gguf.py
 #   run.sh prepare SHAPE          write, then build (unless built) while converting
 #   run.sh bench SHAPE            llama-bench, then moecache, at every point (SIDE=llama or SIDE=moecache: one;
-#                                 SIDE=moecache_compiled: moecache with runtime.compile=true, saved apart)
+#                                 SIDE=moecache_compiled: moecache with runtime.compile=true, saved apart;
+#                                 POLICY=static_layers: moecache with that placement policy, saved apart)
 #   run.sh clean SHAPE            remove SHAPE's checkpoint and GGUF (room for the other shape)
 #   run.sh report SHAPE...        the table of every SHAPE's saved results and one JSON line
 #   run.sh all SHAPE...           prepare and bench each SHAPE, then report (a machine without time limits)
@@ -153,6 +154,8 @@ bench() {
   local device=cuda; [ "$BACKEND" = cpu ] && device=cpu
   local common=(--shape "$shape" --checkpoint "$dir" --threads "$THREADS" --pp "${PP:-512}" --tg "${TG:-128}"
                 --reps "${REPS:-3}" --results "$RESULTS")
+  local policy=()  # POLICY: moecache's placement policy instead of generate's default (e.g. static_layers)
+  [ -z "${POLICY:-}" ] || policy=(--policy "$POLICY")
   for side in ${SIDE:-llama moecache}; do
     case "$side" in
       llama)
@@ -163,12 +166,12 @@ bench() {
           --llama-src "$LLAMA_SRC" --llama-args ${LLAMA_ARGS:-} 2>&1 | tee "$RESULTS/$shape-llama.txt" ;;
       moecache)
         [ -f "$dir/config.json" ] || die "no checkpoint at $dir: run.sh write $shape first"
-        "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" 2>&1 \
-          | tee "$RESULTS/$shape-moecache.txt" ;;
+        "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" "${policy[@]}" 2>&1 \
+          | tee "$RESULTS/$shape-moecache${POLICY:+-$POLICY}.txt" ;;
       moecache_compiled)
         [ -f "$dir/config.json" ] || die "no checkpoint at $dir: run.sh write $shape first"
-        "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" --compile 2>&1 \
-          | tee "$RESULTS/$shape-moecache-compiled.txt" ;;
+        "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" "${policy[@]}" \
+          --compile 2>&1 | tee "$RESULTS/$shape-moecache${POLICY:+-$POLICY}-compiled.txt" ;;
       *) die "SIDE=$side: expected llama, moecache and/or moecache_compiled" ;;
     esac
   done

@@ -159,11 +159,14 @@ def test_bad_input_is_one_line_and_exit_2(bench, capsys, argv, message):
     assert len(err.splitlines()) == 1 and message in err and err.startswith("vs_llamacpp: ")
 
 
-def test_the_moecache_side_default_and_compiled_in_one_report(bench, tmp_path, monkeypatch, capsys):
+def test_the_moecache_side_default_compiled_and_static_layers_in_one_report(
+    bench, tmp_path, monkeypatch, capsys
+):
     """A tiny DeepSeek-V2 checkpoint written by `write`, the moecache side measured at every point through
-    its loader, once as generate runs by default and once with `--compile` (runtime.compile=true; dynamo's
-    eager backend here: the compiled step's path, not inductor's speed), saved apart; `report` puts the
-    compiled decode beside the default's at every point and for the unmodified model."""
+    its loader, once as generate runs by default, once with `--compile` (runtime.compile=true; dynamo's
+    eager backend here: the compiled step's path, not inductor's speed) and once with `--policy
+    static_layers` (llama.cpp's placement), saved apart; `report` puts each decode beside the default's at
+    every point and for the unmodified model."""
     import torch
 
     real_compile = torch.compile
@@ -176,18 +179,25 @@ def test_the_moecache_side_default_and_compiled_in_one_report(bench, tmp_path, m
     try:
         assert bench.main(["moecache", *common]) == 0
         assert bench.main(["moecache", *common, "--compile", "--no-unmodified"]) == 0
+        assert bench.main(["moecache", *common, "--policy", "static_layers", "--no-unmodified"]) == 0
     finally:
         torch._dynamo.reset()
     default = json.loads((results / "dsv2-moecache.json").read_text())
     compiled = json.loads((results / "dsv2-moecache-compiled.json").read_text())
     assert default["compile"] is False and compiled["compile"] is True and compiled["unmodified"] is None
+    split = json.loads((results / "dsv2-moecache-static_layers.json").read_text())
+    assert split["policy"] == "static_layers" and default["policy"] != "static_layers"
     capsys.readouterr()
     summary = bench.report(results, ["dsv2"])["shapes"]["dsv2"]
     table = capsys.readouterr().out
-    assert "| compiled tg | compiled forced tg |" in table
+    assert "| compiled tg | compiled forced tg | static_layers tg | static_layers compiled tg |" in table
     assert [p["point"] for p in summary["points"]] == [p["label"] for p in default["points"]]
-    for row, d, c in zip(summary["points"], default["points"], compiled["points"], strict=True):
+    for row, d, c, s in zip(
+        summary["points"], default["points"], compiled["points"], split["points"], strict=True
+    ):
         assert row["moecache_tg"] == d["own"]["tg"]["median_ts"] > 0
         assert row["compiled_tg"] == c["own"]["tg"]["median_ts"] > 0
+        assert row["static_layers_tg"] == s["own"]["tg"]["median_ts"] > 0
+        assert row["static_layers_compiled_tg"] is None
         assert row["compiled_forced_tg"] is None and row["llama_tg"] is None
     assert summary["unmodified"]["tg"] > 0 and summary["compiled_unmodified_tg"] is None
