@@ -180,6 +180,9 @@ def run_fast(model, prompt, new: int, graphs: str, host_points: str = "auto", co
         "cpu_path_us_per_call": (
             result.host.cpu_ns / 1e3 / result.host.cpu_calls if result.host.cpu_calls else None
         ),
+        "cpu_exec_us_per_call": (  # of the CPU path, the executor's library call alone
+            result.host.cpu_exec_ns / 1e3 / result.host.cpu_calls if result.host.cpu_calls else None
+        ),
         "cpu_calls_per_token": result.host.cpu_calls / result.timed_steps if result.timed_steps else None,
         "tokens": result.tokens[0, prompt.numel() :].tolist(),
     }
@@ -700,7 +703,8 @@ def print_table(r: dict) -> None:
         f"{'variant':<12} | {'policy':<13} | {'loop':<19} | {'mode':<6} | {'graphs':>6} | {'ms/token':>9} | "
     )
     head += f"{'tokens/s':>9} | {'prefill ms':>10} | {'hit rate':>8} | {'= hf':>4} | {'mgr us/visit':>12}"
-    head += f" | {'wait us/visit':>13} | {'cpu us/call':>11}"  # the host point's read-back wait; CPU path
+    # the host point's read-back wait; the CPU path per call, and of it the executor's library call alone
+    head += f" | {'wait us/visit':>13} | {'cpu us/call':>11} | {'exec us/call':>12}"
     print(head)
 
     def cell(value, width):
@@ -713,7 +717,8 @@ def print_table(r: dict) -> None:
             f"{run['graphs_per_step']:>6} | {run['ms_per_token']:>9.3f} | {run['tokens_per_s']:>9.1f} | "
             f"{run['prefill_ms']:>10.1f} | {'-' if hit is None else f'{hit:.3f}':>8} | "
             f"{run.get('agree_with_transformers', '-'):>4} | {cell(run.get('manager_us_per_visit'), 12)} | "
-            f"{cell(run.get('readback_wait_us_per_visit'), 13)} | {cell(run.get('cpu_path_us_per_call'), 11)}"
+            f"{cell(run.get('readback_wait_us_per_visit'), 13)} | {cell(run.get('cpu_path_us_per_call'), 11)} | "
+            f"{cell(run.get('cpu_exec_us_per_call'), 12)}"
         )
     for loop, us in r["expert_path_overhead_us_per_layer"].items():
         print(f"expert path overhead ({loop}): {us:.1f} us per MoE layer per token (100% split - fused)")

@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -413,6 +414,7 @@ class BoundCall:
         self.executor, self.x_TH, self.out_TH = executor, x_TH, out_TH
         self._tensors = (keys_t, token_t, weight_t)
         self._args = None
+        self.last_ns = 0  # the host ns of the last call's computation alone (the library call, or `run`'s)
         if executor.backend == "cpp":
             t = x_TH.shape[0]
             work = {  # this call's own workspaces (`run`'s are the executor's)
@@ -438,16 +440,20 @@ class BoundCall:
             if self._args is not None:
                 args = self._args
                 args.M, args.round_product = m, round_product
+                started = time.perf_counter_ns()
                 rc = ex._fn(args)
+                self.last_ns = time.perf_counter_ns() - started
                 if rc != 0:
                     keys_t, token_t, _ = self._tensors
                     raise ex._bad_triple(-rc - 1, keys_t, token_t, self.x_TH.shape[0])
             else:
                 keys_t, token_t, weight_t = self._tensors
+                started = time.perf_counter_ns()
                 ex._run_torch(
                     self.x_TH, keys_t[:m], token_t[:m], weight_t[:m], self.out_TH, self.x_TH.shape[0],
                     round_product,
                 )  # fmt: skip
+                self.last_ns = time.perf_counter_ns() - started
         return self.out_TH
 
 

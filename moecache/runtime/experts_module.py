@@ -101,6 +101,7 @@ class LayerCounters:
     manager_ns: int = 0  # host ns in the manager's calls: prepare, visit, commit, a split's waits
     readback_wait_ns: int = 0  # host ns waiting for a routing read-back to land (the fast loop on CUDA)
     cpu_ns: int = 0  # host ns of the CPU half: gather, CpuExperts.run, the sum placed on the device
+    cpu_exec_ns: int = 0  # of cpu_ns, the fast loop's bound executor calls alone (BoundCall.last_ns)
 
     def copy(self) -> LayerCounters:
         return dataclasses.replace(self)
@@ -114,7 +115,8 @@ class LayerCounters:
         """The host-time columns validate and the benchmarks report: seconds and counts."""
         return {
             "manager_s": self.manager_ns / 1e9, "readback_wait_s": self.readback_wait_ns / 1e9,
-            "visits": self.visits, "cpu_s": self.cpu_ns / 1e9, "cpu_calls": self.cpu_calls,
+            "visits": self.visits, "cpu_s": self.cpu_ns / 1e9, "cpu_exec_s": self.cpu_exec_ns / 1e9,
+            "cpu_calls": self.cpu_calls,
             "cpu_entries": self.cpu_entries,
         }  # fmt: skip
 
@@ -315,6 +317,7 @@ class ExpertsRuntime:
         )
         y_TH = place(call(m, round_product))
         spent_ns = time.perf_counter_ns() - started
+        self.counters.cpu_exec_ns += call.last_ns
         self._count_cpu_call(hit_TK.shape[0], call.keys_M[:m], spent_ns)
         return y_TH, spent_ns
 

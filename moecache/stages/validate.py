@@ -39,7 +39,8 @@ EXECUTION = {
     "fast": "moecache fast decode loop (FastDecoder; per run: the runs' loop column)",
 }
 # 3: runs.parquet and fidelity.parquet carry cpu_probe_change_pct; grouped_mm is the agreement baseline
-SCHEMA_VERSION = 3
+# 4: runs.parquet carries decode_cpu_exec_us_per_call
+SCHEMA_VERSION = 4
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
     "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss", "init",

@@ -199,7 +199,7 @@ def measure(
 
 HOST_KEYS = (
     "decode_manager_us_per_visit", "decode_readback_wait_us_per_visit", "decode_cpu_path_us_per_call",
-    "decode_cpu_entries_per_call",
+    "decode_cpu_exec_us_per_call", "decode_cpu_entries_per_call",
 )  # fmt: skip
 
 
@@ -215,6 +215,7 @@ def _host_points(host: dict | None) -> dict:
         "decode_manager_us_per_visit": 1e6 * host["manager_s"] / visits if visits else None,
         "decode_readback_wait_us_per_visit": 1e6 * host["readback_wait_s"] / visits if visits else None,
         "decode_cpu_path_us_per_call": 1e6 * host["cpu_s"] / calls if calls else None,
+        "decode_cpu_exec_us_per_call": 1e6 * host["cpu_exec_s"] / calls if calls else None,
         "decode_cpu_entries_per_call": host["cpu_entries"] / calls if calls else None,
     }
 

@@ -38,6 +38,7 @@ RUNS_SCHEMA = pa.schema(
         ("decode_manager_us_per_visit", pa.float64()),
         ("decode_readback_wait_us_per_visit", pa.float64()),
         ("decode_cpu_path_us_per_call", pa.float64()),
+        ("decode_cpu_exec_us_per_call", pa.float64()),  # of the CPU path, the executor's call alone
         ("decode_cpu_entries_per_call", pa.float64()),
         # the CPU probe timed just before the run against the cost profile's, % (machine_check.RunProbe;
         # null without a profile)

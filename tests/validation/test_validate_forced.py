@@ -181,8 +181,8 @@ def test_bad_forced_input_is_one_line_exit_2(trace_root, overrides, message):
 
 def test_the_fast_loop_reports_its_host_points(transformers_run, fast_run):
     """The fast loop's runs say what their host points cost over the timed decode steps: the manager per
-    visit, and the CPU path per call with its entries where a visit had misses; the transformers loop's
-    runs, and the unmodified reference, say nothing."""
+    visit, and the CPU path per call (and of it the executor's call) with its entries where a visit had
+    misses; the transformers loop's runs, and the unmodified reference, say nothing."""
     _, slow, _ = transformers_run
     _, fast, _ = fast_run
     for key, row in fast.items():
@@ -192,11 +192,13 @@ def test_the_fast_loop_reports_its_host_points(transformers_run, fast_run):
         assert row["decode_manager_us_per_visit"] > 0, key
         assert row["decode_readback_wait_us_per_visit"] == 0.0, key  # the stand-in: nothing to read back
         if key[0] in ("all_cpu", "selected"):  # misses run on the CPU (lru_sync waits for its copies)
-            assert row["decode_cpu_path_us_per_call"] > 0, key
+            assert row["decode_cpu_path_us_per_call"] > row["decode_cpu_exec_us_per_call"] > 0, key
             assert 1 <= row["decode_cpu_entries_per_call"] <= K, key  # one decode token: at most K entries
         if key[0] == "all_resident":
             assert row["decode_cpu_path_us_per_call"] is None, key  # no miss, no CPU call
+            assert row["decode_cpu_exec_us_per_call"] is None, key
     assert all(r["decode_cpu_path_us_per_call"] is None for r in slow.values())
+    assert all(r["decode_cpu_exec_us_per_call"] is None for r in slow.values())
     assert all(r["decode_readback_wait_us_per_visit"] is None for r in slow.values())
 
 
