@@ -539,6 +539,13 @@ def main() -> None:
         "threads; the GPU-driving thread working in it, or idle in it); default: the executor's own",
     )
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="each loop's runs this many times, every other round in reverse order (A/B pairs with the "
+        "order effect of a process balanced); a table of medians follows",
+    )
+    ap.add_argument(
         "--split-all",
         action="store_true",
         help="capacities below 100%%: each run again with every layer split (host_points=always: no fused or "
@@ -561,6 +568,8 @@ def main() -> None:
         args.strategies = "all"
     if args.strategies is not None and "," in args.policy:
         ap.error(f"--policy {args.policy}: one policy with --strategies (its 'policy' strategy)")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be >= 1")
     if args.requests < 1:
         ap.error(f"--requests {args.requests}: must be >= 1")
     if args.warm_requests < 0 or (args.warm_requests and not args.forced_trace):
@@ -645,29 +654,28 @@ def main() -> None:
                 label = capacity if team is None else f"{capacity} {team[0]}:{team[1]}"
                 if team is not None:
                     set_cpu_team(model, *team)
+                # the runs of one loop: the default, and the A/B variants asked for (the host points
+                # everywhere at 100%); rounds > 1 repeat them, every other round in reverse order
+                jobs = [(label, {})]
+                if args.visit_first and not full:
+                    jobs.append((label + " visit-first", {"visit_first": True}))
+                if args.split_all and not full:
+                    jobs.append((label + " split", {"host_points": "always"}))
+                if full:
+                    jobs.append(("100% split", {"host_points": "always"}))
                 for g, compiled in variants:
-                    model.moecache.reset()
-                    r = run_fast(model, prompt, args.new_tokens, g, compile=compiled)
-                    if team is not None:
-                        r["cpu_threads"], r["host_thread"] = team
-                    record(label, policy, r, hf_ref)
-                    if args.visit_first and not full:
-                        model.moecache.reset()
-                        with visit_first():
-                            r = run_fast(model, prompt, args.new_tokens, g, compile=compiled)
-                        record(label + " visit-first", policy, r, hf_ref)
-                    if args.split_all and not full:
-                        model.moecache.reset()
-                        r = run_fast(
-                            model, prompt, args.new_tokens, g, host_points="always", compile=compiled
-                        )
-                        record(label + " split", policy, r, hf_ref)
-                    if full:
-                        model.moecache.reset()
-                        r = run_fast(
-                            model, prompt, args.new_tokens, g, host_points="always", compile=compiled
-                        )
-                        record("100% split", policy, r, hf_ref)
+                    for rnd in range(args.rounds):
+                        for name, how in jobs if rnd % 2 == 0 else jobs[::-1]:
+                            model.moecache.reset()
+                            with visit_first() if how.get("visit_first") else contextlib.nullcontext():
+                                r = run_fast(
+                                    model, prompt, args.new_tokens, g, host_points=how.get("host_points", "auto"),
+                                    compile=compiled,
+                                )  # fmt: skip
+                            if team is not None:
+                                r["cpu_threads"], r["host_thread"] = team
+                            r["round"] = rnd
+                            record(name, policy, r, hf_ref)
     result = {
         "bench": "decode",
         **environment(device, described),
@@ -675,20 +683,35 @@ def main() -> None:
         "args": vars(args),
         "runs": runs,
         "expert_path_overhead_us_per_layer": overhead(runs, described["num_layers"]),
+        "medians": medians(runs),
         "skipped": skipped,
     }
     print_table(result)
     print(json.dumps(result))
 
 
+def medians(runs: list[dict]) -> list[dict]:
+    """Per (variant, policy, loop) measured more than once (`--rounds`): the median, least and most ms per
+    token over its runs."""
+    groups: dict[tuple, list[float]] = {}
+    for r in runs:
+        groups.setdefault((r["variant"], r["policy"], r["loop"]), []).append(r["ms_per_token"])
+    return [
+        {"variant": v, "policy": p, "loop": loop, "runs": len(ms), "median_ms_per_token": statistics.median(ms),
+         "min_ms_per_token": min(ms), "max_ms_per_token": max(ms)}
+        for (v, p, loop), ms in groups.items() if len(ms) > 1
+    ]  # fmt: skip
+
+
 def overhead(runs: list[dict], num_layers: int) -> dict:
-    """(100% split - 100% fused) per MoE layer per token, in us, for each loop measured."""
+    """(100% split - 100% fused) per MoE layer per token, in us, for each loop measured (medians over
+    `--rounds`)."""
     out = {}
     for loop in ("fast-eager", "fast-graphs", "fast-graphs+compile"):
-        fused = [r for r in runs if r["variant"] == "100%" and r["loop"] == loop]
-        split = [r for r in runs if r["variant"] == "100% split" and r["loop"] == loop]
+        fused = [r["ms_per_token"] for r in runs if r["variant"] == "100%" and r["loop"] == loop]
+        split = [r["ms_per_token"] for r in runs if r["variant"] == "100% split" and r["loop"] == loop]
         if fused and split:
-            out[loop] = 1e3 * (split[0]["ms_per_token"] - fused[0]["ms_per_token"]) / num_layers
+            out[loop] = 1e3 * (statistics.median(split) - statistics.median(fused)) / num_layers
     return out
 
 
@@ -722,6 +745,11 @@ def print_table(r: dict) -> None:
         )
     for loop, us in r["expert_path_overhead_us_per_layer"].items():
         print(f"expert path overhead ({loop}): {us:.1f} us per MoE layer per token (100% split - fused)")
+    for m in r.get("medians", []):
+        print(
+            f"{m['variant']:<12} | {m['policy'] or '-':<13} | {m['loop']:<19} | median of {m['runs']}: "
+            f"{m['median_ms_per_token']:.3f} ms/token ({m['min_ms_per_token']:.3f}-{m['max_ms_per_token']:.3f})"
+        )
     for name, why in r["skipped"].items():
         print(f"{name}: skipped ({why})")
 

@@ -175,7 +175,7 @@ part_decode_qwen() {
 part_decode_qwen_policies() {
   local qwen=(python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20
     --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128)
-  step decode_qwen_policies 600 "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu --split-all
+  step decode_qwen_policies 600 "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu --split-all --rounds 2
   step decode_qwen_active 400 env OMP_WAIT_POLICY=ACTIVE "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu
   step cpu_experts_calls 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
     --shapes qwen3.6 --threads 14,15,16 --tokens 1 --experts 1,2,4,8 --modes cold --gap-us 0,300,1000 \

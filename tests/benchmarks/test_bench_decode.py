@@ -29,7 +29,7 @@ def test_the_tiny_model_runs_unmodified_and_offloaded(monkeypatch, capsys):
     assert (runs["0"]["hit_rate"], runs["0"]["fallback_entries"] > 0) == (0.0, True)
     assert all(r["ms_per_token"] > 0 for r in runs.values())
     # the host point's breakdown: the CPU path's time per call where entries ran there, none where not
-    assert runs["0"]["cpu_path_us_per_call"] > 0
+    assert runs["0"]["cpu_path_us_per_call"] > runs["0"]["cpu_exec_us_per_call"] > 0  # of it, the executor
     assert runs["0"]["cpu_calls_per_token"] == result["model"]["num_layers"]  # one call per MoE layer
     assert runs["100% split"]["cpu_path_us_per_call"] is None
     assert runs["100% split"]["cpu_calls_per_token"] == 0
@@ -65,3 +65,27 @@ def test_visit_first_reruns_each_capacity_below_100_and_restores_the_taps(monkey
     assert set(runs) == {"100%", "100% split", "0", "0 visit-first"}
     assert runs["0"]["fallback_entries"] == runs["0 visit-first"]["fallback_entries"] > 0
     assert ExpertsTaps._defer_visit is deferred
+
+
+def test_policies_each_split_everywhere_in_rounds_of_alternating_order(monkeypatch, capsys):
+    """--policy a list (each capacity once per policy), --split-all (each run again with every layer
+    split) and --rounds 2 (the second round in reverse order), with a median per run kind."""
+    args = ("--capacities", "50%", "--skip", "hf,unmodified", "--policy", "static_layers,lfu", "--split-all")
+    result = run(monkeypatch, capsys, *SMALL, *args, "--rounds", "2")
+    order = [(r["policy"], r["variant"], r["round"]) for r in result["runs"]]
+    assert order == [
+        (policy, variant, rnd)
+        for policy in ("static_layers", "lfu")
+        for variant, rnd in (("50%", 0), ("50% split", 0), ("50% split", 1), ("50%", 1))
+    ]
+    medians = {(m["policy"], m["variant"]): m for m in result["medians"]}
+    assert set(medians) == {(p, v) for p in ("static_layers", "lfu") for v in ("50%", "50% split")}
+    for m in medians.values():
+        assert m["runs"] == 2 and m["min_ms_per_token"] <= m["median_ms_per_token"] <= m["max_ms_per_token"]
+    # one placement either way: static_layers' CPU calls per token are its CPU layers', split or not
+    static = [r for r in result["runs"] if r["policy"] == "static_layers"]
+    L = result["model"]["num_layers"]
+    assert {r["cpu_calls_per_token"] for r in static} == {L - L // 2}
+    with pytest.raises(SystemExit) as exc:
+        run(monkeypatch, capsys, *SMALL, "--rounds", "0")
+    assert exc.value.code == 2 and "--rounds 0: must be >= 1" in capsys.readouterr().err
