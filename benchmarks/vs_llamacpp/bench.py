@@ -430,7 +430,25 @@ def time_test(model, requests, new: int, forced=None, compile: bool = False) -> 
         after = session.stats()
         hits, accesses = after["hits"] - before["hits"], after["accesses"] - before["accesses"]
         out.update(hit_rate=hits / accesses if accesses else None, copies=after["copies"] - before["copies"])
+        out["host"] = host_points(results)
     return out
+
+
+def host_points(results) -> dict:
+    """The timed requests' decode host points (DecodeResult.host, summed): the manager's and the routing
+    read-back's microseconds per visit, the CPU path's and, of it, the executor's per call, calls per token."""
+    visits = sum(r.host.visits for r in results)
+    calls = sum(r.host.cpu_calls for r in results)
+    steps = sum(r.timed_steps for r in results)
+
+    def per(ns_field: str, n: int):
+        return sum(getattr(r.host, ns_field) for r in results) / 1e3 / n if n else None
+
+    return {
+        "manager_us_per_visit": per("manager_ns", visits), "readback_wait_us_per_visit": per("readback_wait_ns", visits),
+        "cpu_path_us_per_call": per("cpu_ns", calls), "cpu_exec_us_per_call": per("cpu_exec_ns", calls),
+        "cpu_calls_per_token": calls / steps if steps else None,
+    }  # fmt: skip
 
 
 def own_requests(args, vocab: int) -> tuple[list, list]:
@@ -495,7 +513,7 @@ def summarize_moecache(pp: dict, tg: dict) -> dict:
                "hit_rate": pp["hit_rate"], "copies": pp["copies"]},
         "tg": {"median_ts": statistics.median(tg["tg_samples_ts"]) if tg["tg_samples_ts"] else None,
                "samples_ts": tg["tg_samples_ts"], "timed_steps": tg["timed_steps"], "modes": tg["modes"],
-               "hit_rate": tg["hit_rate"], "copies": tg["copies"]},
+               "hit_rate": tg["hit_rate"], "copies": tg["copies"], "host": tg.get("host")},
     }  # fmt: skip
 
 

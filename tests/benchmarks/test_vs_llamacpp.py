@@ -185,6 +185,12 @@ def test_the_moecache_side_default_compiled_and_static_layers_in_one_report(
     default = json.loads((results / "dsv2-moecache.json").read_text())
     compiled = json.loads((results / "dsv2-moecache-compiled.json").read_text())
     assert default["compile"] is False and compiled["compile"] is True and compiled["unmodified"] is None
+    # the decode test's host points: every expert in host memory, one CPU call per MoE layer and token,
+    # the executor's share of each call timed on its own
+    host = default["points"][-1]["own"]["tg"]["host"]
+    assert default["points"][-1]["slots"] == 0
+    assert host["cpu_calls_per_token"] == default["model"]["num_layers"]
+    assert host["cpu_path_us_per_call"] > host["cpu_exec_us_per_call"] > 0
     split = json.loads((results / "dsv2-moecache-static_layers.json").read_text())
     assert split["policy"] == "static_layers" and default["policy"] != "static_layers"
     capsys.readouterr()
