@@ -173,16 +173,7 @@ def run_fast(model, prompt, new: int, graphs: str, host_points: str = "auto", co
         "prefill_ms": 1e3 * result.prefill_s,
         "graphs_per_step": result.graphs_per_step,
         "warmup_s": first.warmup_s,
-        "manager_us_per_visit": result.manager_us_per_visit,
-        "readback_wait_us_per_visit": (
-            result.host.readback_wait_ns / 1e3 / result.host.visits if result.host.visits else None
-        ),
-        "cpu_path_us_per_call": (
-            result.host.cpu_ns / 1e3 / result.host.cpu_calls if result.host.cpu_calls else None
-        ),
-        "cpu_exec_us_per_call": (  # of the CPU path, the executor's library call alone
-            result.host.cpu_exec_ns / 1e3 / result.host.cpu_calls if result.host.cpu_calls else None
-        ),
+        **result.host.rates(),  # the host points per visit and per CPU call (LayerCounters.rates)
         "cpu_calls_per_token": result.host.cpu_calls / result.timed_steps if result.timed_steps else None,
         "tokens": result.tokens[0, prompt.numel() :].tolist(),
     }
@@ -359,6 +350,7 @@ def run_strategy(
     `warm_requests` requests untimed (the cache warmed by earlier traffic), then the others timed; the
     counters are those of the timed requests. `compile`: the decoder's step through torch.compile."""
     from moecache.runtime.decode_loop import FastDecoder
+    from moecache.runtime.layer_counters import LayerCounters
 
     t0 = time.perf_counter()
     offload_session(model, spec["capacity"], spec["policy"], device, spec["params"], spec["on_miss"])
@@ -383,8 +375,7 @@ def run_strategy(
     stats = _stats_since(before, model.moecache.stats())
     timed, decode_s = sum(r.timed_steps for r in results), sum(r.decode_s for r in results)
     ms = 1e3 * decode_s / timed
-    visits = sum(r.host.visits for r in results)
-    calls = sum(r.host.cpu_calls for r in results)
+    host = sum((r.host for r in results), LayerCounters())
     return {
         **{k: spec[k] for k in ("strategy", "capacity", "on_miss")},
         "policy": stats["policy"], "slots": stats["capacity"],
@@ -395,8 +386,7 @@ def run_strategy(
         "reconfigure_s": reconfigure_s, "hit_rate": stats["hit_rate"], "copies": stats["copies"],
         "waited_copies": stats["waited_copies"], "fallback_entries": stats["fallback_entries"],
         "gpu_entries": stats["gpu_entries"],
-        "manager_us_per_visit": sum(r.host.manager_ns for r in results) / 1e3 / visits if visits else None,
-        "cpu_path_us_per_call": sum(r.host.cpu_ns for r in results) / 1e3 / calls if calls else None,
+        **host.rates(),
         "tokens": [r.tokens[0, r.prompt_tokens :].tolist() for r in results],
     }  # fmt: skip
 

@@ -435,20 +435,13 @@ def time_test(model, requests, new: int, forced=None, compile: bool = False) -> 
 
 
 def host_points(results) -> dict:
-    """The timed requests' decode host points (DecodeResult.host, summed): the manager's and the routing
-    read-back's microseconds per visit, the CPU path's and, of it, the executor's per call, calls per token."""
-    visits = sum(r.host.visits for r in results)
-    calls = sum(r.host.cpu_calls for r in results)
+    """The timed requests' decode host points (DecodeResult.host, summed; LayerCounters.rates) and the CPU
+    calls per token."""
+    from moecache.runtime.layer_counters import LayerCounters
+
+    host = sum((r.host for r in results), LayerCounters())
     steps = sum(r.timed_steps for r in results)
-
-    def per(ns_field: str, n: int):
-        return sum(getattr(r.host, ns_field) for r in results) / 1e3 / n if n else None
-
-    return {
-        "manager_us_per_visit": per("manager_ns", visits), "readback_wait_us_per_visit": per("readback_wait_ns", visits),
-        "cpu_path_us_per_call": per("cpu_ns", calls), "cpu_exec_us_per_call": per("cpu_exec_ns", calls),
-        "cpu_calls_per_token": calls / steps if steps else None,
-    }  # fmt: skip
+    return {**host.rates(), "cpu_calls_per_token": host.cpu_calls / steps if steps else None}
 
 
 def own_requests(args, vocab: int) -> tuple[list, list]:

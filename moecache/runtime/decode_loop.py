@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from moecache.errors import MoecacheError
-from moecache.runtime.experts_module import LayerCounters
+from moecache.runtime.layer_counters import LayerCounters
 from moecache.runtime.segments import Segments
 
 GRAPHS = ("auto", "on", "off")
@@ -89,7 +89,7 @@ class DecodeResult:
 
     @property
     def manager_us_per_visit(self) -> float | None:
-        return self.host.manager_ns / 1e3 / self.host.visits if self.host.visits else None
+        return self.host.rates()["manager_us_per_visit"]
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -279,7 +279,7 @@ class FastDecoder:
         kinds is dropped: the next split step warms up and is captured again."""
         taps = self._taps
         if kinds != taps.kind_L:
-            taps.set_layer_kinds(kinds)
+            taps.kind_L = kinds
             self._segments["split"] = Segments()
             self._eager_steps["split"] = 0
 

@@ -38,9 +38,7 @@ Legend: T tokens, H hidden, K top-k, E experts, M (token, expert) entries run on
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
@@ -50,6 +48,7 @@ from torch import nn
 
 from moecache.errors import MoecacheError
 from moecache.runtime.cpu_experts import CpuExperts
+from moecache.runtime.layer_counters import LayerCounters
 from moecache.runtime.manager import CacheManager
 
 
@@ -86,39 +85,6 @@ def _gather_misses(base, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
                 weight_M[m] = w_TK[t, k]
                 m += 1
     return m
-
-
-@dataclass
-class LayerCounters:
-    """What the layer steps count, whichever driver runs them (the eager call, `ExpertsRuntime.run`, or
-    the fast loop's host points, moecache/runtime/segments.py); the manager counts hits, misses and
-    copies (ManagerStats). `since(start)`: the counts between two snapshots (`copy()`)."""
-
-    visits: int = 0  # layer visits (manager.visit calls)
-    gpu_entries: int = 0  # (token, k) entries computed from the slot pool (hits and waited copies)
-    cpu_entries: int = 0  # (token, k) entries computed on the CPU (fallbacks)
-    cpu_calls: int = 0  # visits with CPU entries (CPU-half calls)
-    manager_ns: int = 0  # host ns in the manager's calls: prepare, visit, commit, a split's waits
-    readback_wait_ns: int = 0  # host ns waiting for a routing read-back to land (the fast loop on CUDA)
-    cpu_ns: int = 0  # host ns of the CPU half: gather, CpuExperts.run, the sum placed on the device
-    cpu_exec_ns: int = 0  # of cpu_ns, the fast loop's bound executor calls alone (BoundCall.last_ns)
-
-    def copy(self) -> LayerCounters:
-        return dataclasses.replace(self)
-
-    def since(self, start: LayerCounters) -> LayerCounters:
-        return LayerCounters(
-            **{f.name: getattr(self, f.name) - getattr(start, f.name) for f in dataclasses.fields(self)}
-        )
-
-    def host_summary(self) -> dict:
-        """The host-time columns validate and the benchmarks report: seconds and counts."""
-        return {
-            "manager_s": self.manager_ns / 1e9, "readback_wait_s": self.readback_wait_ns / 1e9,
-            "visits": self.visits, "cpu_s": self.cpu_ns / 1e9, "cpu_exec_s": self.cpu_exec_ns / 1e9,
-            "cpu_calls": self.cpu_calls,
-            "cpu_entries": self.cpu_entries,
-        }  # fmt: skip
 
 
 class ExpertsRuntime:

@@ -208,7 +208,6 @@ class ExpertsTaps:
         # points, "fused" (every expert resident: the slot-pool kernel inline, no host point) or "cpu" (no
         # expert resident: one host point, the CPU half alone). Every other layer is split.
         self.kind_L: dict[int, str] = {}
-        self._fused_layers = 0  # the "fused" layers of kind_L
         # Trace-forced routing (module docstring): a ForcedRouting whose rows replace the router's at
         # each host point; the routing bytes (ids, weights: the buffer's head) go back to the device.
         self.forced = None
@@ -258,10 +257,7 @@ class ExpertsTaps:
         m = self.manager
         if m.capacity < m.shape.num_keys or any(m.loading_L):
             return False
-        m.device.synchronize()  # the device rows' uploads have landed
-        return bool((m.published_LE >= 0).all()) and np.array_equal(
-            m.slot_of_LE.cpu().numpy(), m.published_LE
-        )
+        return bool(self._rows_in_place_L().all())
 
     def layer_kinds(self) -> dict[int, str]:
         """Under a fixed placement (`Policy.fixed_placement`: the residents never change), the MoE layers
@@ -270,28 +266,26 @@ class ExpertsTaps:
         m = self.manager
         if not m.policy.fixed_placement or any(m.loading_L):
             return {}
-        m.device.synchronize()  # the device rows' uploads have landed
-        published_LE = m.published_LE
-        device_LE = m.slot_of_LE.cpu().numpy()
-        kinds = {}
-        for layer in range(published_LE.shape[0]):
-            row_E = published_LE[layer]
-            if (row_E >= 0).all() and np.array_equal(device_LE[layer], row_E):
-                kinds[layer] = "fused"
-            elif (row_E < 0).all():
-                kinds[layer] = "cpu"
+        kinds = {int(layer): "fused" for layer in np.flatnonzero(self._rows_in_place_L())}
+        kinds.update({int(layer): "cpu" for layer in np.flatnonzero((m.published_LE < 0).all(axis=1))})
         return kinds
 
-    def set_layer_kinds(self, kinds: dict[int, str]) -> None:
-        """The split step's layer kinds (`layer_kinds`'s, or {}: every layer split)."""
-        self.kind_L = dict(kinds)
-        self._fused_layers = sum(1 for kind in kinds.values() if kind == "fused")
+    def _rows_in_place_L(self) -> np.ndarray:
+        """bool [L]: each MoE layer's every expert published and its device row the published one (once the
+        rows' uploads have landed)."""
+        m = self.manager
+        m.device.synchronize()
+        published_LE = m.published_LE
+        return (published_LE >= 0).all(axis=1) & (m.slot_of_LE.cpu().numpy() == published_LE).all(axis=1)
 
     def count_fused_step(self) -> int:
         """One decode step's layers that ran fused (the whole step in "fused" mode, else the "fused" layers
         of `kind_L`) counted as the visits they stand for: each of its one token's K distinct experts a
         hit. Returns how many layers."""
-        n = self.manager.shape.num_layers if self.mode == "fused" else self._fused_layers
+        if self.mode == "fused":
+            n = self.manager.shape.num_layers
+        else:
+            n = sum(kind == "fused" for kind in self.kind_L.values())
         if n:
             self.runtime.count_resident_visits(n, self.ids_TK.shape[0])
         return n

@@ -26,6 +26,7 @@ import torch
 
 from moecache.errors import MoecacheError
 from moecache.generation import LOOPS, fast_generate, transformers_generate
+from moecache.runtime.layer_counters import LayerCounters
 from moecache.token_clock import TokenStamps
 
 
@@ -36,9 +37,8 @@ class Generated:
     gaps_s: list[float]  # N - 1 gaps between consecutive generated tokens
     warmup_gaps: int  # the first gaps that were the decoder's warm-up (eager steps, graph capture)
     loop: str
-    # the fast loop's layer steps over its timed decode steps (LayerCounters.host_summary): manager_s,
-    # readback_wait_s, visits, cpu_s, cpu_calls, cpu_entries; None for transformers
-    host: dict | None = None
+    # the fast loop's layer steps over its timed decode steps (a LayerCounters); None for transformers
+    host: LayerCounters | None = None
 
 
 class TransformersLoop:
@@ -90,8 +90,7 @@ class FastLoop:
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         warmup = len(gaps) - int(result.timed_steps)
         loop = "fast-graphs" if result.graphs_per_step else "fast-eager"
-        host = result.host.host_summary()
-        return Generated(tokens, times[0] - start, gaps, warmup, loop, host)
+        return Generated(tokens, times[0] - start, gaps, warmup, loop, result.host)
 
     def close(self) -> None:
         self.decoder = None  # it holds the session's slot pool and graphs: dropped before a reconfigure

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from moecache.errors import MoecacheError
+from moecache.runtime.layer_counters import HOST_RATES, LayerCounters
 from moecache.trace.hooks import RoutingRecorder
 from moecache.trace.logger import LoggerConfig, RoutingLogger
 from moecache.trace.schema import TraceMeta
@@ -143,7 +144,7 @@ def measure(
     latencies: list[dict] = []
     done: list[Request] = []
     ttft_s, gaps_s, warm_n, loops = [], [], 0, set()
-    host: dict | None = None  # the fast loop's host points, summed over the requests
+    host: LayerCounters | None = None  # the fast loop's host points, summed over the requests
     prompt_tokens = generated = 0
     recorder = check = None
     stack = contextlib.ExitStack()
@@ -175,7 +176,7 @@ def measure(
                 warm = gen.warmup_gaps
                 gaps_s += gen.gaps_s[warm:]
                 if gen.host is not None:
-                    host = {k: (host or {}).get(k, 0) + v for k, v in gen.host.items()}
+                    host = gen.host if host is None else host + gen.host
                 warm_n += warm
                 done.append(req)
                 prompt_tokens += len(req.prompt_ids)
@@ -197,27 +198,17 @@ def measure(
                     cuda_peak, session, before, outputs, latencies, loops, hooks, check, host)  # fmt: skip
 
 
-HOST_KEYS = (
-    "decode_manager_us_per_visit", "decode_readback_wait_us_per_visit", "decode_cpu_path_us_per_call",
-    "decode_cpu_exec_us_per_call", "decode_cpu_entries_per_call",
-)  # fmt: skip
+HOST_KEYS = tuple(f"decode_{key}" for key in HOST_RATES)
 
 
-def _host_points(host: dict | None) -> dict:
+def _host_points(host: LayerCounters | None) -> dict:
     """The fast loop's host points over the timed decode steps (None elsewhere, or without calls): the
     manager's microseconds per visit, the CPU path's per call (a visit with misses: gather, run, result
     to the device) and its (token, k) entries per call, to hold against the cost profile's rows; the
     host's wait for a layer's routing to be read back, per visit (the GPU's segment time it exposes)."""
-    if not host:
+    if host is None:
         return dict.fromkeys(HOST_KEYS)
-    visits, calls = host["visits"], host["cpu_calls"]
-    return {
-        "decode_manager_us_per_visit": 1e6 * host["manager_s"] / visits if visits else None,
-        "decode_readback_wait_us_per_visit": 1e6 * host["readback_wait_s"] / visits if visits else None,
-        "decode_cpu_path_us_per_call": 1e6 * host["cpu_s"] / calls if calls else None,
-        "decode_cpu_exec_us_per_call": 1e6 * host["cpu_exec_s"] / calls if calls else None,
-        "decode_cpu_entries_per_call": host["cpu_entries"] / calls if calls else None,
-    }
+    return {f"decode_{key}": value for key, value in host.rates().items()}
 
 
 def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss, cuda_peak,
