@@ -210,7 +210,10 @@ part_fidelity_qwen() {  # law and intent reshaped onto the Qwen3.6 routing shape
   fidelity qwen3_6_35b_a3b "${ids[0]}" "${ids[1]}" qwen
 }
 
-fidelity() {  # fidelity MODEL TRACE_A TRACE_B TAG: h200_round.sh's fidelity section, held out on A and B
+# fidelity MODEL TRACE_A TRACE_B TAG: h200_round.sh's fidelity section, held out on A and B; every
+# offloaded run REPEATS times (default 3: validate.repeats, the median repeat kept), about that many
+# times the runs' share of the part's time
+fidelity() {
   local model=$1 a=$2 b=$3 tag=$4 f32=true total
   # The float32 truth widens the model in place (about twice its bytes on the device): only where that fits.
   total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -218,7 +221,7 @@ fidelity() {  # fidelity MODEL TRACE_A TRACE_B TAG: h200_round.sh's fidelity sec
   step "fidelity_$tag" 1600 env OUT="$RES/fidelity_$tag" MODEL="$model" MODEL_TAG="$tag" DECISION="$DE" \
     FORCING="[$a,$b]" CAPACITIES="[10%,25%,50%]" CAL_S=400 VAL_S=1200 \
     STRATEGIES=all_resident,all_cpu,n_cpu_moe,lru_sync,hindsight_static,selected \
-    VAL_ARGS="validate.agreement_requests=2 validate.agreement_tokens=60 validate.agreement_float32=$f32" \
+    VAL_ARGS="validate.agreement_requests=2 validate.agreement_tokens=60 validate.agreement_float32=$f32 validate.repeats=${REPEATS:-3}" \
     bash benchmarks/h200_round.sh fidelity
 }
 

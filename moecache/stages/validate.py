@@ -40,11 +40,12 @@ EXECUTION = {
 }
 # 3: runs.parquet and fidelity.parquet carry cpu_probe_change_pct; grouped_mm is the agreement baseline
 # 4: runs.parquet carries decode_cpu_exec_us_per_call
-SCHEMA_VERSION = 4
+# 5: validate.repeats; runs.parquet carries time_per_token_ms_repeats
+SCHEMA_VERSION = 5
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
     "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss", "init",
-    "agreement_requests", "agreement_tokens", "agreement_impls", "agreement_float32",
+    "agreement_requests", "agreement_tokens", "agreement_impls", "agreement_float32", "repeats",
 )  # fmt: skip
 WARMUPS = ("auto", "on", "off")  # validate.warmup: an untimed generation per strategy first (auto: on
 # CUDA, or where the runs' times are predicted: a cost profile given)
@@ -81,6 +82,7 @@ def _checked(c: dict) -> dict:
     optional(integer(1))("validate.forced_max_tokens", v["forced_max_tokens"])
     optional(string)("validate.init", v["init"])
     integer(0)("validate.agreement_requests", v["agreement_requests"])
+    integer(1)("validate.repeats", v["repeats"])
     optional(integer(0))("validate.agreement_tokens", v["agreement_tokens"])
     from moecache.validation.agreement_runs import IMPLEMENTATIONS
 
@@ -346,7 +348,7 @@ def run(cfg: DictConfig) -> StageResult:
             max_new_tokens=v["max_new_tokens"], folder=tmp, run_id=run_id, profile=profile,
             reference=v["reference"], init=v["init"], agreement_requests=v["agreement_requests"],
             agreement_tokens=v["agreement_tokens"], agreement_impls=tuple(v["agreement_impls"]),
-            agreement_float32=v["agreement_float32"],
+            agreement_float32=v["agreement_float32"], repeats=v["repeats"],
             warmup=v["warmup"] == "on" or (v["warmup"] == "auto" and (device == "cuda" or profile is not None)),
         )  # fmt: skip
         costs = None if profile is None else CostProfile.load(profile)

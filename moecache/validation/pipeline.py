@@ -12,7 +12,8 @@
    strategy at every capacity, per workload, on a new cache of the same host store
    (`model.moecache.reconfigure(capacity=, policy=, params=, on_miss=)`): a fresh manager and slot pool,
    cold, as a fresh offload would give. After each run, its output agreement, teacher-forced on the
-   cache the run left;
+   cache the run left. With `validate.repeats` > 1 the workload's runs go that many rounds (repeats.py:
+   every other round in reverse order, the repeat of median time kept; agreement after the first);
 4. the fidelity table: every offloaded run predicted on calibrate's profile as given; with a profile
    that can be anchored, again on its own workload's anchored profile (anchors.py) and on every other
    workload's (holdout.py: the held-out prediction, the anchor runs marked fitted).
@@ -34,7 +35,7 @@ import torch
 
 from moecache.errors import MoecacheError
 from moecache.trace.schema import TraceMeta
-from moecache.validation import agreement_runs, anchors, holdout, predict
+from moecache.validation import agreement_runs, anchors, holdout, predict, repeats
 from moecache.validation.baselines import Strategy, hindsight_keys, install_hindsight
 from moecache.validation.runs import Outputs, Request, RunSpec, cache_length, measure
 from moecache.validation.workloads import request_stream
@@ -66,6 +67,7 @@ class Settings:
     agreement_tokens: int | None = None  # validate.agreement_tokens (None: as many as the runs route)
     agreement_impls: tuple[str, ...] = ("eager",)  # validate.agreement_impls
     agreement_float32: bool = False  # validate.agreement_float32
+    repeats: int = 1  # validate.repeats: each offloaded run's repeats (repeats.py)
     # the CPU probe timed before each run (machine_check.RunProbe.probe: % against the profile's); None:
     # no profile
     run_probe: Callable[[], float] | None = None
@@ -194,11 +196,11 @@ def _agreement_set(model, w: Workload, s: Settings, tokenizer, num_experts: int)
     )  # fmt: skip
 
 
-def _progress(row: dict, seconds: float) -> None:
+def _progress(row: dict, seconds: float, repeat: str = "") -> None:
     """One line on stderr per finished run: a validate of many runs takes minutes."""
     hit = row.get("hit_rate")
     print(
-        f"validate: {row['workload']} {row['strategy']} {row['capacity'] or ''}: "
+        f"validate: {row['workload']} {row['strategy']} {row['capacity'] or ''}{repeat}: "
         f"{row['time_per_token_ms']:.2f} ms/token, hit rate {'-' if hit is None else f'{hit:.3f}'} "
         f"({seconds:.1f} s)",
         file=sys.stderr, flush=True,
@@ -227,12 +229,13 @@ def validate_all(
     agreement: list[dict] = []
     sets: dict[str, agreement_runs.AgreementSet] = {}
 
-    def one(w: Workload, spec: RunSpec, requests, is_reference: bool, outputs=None):
+    def timed(w: Workload, spec: RunSpec, requests, outputs=None, repeat: int = 0):
+        """One timed run (its trace under traces/, a repeat's beside the first's); (outcome, trace,
+        row). After a strategy's first repeat, its output agreement on the cache the run left."""
         start = time.perf_counter()
         probed = s.run_probe() if s.run_probe is not None and spec.strategy is not None else None
-        trace_dir = s.folder / "traces" / w.name / (
-            "unmodified" if spec.strategy is None else f"{spec.label}-c{spec.slots}"
-        )  # fmt: skip
+        name = "unmodified" if spec.strategy is None else f"{spec.label}-c{spec.slots}"
+        trace_dir = s.folder / "traces" / w.name / (name if repeat == 0 else f"{name}-r{repeat}")
         outcome = measure(
             model, spec, requests, loop=s.loop, device=s.device, max_new_tokens=_new_tokens(w, s),
             pad_id=pad_id, trace_dir=trace_dir, meta=_meta(label, arch, w.name, spec, s), run_id=s.run_id,
@@ -240,19 +243,33 @@ def validate_all(
         )  # fmt: skip
         trace = trace_dir / "trace.parquet"
         row = {**outcome.row, "trace": str(trace.relative_to(s.folder)), "cpu_probe_change_pct": probed}
+        if spec.strategy is not None and repeat == 0 and w.name in sets:
+            agreement.append(agreement_runs.run_row(model, sets[w.name], spec))
+        shown = (
+            f" (repeat {repeat + 1} of {s.repeats})" if spec.strategy is not None and s.repeats > 1 else ""
+        )
+        _progress(row, time.perf_counter() - start, shown)
+        return outcome, trace, row
+
+    def record(w: Workload, spec: RunSpec, got, is_reference: bool, times: list[float]) -> None:
+        """A run's row (the kept repeat's `got`, with every repeat's time), predicted on the profile."""
+        outcome, trace, row = got
+        row["time_per_token_ms_repeats"] = times
         if spec.strategy is None:
             row.update(predict.EMPTY)
         else:
             run = anchors.Predicted(row, trace, spec.strategy.sim_policy, spec.slots, spec.strategy.on_miss)
             row.update(run.predict(s.profile))
             predicted_of[w.name].append(run)
-            if w.name in sets:  # its output agreement, on the cache the run left
-                agreement.append(agreement_runs.run_row(model, sets[w.name], spec))
         row["reference"] = is_reference
         rows_of[w.name].append(row)
-        _progress(row, time.perf_counter() - start)
         latencies.extend(outcome.latencies)
-        return outcome, trace
+
+    def one(w: Workload, spec: RunSpec, requests, is_reference: bool, outputs=None):
+        """A run measured once (the references)."""
+        got = timed(w, spec, requests, outputs)
+        record(w, spec, got, is_reference, [got[2]["time_per_token_ms"]])
+        return got[0], got[1]
 
     def requests_of(w: Workload, answers: Outputs, made: list[Request]):
         if w.forced is not None:
@@ -298,15 +315,21 @@ def validate_all(
         made, count_G = refs[w.name]
         if s.warmup and made and warm:
             _warm_up(model, w, warm, grid, made, count_G, s, run)
+        plan = []  # the workload's offloaded runs: (strategy, capacity, slots), in the rows' order
         for strategy in strategies:
             if s.reference == "all_resident" and strategy.name == "all_resident":
                 continue  # it ran first, as the reference
             fixed = strategy.fixed_capacity
             points = [(fixed, num_keys if fixed == "all" else 0)] if fixed else grid
-            for capacity, slots in points:
-                hindsight = hindsight_keys(count_G, slots) if strategy.hindsight else None
-                _configure(model, strategy, slots, hindsight, s.profile, s.init)
-                one(w, RunSpec(w.name, strategy, capacity, slots), made, False)
+            plan += [(strategy, capacity, slots) for capacity, slots in points]
+        got_of: list[list] = [[] for _ in plan]
+        for r, i, (strategy, capacity, slots) in repeats.rounds(plan, s.repeats):
+            hindsight = hindsight_keys(count_G, slots) if strategy.hindsight else None
+            _configure(model, strategy, slots, hindsight, s.profile, s.init)
+            got_of[i].append(timed(w, RunSpec(w.name, strategy, capacity, slots), made, repeat=r))
+        for (strategy, capacity, slots), got in zip(plan, got_of, strict=True):
+            times = [row["time_per_token_ms"] for _, _, row in got]
+            record(w, RunSpec(w.name, strategy, capacity, slots), got[repeats.kept(times)], False, times)
         _release()
     # 4. the second prediction on each workload's own anchors, and the held-out one on the others'
     fidelity = holdout.anchored_rows(predicted_of, s.profile, s.folder)

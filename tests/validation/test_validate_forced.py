@@ -241,3 +241,30 @@ def test_a_warm_up_longer_than_its_runs_gets_a_decoder_it_fits(trace_root):
     runs = pq.read_table(Path(res.stdout.strip().splitlines()[-1]) / "runs.parquet").to_pylist()
     assert [r["generated_tokens"] for r in runs] == [1]
     assert "no decode step, hit 1.000" in res.stderr
+
+
+def test_repeated_runs_keep_the_median_repeat_in_alternating_rounds(trace_root):
+    """validate.repeats=2: every offloaded run twice, the second round last to first; each row is the
+    faster repeat's (the lower middle of two), lists both times, and names that repeat's trace; the
+    reference runs once. validate.repeats=0 is one line, exit 2."""
+    root, trace_id = trace_root
+    common = [
+        f"validate.forced_trace={trace_id}", "validate.forced_requests=1", f"validate.forced_max_tokens={NEW}",
+        "validate.capacities=[25%]", "validate.strategies=[all_cpu,lru_sync]", "validate.agreement_requests=0",
+    ]  # fmt: skip
+    res = run(root, *common, "validate.repeats=2")
+    assert res.exit_code == 0, res.output
+    folder = Path(res.stdout.strip().splitlines()[-1])
+    order = [line.split(":")[1].split()[1] for line in res.stderr.splitlines() if "(repeat " in line]
+    assert order == ["all_cpu", "lru_sync", "lru_sync", "all_cpu"]
+    runs = pq.read_table(folder / "runs.parquet").to_pylist()
+    assert [r["strategy"] for r in runs] == ["unmodified", "all_cpu", "lru_sync"]
+    assert len(runs[0]["time_per_token_ms_repeats"]) == 1
+    for r in runs[1:]:
+        times = r["time_per_token_ms_repeats"]
+        assert len(times) == 2 and r["time_per_token_ms"] == min(times)
+        first = times.index(min(times))
+        assert r["trace"].endswith("-r1/trace.parquet") == (first == 1)
+        assert (folder / r["trace"]).is_file()
+    bad = run(root, *common, "validate.repeats=0")
+    assert bad.exit_code == 2 and "validate.repeats" in bad.output
