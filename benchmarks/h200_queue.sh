@@ -17,7 +17,7 @@
 #   3. at once: llama-bench's build (nice), the GPU tests (`pytest -m gpu`), the checkpoint's GGUF conversion
 #      (nothing is timed while the build runs);
 #   4. moecache beside llama.cpp on the DeepSeek-V2-Lite shape (run.sh bench dsv2: llama.cpp, moecache as
-#      generate runs by default, then compiled; then report);
+#      generate runs by default, compiled, compiled with static_layers; then report);
 #   5. held-out fidelity and output agreement (benchmarks/h200_round.sh fidelity): calibrate the
 #      DeepSeek-V2-Lite shape (fast loop), then
 #      validate forced by the ESFT law and intent traces at 10/25/50% (ids in .device-data/ids.txt: the
@@ -26,6 +26,7 @@
 #      there (devprep puts the two .npz files in .vendor/traces);
 #   6. `llama_qwen`: the Qwen3.6 shape beside llama.cpp (write; build unless built, while converting; bench,
 #      moecache compiled too);
+#   6b. `llama_dsv2`: 1, 3 and 4 without the loader and the GPU tests (carry .vendor/traces for the forced rows);
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
 #      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
@@ -57,9 +58,9 @@ step() {  # step NAME SECONDS COMMAND...: one logged, time-limited step; its out
 VS_RUN=(env OUT="$RES/vs" bash benchmarks/vs_llamacpp/run.sh)
 DSV2_CKPT="$CK/dsv2-${LAYERS_DSV2:-27}l-${SIZE:-full}"  # where run.sh writes the dsv2 checkpoint (its ckpt_of)
 
-# The parts, run in the order of PARTS. Default: what issue 29 still lacks on a GPU, `llama_qwen` (the
-# Qwen3.6 shape beside llama.cpp on one machine, moecache's default policy and static_layers, compiled;
-# carry .vendor/llama.cpp); where an offloaded Qwen3.6 step's time goes: `decode_qwen_policies
+# The parts, run in the order of PARTS. Default: what issue 29 still lacks on a GPU, `llama_dsv2` (the
+# DeepSeek-V2-Lite shape beside llama.cpp on one machine, moecache compiled with its default policy and
+# with static_layers; carry .vendor/llama.cpp .vendor/traces); the Qwen3.6 shape the same: `llama_qwen`; where an offloaded Qwen3.6 step's time goes: `decode_qwen_policies
 # decode_qwen`; the kernel's decode variants A/B: `kernel`; issue 30's: `agreement_long fidelity
 # fidelity_qwen`; the whole round: `load tests_llama bench fidelity llama_qwen
 # decode_compiled decode_qwen decode_qwen_policies fidelity_qwen`; the GPU tests while the checkpoint is
@@ -138,7 +139,20 @@ part_bench() {
   step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
   step bench_moecache 900 env SIDE=moecache "${VS_RUN[@]}" bench dsv2
   step bench_moecache_compiled 900 env SIDE=moecache_compiled "${VS_RUN[@]}" bench dsv2
+  step bench_static_compiled 900 env SIDE=moecache_compiled POLICY=static_layers "${VS_RUN[@]}" bench dsv2
   step report 60 "${VS_RUN[@]}" report dsv2
+}
+
+# DeepSeek-V2-Lite beside llama.cpp without the GPU tests: the checkpoint, llama-bench's build (nice)
+# while the GGUF converts, then `bench` (llama.cpp; moecache as generate runs by default, compiled, and
+# compiled with llama.cpp's placement; each with the forced rows where .vendor/traces holds the trace).
+part_llama_dsv2() {
+  write_dsv2
+  ( step build 1200 nice -n 10 "${VS_RUN[@]}" build ) &
+  local build=$!
+  step convert_dsv2 1200 "${VS_RUN[@]}" convert dsv2
+  wait "$build"
+  part_bench
 }
 
 part_fidelity() { fidelity deepseek_v2_lite "$LAW" "$INT" dsv2; }
@@ -239,7 +253,7 @@ pipeline() {
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   } >"$RES/env.txt" 2>&1
   local part
-  for part in ${PARTS:-llama_qwen}; do
+  for part in ${PARTS:-llama_dsv2}; do
     "part_$part"
   done
   log "queue done"
