@@ -34,6 +34,8 @@
 #      offloaded run with the layer's visit deferred (the default) and before its CPU half (--visit-first);
 #   9. `decode_qwen_policies`: 50% and 25% with static_layers (llama.cpp's split) and with lfu; the CPU
 #      path alone at 1, 2, 4 and 8 experts per call.
+#   10. `fla_qwen`: the Qwen3.6 shape's decode with flash-linear-attention's kernels and without (carry
+#      .whl-fla);
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -211,6 +213,20 @@ part_llama_qwen() {
   [ ! -f "$VS/results/dsv2-llama.json" ] || shapes="dsv2 qwen"
   # shellcheck disable=SC2086  # shapes: words
   step report_qwen 60 "${VS_RUN[@]}" report $shapes
+}
+
+# The Qwen3.6 shape's linear-attention layers through flash-linear-attention (transformers uses its Triton
+# kernels where the `fla` package imports; else its PyTorch reference) against without, one machine:
+# bench_decode.py all resident and at 50% (static_layers), graphs only and compiled. The wheels come from
+# `.whl-fla` (carry it; made here by `pip download --no-deps -d .whl-fla flash-linear-attention==0.6.0
+# fla-core==0.6.0 einops==0.8.2`), installed apart so that every other part runs without them.
+part_fla_qwen() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla .whl-fla/*.whl
+  local qwen=(python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20
+    --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128 --capacities 100%,50% --policy static_layers
+    --compile)
+  step decode_qwen_nofla 600 "${qwen[@]}"
+  step decode_qwen_fla 600 env PYTHONPATH="/tmp/fla:$PYTHONPATH" "${qwen[@]}"
 }
 
 part_fidelity_qwen() {  # law and intent reshaped onto the Qwen3.6 routing shape (docs/trace-format.md)
