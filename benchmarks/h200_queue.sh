@@ -36,6 +36,7 @@
 #      path alone at 1, 2, 4 and 8 experts per call.
 #   10. `fla_qwen`: the Qwen3.6 shape's decode with flash-linear-attention's kernels and without (carry
 #      .whl-fla);
+#   11. `profile_qwen`: the compiled Qwen3.6 step's device time by kernel kind, all resident and at 50%;
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -227,6 +228,16 @@ part_fla_qwen() {
     --compile)
   step decode_qwen_nofla 600 "${qwen[@]}"
   step decode_qwen_fla 600 env PYTHONPATH="/tmp/fla:$PYTHONPATH" "${qwen[@]}"
+}
+
+# Where the all-resident Qwen3.6 step's device time goes (benchmarks/profile_decode.py, the llama.cpp
+# table's 20 layers, compiled: its 2.865 ms against llama.cpp's 2.742), then the same at 50% with
+# llama.cpp's placement.
+part_profile_qwen() {
+  local p=(python3 benchmarks/profile_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 --vocab 32768
+    --compile --new-tokens 64 --top 20)
+  step profile_qwen 600 "${p[@]}"
+  step profile_qwen_static50 600 "${p[@]}" --capacity 50% --policy static_layers
 }
 
 part_fidelity_qwen() {  # law and intent reshaped onto the Qwen3.6 routing shape (docs/trace-format.md)
