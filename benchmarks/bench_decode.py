@@ -481,14 +481,19 @@ def print_strategies(r: dict) -> None:
         print(f"at {cap}: " + "; ".join(parts))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model and device arguments `build_model` reads (profile_decode.py's too)."""
     ap.add_argument("--model", default=str(REPO / "conf/model/tiny.yaml"))
     ap.add_argument("--config-json", default=None)
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the yaml's dtype)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (full models: 32768)")
     ap.add_argument("--layers", type=int, default=None, help="full models: the first N decoder layers only")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
     ap.add_argument("--capacities", default="100%,25%")
     ap.add_argument(
         "--policy",

@@ -72,12 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     import bench_decode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(REPO / "conf/model/tiny.yaml"))
-    ap.add_argument("--config-json", default=None)
-    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the yaml's dtype)")
-    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (full models: 32768)")
-    ap.add_argument("--layers", type=int, default=None, help="full models: the first N decoder layers only")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    bench_decode.add_model_args(ap)
     ap.add_argument("--capacity", default="100%", help="GPU slots, in the capacity syntax")
     ap.add_argument("--policy", default="static_cold")
     ap.add_argument("--new-tokens", type=int, default=32, help="decode steps profiled")
