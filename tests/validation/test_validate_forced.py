@@ -268,3 +268,20 @@ def test_repeated_runs_keep_the_median_repeat_in_alternating_rounds(trace_root):
         assert (folder / r["trace"]).is_file()
     bad = run(root, *common, "validate.repeats=0")
     assert bad.exit_code == 2 and "validate.repeats" in bad.output
+
+
+def test_an_all_resident_reference_runs_once_among_repeated_runs(trace_root):
+    """validate.reference=all_resident with validate.repeats=2: the reference (the all_resident run)
+    runs once, first; every other offloaded run twice."""
+    root, trace_id = trace_root
+    res = run(
+        root, f"validate.forced_trace={trace_id}", "validate.forced_requests=1", f"validate.forced_max_tokens={NEW}",
+        "validate.capacities=[25%]", "validate.strategies=[all_resident,lru_sync]", "validate.reference=all_resident",
+        "validate.agreement_requests=0", "validate.repeats=2",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    runs = pq.read_table(Path(res.stdout.strip().splitlines()[-1]) / "runs.parquet").to_pylist()
+    assert [(r["strategy"], r["reference"], len(r["time_per_token_ms_repeats"])) for r in runs] == [
+        ("all_resident", True, 1),
+        ("lru_sync", False, 2),
+    ]
