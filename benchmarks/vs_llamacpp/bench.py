@@ -633,6 +633,23 @@ def build_summary(llama_result: dict | None) -> dict | None:
     return build
 
 
+# Each moecache column of a report row against llama.cpp's of the same test (`ratios`)
+RATIO_COLUMNS = {
+    "llama_pp": ("moecache_pp", "forced_pp"),
+    "llama_tg": ("moecache_tg", "forced_tg", "compiled_tg", "compiled_forced_tg", f"{SPLIT_POLICY}_tg",
+                 f"{SPLIT_POLICY}_compiled_tg"),
+}  # fmt: skip
+
+
+def ratios(row: dict) -> dict:
+    """moecache / llama.cpp for each column of RATIO_COLUMNS; None where either side is missing."""
+    return {
+        col: (row[col] / row[base] if row.get(col) and row.get(base) else None)
+        for base, cols in RATIO_COLUMNS.items()
+        for col in cols
+    }
+
+
 def report(results: Path, shapes: list[str]) -> dict:
     """One table over every shape's saved results, and the JSON summary it prints last."""
     header = ("| shape | point | experts on GPU | llama-bench | moecache capacity | llama.cpp pp | moecache pp "
@@ -678,6 +695,7 @@ def report(results: Path, shapes: list[str]) -> dict:
                 "moecache_tg_hit_rate": (own.get("tg") or {}).get("hit_rate"),
                 "forced_tg_hit_rate": (forced.get("tg") or {}).get("hit_rate"),
             }  # fmt: skip
+            row["vs_llama"] = ratios(row)
             rows.append(row)
             gib = p["gpu_expert_bytes"] / 2**30
             lines.append(
@@ -712,6 +730,14 @@ def report(results: Path, shapes: list[str]) -> dict:
             "compiled": {k: (compiled or {}).get(k) for k in ("device", "gpu", "policy", "load_s")} if compiled else None,
         }  # fmt: skip
     print("\n".join(lines))
+    cols = [c for cs in RATIO_COLUMNS.values() for c in cs]
+    print("\nmoecache / llama.cpp, each column against llama.cpp's pp or tg at the same point:\n")
+    print("| shape | point | " + " | ".join(cols) + " |")
+    print("|" + " --- |" * (len(cols) + 2))
+    for shape, entry in summary["shapes"].items():
+        for row in entry["points"]:
+            cells = ["-" if row["vs_llama"][c] is None else f"{row['vs_llama'][c]:.3f}x" for c in cols]
+            print(f"| {shape} | {row['point']} | " + " | ".join(cells) + " |")
     print(
         "pp / tg: tokens/s, medians; 'forced': moecache with the routing of real DeepSeek-V2-Lite traces "
         "(that routing shape only); 'compiled': moecache with runtime.compile=true (`bench.py moecache --compile`); "

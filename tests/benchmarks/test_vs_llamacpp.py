@@ -207,3 +207,16 @@ def test_the_moecache_side_default_compiled_and_static_layers_in_one_report(
         assert row["static_layers_compiled_tg"] is None
         assert row["compiled_forced_tg"] is None and row["llama_tg"] is None
     assert summary["unmodified"]["tg"] > 0 and summary["compiled_unmodified_tg"] is None
+
+
+def test_each_moecache_column_is_set_against_llamacpps(bench):
+    """`ratios`: each moecache pp column over llama.cpp's pp, each tg column over its tg; None where
+    either side did not run."""
+    row = {"llama_pp": 200.0, "llama_tg": 50.0, "moecache_pp": 300.0, "forced_pp": None, "moecache_tg": 40.0,
+           "forced_tg": 60.0, "compiled_tg": 50.0, "compiled_forced_tg": None, "static_layers_tg": None,
+           "static_layers_compiled_tg": 55.0}  # fmt: skip
+    assert bench.ratios(row) == {
+        "moecache_pp": 1.5, "forced_pp": None, "moecache_tg": 0.8, "forced_tg": 1.2, "compiled_tg": 1.0,
+        "compiled_forced_tg": None, "static_layers_tg": None, "static_layers_compiled_tg": 1.1,
+    }  # fmt: skip
+    assert set(bench.ratios({**row, "llama_tg": None}).values()) == {1.5, None}
