@@ -37,6 +37,8 @@
 #   10. `fla_qwen`: the Qwen3.6 shape's decode with flash-linear-attention's kernels and without (carry
 #      .whl-fla);
 #   11. `profile_qwen`: the compiled Qwen3.6 step's device time by kernel kind, all resident and at 50%;
+#   12. `agreement_whole` / `agreement_whole_qwen`: whole-model output agreement over 1,000+ positions per
+#      workload (carry .device-data; the Qwen3.6 one .vendor/traces too);
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -240,15 +242,52 @@ part_profile_qwen() {
   step profile_qwen_static50 600 "${p[@]}" --capacity 50% --policy static_layers
 }
 
-part_fidelity_qwen() {  # law and intent reshaped onto the Qwen3.6 routing shape (docs/trace-format.md)
-  local task ids=()
+# Whole-model output agreement over 1,000+ teacher-forced positions per workload (issue 30; validate's
+# fidelity parts feed 122): no cost profile; all_resident and the decision's selected policy at 10/25/50%,
+# forced by law (9 requests x 120 fed tokens: 1,089 positions) and by intent (22 x 45: 1,012); the timed
+# runs 9 tokens a request. agreement_whole_qwen: the same on the Qwen3.6 shape, the traces reshaped here.
+agreement_whole() {  # agreement_whole MODEL LAW_ID INTENT_ID TAG
+  local model=$1 tag=$4 m=(model="$1" model.path=null model.random.seed=0 device=cuda
+    "output_root=$MC/.device-data/outputs")
+  local -A trace=([law]=$2 [intent]=$3) requests=([law]=9 [intent]=22) tokens=([law]=120 [intent]=45)
+  local w
+  for w in law intent; do
+    step "agreement_whole_${tag}_$w" 1200 python3 -m moecache.cli validate validate.decision="$DE" "${m[@]}" \
+      validate.forced_trace="${trace[$w]}" validate.forced_requests="${requests[$w]}" validate.forced_max_tokens=9 \
+      "validate.capacities=[10%,25%,50%]" "validate.strategies=[all_resident,selected]" validate.loop=fast \
+      validate.agreement_requests="${requests[$w]}" validate.agreement_tokens="${tokens[$w]}" \
+      validate.agreement_float32=false
+    local out
+    out=$(grep -E "^/" "$RES/agreement_whole_${tag}_$w.log" | tail -1)
+    [ -z "$out" ] || cp "$out/agreement.parquet" "$RES/agreement_whole_${tag}_$w.parquet"
+    [ -z "$out" ] || cp "$out/validation.json" "$RES/agreement_whole_${tag}_$w.json"
+  done
+}
+
+part_agreement_whole() { agreement_whole deepseek_v2_lite "$LAW" "$INT" dsv2; }
+
+part_agreement_whole_qwen() {
+  import_qwen_traces
+  agreement_whole qwen3_6_35b_a3b "${QWEN_IDS[0]}" "${QWEN_IDS[1]}" qwen
+}
+
+# law and intent reshaped onto the Qwen3.6 routing shape (docs/trace-format.md), imported once per queue;
+# QWEN_IDS: their import ids
+import_qwen_traces() {
+  [ "${#QWEN_IDS[@]}" -eq 2 ] && return
+  local task
   for task in law intent; do
     step "import_${task}_qwen" 300 python3 -m moecache.cli import-trace \
       "trace_import.path=.vendor/traces/esft_${task}_routing.npz" "trace_import.name=esft_${task}_qwen" \
       trace_import.reshape=qwen3_6_35b_a3b "output_root=$MC/.device-data/outputs"
-    ids+=("$(basename "$(grep -E "^/" "$RES/import_${task}_qwen.log" | tail -1)")")
+    QWEN_IDS+=("$(basename "$(grep -E "^/" "$RES/import_${task}_qwen.log" | tail -1)")")
   done
-  fidelity qwen3_6_35b_a3b "${ids[0]}" "${ids[1]}" qwen
+}
+QWEN_IDS=()
+
+part_fidelity_qwen() {
+  import_qwen_traces
+  fidelity qwen3_6_35b_a3b "${QWEN_IDS[0]}" "${QWEN_IDS[1]}" qwen
 }
 
 # fidelity MODEL TRACE_A TRACE_B TAG: h200_round.sh's fidelity section, held out on A and B; every
