@@ -19,7 +19,7 @@ from moecache.report.tables import read_json
 HEADERS = [
     "strategy", "capacity", "slots", "loop", "decode tok/s", "TTFT ms", "ITL p50 / p90 / p99 ms", "prefill tok/s",
     "hit rate", "copies", "late copies", "CPU fallbacks", "predicted hit rate", "predicted ms/token",
-    "measured ms/token",
+    "measured ms/token", "every repeat's ms/token (validate.repeats; the median kept)",
 ]  # fmt: skip
 PHASE_HEADERS = [
     "workload", "strategy", "capacity", "time/token error %", "prefill ms/token measured -> predicted",
@@ -48,8 +48,15 @@ def _row(r: dict) -> list:
         md.num(r["decode_tokens_per_s"], 4),
         md.num(r["ttft_ms"], 4), itl, md.num(r["prefill_tokens_per_s"], 4), md.num(r["hit_rate"], 4),
         md.num(r["copies"]), md.num(r["late_copies"]), md.num(r["cpu_fallbacks"]), md.num(r["predicted_hit_rate"], 4),
-        md.num(r["predicted_time_per_token_ms"], 4), md.num(r["time_per_token_ms"], 4),
+        md.num(r["predicted_time_per_token_ms"], 4), md.num(r["time_per_token_ms"], 4), _repeats(r),
     ]  # fmt: skip
+
+
+def _repeats(r: dict) -> str:
+    """Every repeat's time per token where the run was measured more than once (a row of validate
+    schema 5); "-" otherwise."""
+    times = r.get("time_per_token_ms_repeats") or []
+    return " / ".join(md.num(t, 4) for t in times) if len(times) > 1 else "-"
 
 
 def _phase_rows(runs: list[dict]) -> list[list]:

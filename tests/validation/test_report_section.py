@@ -168,3 +168,15 @@ def test_the_agreement_is_a_table_per_workload_with_its_tolerance_first(tmp_path
 def test_no_artifact_is_a_sentence(tmp_path):
     text, figures = section(None, None, tmp_path)
     assert "No validation artifact" in text and figures == []
+
+
+def test_a_repeated_run_shows_every_repeats_time(tmp_path):
+    """A row with validate.repeats' times shows them all in the run table; a run measured once shows "-"."""
+    folder = artifact(tmp_path / "validate-r", None)
+    runs = pq.read_table(folder / "runs.parquet").to_pylist()
+    runs[1]["time_per_token_ms_repeats"] = [2.75, 2.5, 2.625]
+    runs[3]["time_per_token_ms_repeats"] = [2.5]
+    write(folder, runs, [], [], [])
+    text, _ = section(folder, "decide-abc", tmp_path / "figures")
+    assert "| 2.5 | 2.75 / 2.5 / 2.625 |" in text
+    assert text.count("| 2.5 | - |") == 3  # the references and the run measured once
