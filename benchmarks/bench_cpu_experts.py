@@ -77,14 +77,11 @@ def time_calls(
     repeats: int,
     warmup: int,
     gap_us: int = 0,
-    prewake_us: int | None = None,
 ) -> list[float]:
     """Wall time (us) of each timed call; call n reads experts n*experts.. (cold) or 0.. (warm). With
     `gap_us`, the calling thread spins that long before each call, as a decode step's host thread does
     between two layers' CPU calls (the GPU segment between them): the executor's threads then wait
-    between calls as they do in a decode, and what that costs (waking them) is in the call's time. With
-    `prewake_us`, `prewake_us` before the end of the gap the caller wakes the team (`CpuExperts.warm`, what
-    a host point could do before it waits for the routing); the warm call is not timed."""
+    between calls as they do in a decode, and what that costs (waking them) is in the call's time."""
     tokens = x_TH.shape[0]
     token_M = torch.arange(tokens).repeat(experts)
     weight_M = torch.full((experts * tokens,), 1.0 / experts)
@@ -95,11 +92,8 @@ def time_calls(
         keys_M = (torch.arange(first, first + experts) % pool_size).repeat_interleave(tokens)
         if gap_us:
             until = time.perf_counter_ns() + gap_us * 1000
-            wake_at = None if prewake_us is None else until - prewake_us * 1000
             while time.perf_counter_ns() < until:
-                if wake_at is not None and time.perf_counter_ns() >= wake_at:
-                    executor.warm()
-                    wake_at = None
+                pass
         t0 = time.perf_counter_ns()
         executor.run(x_TH, keys_M, token_M, weight_M, out_TH)
         elapsed = (time.perf_counter_ns() - t0) / 1e3
@@ -190,22 +184,9 @@ def bench_pool(
                 for tokens in args.tokens:
                     x_TH = torch.randn(tokens, shape.hidden_size, generator=torch.Generator().manual_seed(0))
                     x_TH = x_TH.to(dtype)
-                    cases = [
-                        (m, g, w) for m in args.modes for g in args.gap_us for w in [None, *(args.prewake_us if g else [])]
-                    ]  # fmt: skip
-                    for mode, gap, prewake in cases:
-                        if prewake is not None and (backend != "cpp" or prewake > gap):
-                            continue  # the warm call is the cpp backend's, inside the gap
+                    for mode, gap in ((m, g) for m in args.modes for g in args.gap_us):
                         samples = time_calls(
-                            executor,
-                            x_TH,
-                            pool_size,
-                            experts,
-                            mode == "cold",
-                            args.repeats,
-                            args.warmup,
-                            gap,
-                            prewake,
+                            executor, x_TH, pool_size, experts, mode == "cold", args.repeats, args.warmup, gap
                         )
                         timing = summarize(samples)
                         rows.append(
@@ -218,7 +199,6 @@ def bench_pool(
                                 "tokens": tokens,
                                 "mode": mode,
                                 "gap_us": gap,
-                                "prewake_us": prewake,
                                 "call_median_us": timing.median_us,
                                 "call_p10_us": timing.p10_us,
                                 "call_p90_us": timing.p90_us,
@@ -235,7 +215,7 @@ def bench_pool(
 
 HEADER = (
     f"{'backend':<6} | {'shape':<9} | {'dtype':<8} | {'thr':>3} | {'exp':>3} | {'tok':>3} | {'mode':<4} | "
-    f"{'gap us':>6} | {'wake us':>7} | "
+    f"{'gap us':>6} | "
     f"{'call us':>8} | {'p10':>8} | {'p90':>8} | {'us/expert':>9} | {'GB/s':>6}"
 )
 
@@ -243,8 +223,7 @@ HEADER = (
 def print_row(r: dict) -> None:
     print(
         f"{r['backend']:<6} | {r['shape']:<9} | {r['dtype']:<8} | {r['threads']:>3} | {r['experts']:>3} | "
-        f"{r['tokens']:>3} | {r['mode']:<4} | {r['gap_us']:>6} | {r['prewake_us'] if r['prewake_us'] is not None else '-':>7} | "
-        f"{r['call_median_us']:8.1f} | "
+        f"{r['tokens']:>3} | {r['mode']:<4} | {r['gap_us']:>6} | {r['call_median_us']:8.1f} | "
         f"{r['call_p10_us']:8.1f} | {r['call_p90_us']:8.1f} | {r['per_expert_us']:9.1f} | {r['gbps']:6.1f}",
         flush=True,
     )
@@ -267,12 +246,6 @@ def main() -> None:
         default=[0],
         help="the caller spins this long before each call (a decode step's GPU segment between layers)",
     )
-    ap.add_argument(
-        "--prewake-us",
-        type=int_list,
-        default=[],
-        help="each gap again with the team woken this long before its end (CpuExperts.warm; cpp only)",
-    )
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-pool-mib", type=int, default=8192, help="cap on the cold pool's bytes")
@@ -288,8 +261,6 @@ def main() -> None:
             ap.error(f"--modes: '{mode}' is not cold or warm")
     if any(g < 0 for g in args.gap_us):
         ap.error(f"--gap-us: {args.gap_us} holds a negative gap")
-    if any(w < 0 for w in args.prewake_us):
-        ap.error(f"--prewake-us: {args.prewake_us} holds a negative time")
     cpus = len(os.sched_getaffinity(0))
     threads = [n for n in args.threads if n <= cpus] or [cpus]
     cache_bytes = last_level_cache_bytes() or 64 * MiB

@@ -197,8 +197,8 @@ part_decode_qwen_policies() {
   step decode_qwen_policies 600 "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu --split-all --rounds 2
   step decode_qwen_active 400 env OMP_WAIT_POLICY=ACTIVE "${qwen[@]}" --capacities 50%,25% --policy static_layers,lfu
   step cpu_experts_calls 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
-    --shapes qwen3.6 --threads 14,15,16 --tokens 1 --experts 1,2,4,8 --modes cold --gap-us 0,300,1000 \
-    --prewake-us 100,250 --repeats 30 --warmup 3 --max-pool-mib 1024
+    --shapes qwen3.6 --threads 14,15,16 --tokens 1 --experts 1,2,4,8 --modes cold --gap-us 0,300 \
+    --repeats 30 --warmup 3 --max-pool-mib 1024
 }
 
 # The Qwen3.6 shape beside llama.cpp (run.sh's LAYERS_QWEN layers): the dsv2 files make room first; its

@@ -132,9 +132,6 @@ def _load_library() -> ctypes.CDLL | str:
     fn = lib.moecache_cpu_experts_run
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(RunArgs)]
-    warm = lib.moecache_cpu_warm
-    warm.restype = ctypes.c_int
-    warm.argtypes = [ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
@@ -256,7 +253,6 @@ class CpuExperts:
         self._work: dict[str, torch.Tensor] = {}
         self._args: RunArgs | None = None
         self._fn = _load_library().moecache_cpu_experts_run if self.backend == "cpp" else None
-        self._warm_fn = _load_library().moecache_cpu_warm if self.backend == "cpp" else None
 
     def run(
         self,
@@ -294,15 +290,6 @@ class CpuExperts:
         the caller) are checked once; each call's triples are written into the returned call's arrays
         and `call(m, round_product)` computes the first m of them (BoundCall)."""
         return BoundCall(self, x_TH, out_TH, max_entries)
-
-    def warm(self) -> None:
-        """Wake the cpp backend's thread team (`moecache_cpu_warm`) so that a call soon after finds it
-        spinning, not asleep: for a caller about to wait for something else first (e.g. a host point
-        waiting for the GPU's routing; `bench_cpu_experts.py --prewake-us` measures whether it pays). A
-        no-op with the torch backend."""
-        if self._warm_fn is not None:
-            with self._lock:
-                self._warm_fn(self.threads, int(self.host_thread == "idle"))
 
     def submit(
         self,

@@ -155,23 +155,6 @@ def test_cpp_deterministic_across_thread_counts(dtype):
     assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
-@pytest.mark.parametrize("host", ["work", "idle"])
-def test_warm_wakes_the_team_and_changes_no_result(backend, host):
-    """`warm` (the cpp backend's empty parallel region over the run's team; a no-op with torch) between
-    calls leaves every result as it was, with the calling thread working in the team or idle in it."""
-    skip_unless_runs(backend, torch.bfloat16)
-    w13, w2 = make_weights(4, 64, 32, torch.bfloat16)
-    ex = CpuExperts(w13, w2, backend=backend, threads=2, host_thread=host)
-    x_TH = torch.randn(3, 64).to(torch.bfloat16)
-    keys_M, token_M, weight_M = torch.tensor([0, 3, 1, 3]), torch.tensor([0, 1, 2, 0]), torch.rand(4)
-    before = ex.run(x_TH, keys_M, token_M, weight_M)
-    for _ in range(3):
-        ex.warm()
-    assert (ex._warm_fn is not None) == (backend == "cpp")
-    assert torch.equal(ex.run(x_TH, keys_M, token_M, weight_M), before)
-    check(ex, w13, w2, x_TH, keys_M, token_M, weight_M)
-
-
 def test_submit_runs_on_a_worker_thread(backend):
     skip_unless_runs(backend, torch.bfloat16)
     w13, w2 = make_weights(4, 64, 32, torch.bfloat16)

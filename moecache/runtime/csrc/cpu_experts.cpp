@@ -367,17 +367,4 @@ int moecache_cpu_experts_run(const RunArgs* a) {
   return 0;
 }
 
-// Wakes the team `moecache_cpu_experts_run` uses (`threads` workers, and the calling thread with
-// host_idle) with an empty parallel region, returning once each has run it. OpenMP's threads sleep once
-// idle for longer than their spin window, and waking a sleeping team costs a call tens of microseconds:
-// called while the host waits for the GPU, the next run finds its threads still spinning.
-int moecache_cpu_warm(int64_t threads, int64_t host_idle) {
-  const int idle = host_idle ? 1 : 0;
-  const int n = (threads > 0 ? static_cast<int>(threads) : 1) + idle;
-#pragma omp parallel num_threads(n)
-  {
-  }
-  return 0;
-}
-
 }  // extern "C"
