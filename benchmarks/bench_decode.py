@@ -64,6 +64,7 @@ import torch
 import yaml
 
 from moecache.errors import MoecacheError
+from moecache.validation.repeats import rounds
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -659,18 +660,17 @@ def main() -> None:
                 if full:
                     jobs.append(("100% split", {"host_points": "always"}))
                 for g, compiled in variants:
-                    for rnd in range(args.rounds):
-                        for name, how in jobs if rnd % 2 == 0 else jobs[::-1]:
-                            model.moecache.reset()
-                            with visit_first() if how.get("visit_first") else contextlib.nullcontext():
-                                r = run_fast(
-                                    model, prompt, args.new_tokens, g, host_points=how.get("host_points", "auto"),
-                                    compile=compiled,
-                                )  # fmt: skip
-                            if team is not None:
-                                r["cpu_threads"], r["host_thread"] = team
-                            r["round"] = rnd
-                            record(name, policy, r, hf_ref)
+                    for rnd, _, (name, how) in rounds(jobs, args.rounds):
+                        model.moecache.reset()
+                        with visit_first() if how.get("visit_first") else contextlib.nullcontext():
+                            r = run_fast(
+                                model, prompt, args.new_tokens, g, host_points=how.get("host_points", "auto"),
+                                compile=compiled,
+                            )  # fmt: skip
+                        if team is not None:
+                            r["cpu_threads"], r["host_thread"] = team
+                        r["round"] = rnd
+                        record(name, policy, r, hf_ref)
     result = {
         "bench": "decode",
         **environment(device, described),

@@ -1,4 +1,5 @@
-"""validate.repeats: each offloaded run measured more than once, the repeat of median time kept.
+"""validate.repeats: each offloaded run measured more than once, the repeat of median time kept (the
+same alternating rounds drive benchmarks/bench_decode.py --rounds).
 
 A shared machine's speed drifts over minutes (docs/benchmarks.md, "Simulator fidelity": the CPU probe timed
 before each run moved by -39% to +62% within one validate of the Qwen3.6 shape on an H100), so one timed run

@@ -16,9 +16,9 @@ def test_the_tiny_model_offloaded_is_profiled_per_step(monkeypatch, capsys):
     args = ["--device", "cpu", "--new-tokens", "3", "--capacity", "50%", "--policy", "lru", "--top", "5"]
     result = run_script(monkeypatch, capsys, SCRIPT, args)
     assert (result["mode"], result["steps"], len(result["top"])) == ("split", 3, 5)
-    kinds = result["kinds"]
-    assert abs(sum(k["share"] for k in kinds) - 1.0) < 1e-9
-    assert sum(k["us_per_step"] for k in kinds) == pytest.approx(result["kernel_us_per_step"])
+    kinds = {k["kind"]: k["us_per_step"] for k in result["kinds"]}
+    # the tiny model's projections and its routing ran, each put in its kind
+    assert kinds["matmul (GEMM / GEMV)"] > 0 and kinds["routing (top-k, sort, scatter)"] > 0
     assert result["kernel_us_per_step"] > 0 and result["step_wall_us"] > 0
     assert [t["us_per_step"] for t in result["top"]] == sorted(
         (t["us_per_step"] for t in result["top"]), reverse=True
