@@ -36,7 +36,7 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
   rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
-- split under a fixed placement (`Policy.fixed_placement`: the residents never change; `layer_kinds`):
+- split under a fixed placement (`Policy.fixed_placement`: the residents never change, the step being `static_step`; `layer_kinds`):
   a layer with every expert resident runs as in "fused" (no host point), a layer with none has one host
   point (`_route_and_combine`: the CPU half alone is its output, no B(l)); the others split as above.
   The layers run without a visit call are counted as visits whose experts all hit (`count_fused_step`).

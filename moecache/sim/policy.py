@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections import namedtuple
 from typing import Any, ClassVar
 
+import numba as nb
 import numpy as np
 
 from moecache.errors import MoecacheError
@@ -46,8 +47,18 @@ from moecache.errors import MoecacheError
 POLICIES: dict[str, type[Policy]] = {}
 
 
+@nb.njit(_nrt=False)
+def static_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
+    """The step of a placement that never changes: no admission, no eviction (the static policies')."""
+    return 0, 0
+
+
 class Policy:
     """Base class. Subclasses set `name`, `cold_start`, `step` and implement `init_state`."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.fixed_placement = getattr(cls, "step", None) is static_step
 
     name: ClassVar[str]
     # True: starts with no resident experts (a demand policy). False: starts with
@@ -56,8 +67,9 @@ class Policy:
     # Parameter names and defaults; `params` holds the values of one instance.
     defaults: ClassVar[dict[str, Any]] = {}
     step: ClassVar[Any]  # the @njit step function
-    # True: the residents are the initial ones for good (`step` never admits or evicts): the fast decode
-    # loop runs a layer whose experts are all resident with no host point (moecache/runtime/segments.py).
+    # True: the residents are the initial ones for good; derived (`__init_subclass__`): the policy's step
+    # is `static_step`, which never admits or evicts. The fast decode loop runs a layer whose experts are
+    # all resident with no host point (moecache/runtime/segments.py).
     fixed_placement: ClassVar[bool] = False
     # True: the policy may admit keys the step did not access (prefetch), so it can beat demand
     # caching's compulsory misses; the demand-only properties of the tests skip it.

@@ -124,6 +124,22 @@ def test_static_placements(make_trace):
     assert result.admits_V.sum() == 0 and result.evicts_V.sum() == 0
 
 
+def test_fixed_placement_is_derived_from_the_static_step(make_trace):
+    """`Policy.fixed_placement` (what lets the fast loop skip a resident layer's host point) is exactly
+    the policies whose step is `static_step`, and their replays admit and evict nothing."""
+    import moecache.sim.policies  # noqa: F401  (registers every policy)
+    from moecache.sim.policy import POLICIES, static_step
+
+    fixed = {name for name, cls in POLICIES.items() if cls.fixed_placement}
+    assert fixed == {name for name, cls in POLICIES.items() if cls.step is static_step}
+    assert {"static_cold", "static_hindsight", "static_layers", "profile_static"} <= fixed
+    assert not {"lru", "lfu", "belady", "transition_prefetch"} & fixed
+    trace = make_trace(GOLDEN, 2, 3)
+    for name in ("static_cold", "static_hindsight", "static_layers"):
+        result = replay_instant(trace, make_policy(name), 3)
+        assert result.admits_V.sum() == 0 and result.evicts_V.sum() == 0, name
+
+
 def decode(keys, request=0):
     """One-layer decode steps of one request."""
     return [(request, i, 0, [[e]]) for i, e in enumerate(keys)]

@@ -22,8 +22,8 @@ import numpy as np
 from moecache.errors import MoecacheError
 from moecache.sim.policies._params import trace_file
 from moecache.sim.policies.lfu import load_init_counts
-from moecache.sim.policies.static_hindsight import static_step, top_keys
-from moecache.sim.policy import Policy, register
+from moecache.sim.policies.static_hindsight import top_keys
+from moecache.sim.policy import Policy, register, static_step
 
 SPLITS = ("global", "per_layer")
 
@@ -46,7 +46,6 @@ def profile_keys(count_G: np.ndarray, num_layers: int, capacity: int, split: str
 class ProfileStatic(Policy):
     name = "profile_static"
     cold_start = False
-    fixed_placement = True
     step = static_step
     state_fields = ("profile_keys",)
     # null: not given (the conf/policy file's value, the class's default); refused below

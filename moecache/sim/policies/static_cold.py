@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from moecache.sim.policies.static_hindsight import static_step
-from moecache.sim.policy import Policy, register
+from moecache.sim.policy import Policy, register, static_step
 
 
 @register
 class StaticCold(Policy):
     name = "static_cold"
     cold_start = False
-    fixed_placement = True
     step = static_step
     state_fields = ("keys",)
 

@@ -8,16 +8,10 @@ the capacity exceeds the number of used keys, unused keys fill the remaining slo
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
 
 from moecache.sim.policies.lfu import key_counts
-from moecache.sim.policy import Policy, register
-
-
-@nb.njit(_nrt=False)
-def static_step(state, key_U, uses_U, hit_U, a0, clock, request, resident_G, admit_out, evict_out):
-    return 0, 0
+from moecache.sim.policy import Policy, register, static_step
 
 
 def top_keys(count_G: np.ndarray, capacity: int) -> np.ndarray:
@@ -34,7 +28,6 @@ class StaticHindsight(Policy):
 
     name = "static_hindsight"
     cold_start = False
-    fixed_placement = True
     step = static_step
     offline = True  # init_state reads the future of the replayed trace
     state_fields = ("keys",)

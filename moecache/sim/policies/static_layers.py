@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moecache.sim.policies.static_hindsight import static_step
-from moecache.sim.policy import Policy, register
+from moecache.sim.policy import Policy, register, static_step
 
 
 def resident_layers(num_layers: int, num_experts: int, capacity: int) -> int:
@@ -24,7 +23,6 @@ def resident_layers(num_layers: int, num_experts: int, capacity: int) -> int:
 class StaticLayers(Policy):
     name = "static_layers"
     cold_start = False
-    fixed_placement = True
     step = static_step
     state_fields = ("keys",)
 
