@@ -292,16 +292,19 @@ part_fidelity_qwen() {
 
 # fidelity MODEL TRACE_A TRACE_B TAG: h200_round.sh's fidelity section, held out on A and B; every
 # offloaded run REPEATS times (default 3: validate.repeats, the median repeat kept), about that many
-# times the runs' share of the part's time
+# times the runs' share of the part's time. Output agreement only with AGREE=1 (2 requests x 60 tokens
+# teacher-forced after each run's first repeat, one decode forward a token through transformers: most of
+# a run's time); the agreement_whole parts measure it over 1,000+ positions.
 fidelity() {
-  local model=$1 a=$2 b=$3 tag=$4 f32=true total
+  local model=$1 a=$2 b=$3 tag=$4 f32=true total agree=validate.agreement_requests=0
   # The float32 truth widens the model in place (about twice its bytes on the device): only where that fits.
   total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   { [ "$total" -gt 100000 ] && [ "$tag" = dsv2 ]; } || f32=false
+  [ "${AGREE:-0}" = 1 ] && agree="validate.agreement_requests=2 validate.agreement_tokens=60 validate.agreement_float32=$f32"
   step "fidelity_$tag" 1600 env OUT="$RES/fidelity_$tag" MODEL="$model" MODEL_TAG="$tag" DECISION="$DE" \
     FORCING="[$a,$b]" CAPACITIES="[10%,25%,50%]" CAL_S=400 VAL_S=1200 \
     STRATEGIES=all_resident,all_cpu,n_cpu_moe,lru_sync,hindsight_static,selected \
-    VAL_ARGS="validate.agreement_requests=2 validate.agreement_tokens=60 validate.agreement_float32=$f32 validate.repeats=${REPEATS:-3}" \
+    VAL_ARGS="$agree validate.repeats=${REPEATS:-3}" \
     bash benchmarks/h200_round.sh fidelity
 }
 

@@ -52,13 +52,27 @@ TIME_TARGET_SHARE = 0.9
 MACHINE_STEADY_PCT = 10.0
 
 
+SCALES = ("bandwidth_scale", "cpu_scale", "gpu_scale")  # the cost model's sensitivity scales
+
+
 def predict_run(
-    trace_path, *, policy: PolicySpec, capacity: int, profile_path: str | None, on_miss: str = "cpu"
+    trace_path,
+    *,
+    policy: PolicySpec,
+    capacity: int,
+    profile_path: str | None,
+    on_miss: str = "cpu",
+    scales: dict[str, float] | None = None,
 ) -> dict:
     """What the simulator predicts for the run that recorded `trace_path` (module docstring). Keys:
     hit_rate, time_per_token_ms (None without a profile), tokens, accesses, decode_ms_per_token,
     prefill_ms_per_token, total_ms, instant_hit_rate, cost_notes. `on_miss`: the run's manager setting;
-    "wait" replays the timed mode with the step waiting for its own copies (timed.py, 5.)."""
+    "wait" replays the timed mode with the step waiting for its own copies (timed.py, 5.). `scales`: some
+    of SCALES applied to the profile's costs (cost_model.py: the copy bandwidth, the CPU or GPU expert
+    times), for how a prediction moves with them; None: the profile as measured."""
+    unknown = sorted(set(scales or {}) - set(SCALES))
+    if unknown:
+        raise MoecacheError(f"fidelity: scales {unknown}: expected some of {list(SCALES)}")
     path = Path(trace_path)
     if not path.is_file():
         raise MoecacheError(f"fidelity: {path}: no such trace file")
@@ -71,6 +85,8 @@ def predict_run(
     cost = None
     if profile_path is not None:
         cost = CostModel.for_trace(CostProfile.load(profile_path), trace)
+        if scales:
+            cost = cost.replace(**{name: float(value) for name, value in scales.items()})
     instant = replay_instant(trace, _policy(policy, cost), int(capacity))
     _, first_F = forward_index(trace)
     accesses = trace.num_accesses

@@ -164,6 +164,29 @@ def test_compare_says_which_phase_an_error_comes_from():
     assert list(errors["phases"]) == ["prefill"]
 
 
+def test_scales_move_the_prediction_with_the_costs_they_scale(tiny_model, tmp_path):
+    """capacity 0: every access on the CPU, so the CPU scale moves the decode time by its CPU part (per
+    MoE layer the call's 20 us and 4 distinct experts x 5 us: the test above) and the copy bandwidth
+    moves nothing."""
+    _, trace = recorded_run(tiny_model, tmp_path, "lru", 0)
+    profile = _profile(tmp_path)
+    base = predict_run(trace, policy=PolicySpec.of("lru"), capacity=0, profile_path=profile)
+    slow_cpu = predict_run(
+        trace, policy=PolicySpec.of("lru"), capacity=0, profile_path=profile, scales={"cpu_scale": 3.0}
+    )
+    assert slow_cpu["decode_ms_per_token"] == pytest.approx(
+        base["decode_ms_per_token"] + 4 * (20.0 + 4 * 5.0) * 2 / 1e3
+    )
+    pcie = predict_run(
+        trace, policy=PolicySpec.of("lru"), capacity=0, profile_path=profile, scales={"bandwidth_scale": 0.5}
+    )
+    assert pcie["decode_ms_per_token"] == pytest.approx(base["decode_ms_per_token"])
+    with pytest.raises(MoecacheError, match="scales"):
+        predict_run(
+            trace, policy=PolicySpec.of("lru"), capacity=0, profile_path=profile, scales={"copy": 2.0}
+        )
+
+
 def test_predict_run_refuses_a_missing_trace(tmp_path):
     with pytest.raises(MoecacheError, match="no such trace"):
         predict_run(tmp_path / "absent.parquet", policy=PolicySpec.of("lru"), capacity=1, profile_path=None)
