@@ -144,7 +144,10 @@ for section in "$@"; do
     VAL=$(tail -1 "$OUT/validate_$MT${TAG:-}.txt")
     cp "$VAL/validation.json" "$OUT/validation_$MT${TAG:-}.json"
     for table in runs agreement fidelity latency; do cp "$VAL/$table.parquet" "$OUT/${table}_$MT${TAG:-}.parquet"; done
-    tar -C "$VAL" -czf "$OUT/traces_$MT${TAG:-}.tgz" traces  # one file: the tool returns no deep folders
+    # one file (the tool returns no deep folders), of the traces the runs kept (a repeat's median one):
+    # what rejudge_fidelity.py and fidelity_sensitivity.py replay; every repeat's stays in $VAL
+    python3 -c "import json, sys; print('\n'.join(r['trace'] for r in json.load(open(sys.argv[1]))['runs']))" \
+      "$VAL/validation.json" | tar -C "$VAL" -czf "$OUT/traces_$MT${TAG:-}.tgz" -T -
     echo "== the runs' CPU path per call against the profile's (entries at one token each)"
     python3 - "$OUT/validation_$MT${TAG:-}.json" "$PROF" <<'PY'
 import json, sys

@@ -41,7 +41,8 @@ EXECUTION = {
 # 3: runs.parquet and fidelity.parquet carry cpu_probe_change_pct; grouped_mm is the agreement baseline
 # 4: runs.parquet carries decode_cpu_exec_us_per_call
 # 5: validate.repeats; runs.parquet carries time_per_token_ms_repeats
-SCHEMA_VERSION = 5
+# 6: the fast loop's traces carry the visits' cache columns
+SCHEMA_VERSION = 6
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
     "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss", "init",

@@ -10,9 +10,11 @@ forced_routing.py), so a random-weight model of the trace's routing shape sees t
 - `loop=transformers`: the runs' traces are recorded by the router / experts hooks, as for a workload of
   conf/workload/; they equal the forcing trace's rows (tests/validation/test_validate_forced.py).
 - `loop=fast`: a replayed CUDA graph runs no Python hook, so a run's trace is written from the forcing
-  trace's rows of the tokens it routed (`write_forced_trace`, cache columns null), and every manager
-  visit of an offloaded run is checked against those rows (`VisitCheck`): a visit whose ids differ is
-  an error, not a silent approximation.
+  trace's rows of the tokens it routed (`write_forced_trace`), and every manager visit of an offloaded
+  run is checked against those rows (`VisitCheck`): a visit whose ids differ is an error, not a silent
+  approximation. The check keeps each visit's result, whose cache fields fill the rows it visited (hits,
+  residents, admissions, copies: as a transformers-loop run's trace has them); a row no visit saw (a
+  layer the fast loop runs fused, every expert resident under a fixed placement) keeps them null.
 
 Legend: L MoE layers, N tokens of a request, K top-k, T tokens of one visit.
 """
@@ -87,13 +89,17 @@ def routed_tokens(request: Request) -> int:
     return len(request.prompt_ids) + int(request.max_new_tokens) - 1
 
 
-def write_forced_trace(workload: ForcedWorkload, requests: list[Request], logger: RoutingLogger) -> None:
+def write_forced_trace(
+    workload: ForcedWorkload, requests: list[Request], logger: RoutingLogger, visits: dict | None = None
+) -> None:
     """Log, as the run executed them, the forcing rows of the tokens each request routed: step 0 the
-    prompt (prefill), then one token per step (decode)."""
+    prompt (prefill), then one token per step (decode). `visits`: VisitCheck.visits, whose results fill
+    the cache columns of the rows they visited (module docstring); None: every cache column null."""
     forced = workload.forced
     for req in requests:
         ids_LNK = forced.expert_ids(req.request_id)
         w_LNK = workload.weights[req.request_id]
+        seen = (visits or {}).get(req.request_id, {})
         P, n = len(req.prompt_ids), routed_tokens(req)
         spans = [(0, P)] + [(t, t + 1) for t in range(P, n)]
         for step, (a, b) in enumerate(spans):
@@ -101,17 +107,19 @@ def write_forced_trace(workload: ForcedWorkload, requests: list[Request], logger
             for layer in range(ids_LNK.shape[0]):
                 logger.log(
                     layer, torch.from_numpy(np.array(ids_LNK[layer, a:b])),
-                    torch.from_numpy(np.array(w_LNK[layer, a:b])),
+                    torch.from_numpy(np.array(w_LNK[layer, a:b])), cache=seen.get((layer, a)),
                 )  # fmt: skip
 
 
 class VisitCheck:
     """While entered, every `manager.visit(layer, ids_TK)` is compared with the forcing trace's next T
-    rows of that layer in the current request (`start_request`); a difference raises at once."""
+    rows of that layer in the current request (`start_request`); a difference raises at once. `visits`:
+    {request id: {(layer, first token): the visit's result}}, for the trace's cache columns."""
 
     def __init__(self, manager, forced):
         self.manager, self.forced = manager, forced
         self.rows_checked = 0
+        self.visits: dict[str, dict[tuple[int, int], object]] = {}
         self._ids_LNK: np.ndarray | None = None
         self._pos_L: list[int] = []
         self._request: str | None = None
@@ -120,6 +128,7 @@ class VisitCheck:
         self._request = request_id
         self._ids_LNK = self.forced.expert_ids(request_id)
         self._pos_L = [0] * self._ids_LNK.shape[0]
+        self.visits[request_id] = {}
 
     def __enter__(self) -> VisitCheck:
         visit = self.manager.visit
@@ -137,7 +146,9 @@ class VisitCheck:
                 )
             self._pos_L[layer] = start + got.shape[0]
             self.rows_checked += got.shape[0]
-            return visit(layer, topk_ids_TK, **options)
+            result = visit(layer, topk_ids_TK, **options)
+            self.visits[self._request][(layer, start)] = result
+            return result
 
         self.manager.visit = checked  # an instance attribute: every caller of manager.visit sees it
         return self

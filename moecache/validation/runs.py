@@ -17,8 +17,8 @@ cache counters of the run's session. Output agreement is measured apart, teacher
 
 The trace: recorded by hooks (the router's for the unmodified model, the experts module's with the
 cache fields for an offloaded one; moecache/validation/recording.py) with the transformers loop; with
-the fast loop (trace-forced only) written from the forcing trace's rows and checked against every
-manager visit (moecache/validation/forcing.py).
+the fast loop (trace-forced only) written from the forcing trace's rows, checked against every manager
+visit, the visits' cache fields in the rows they visited (moecache/validation/forcing.py).
 
 Legend: G global expert keys.
 """
@@ -190,7 +190,7 @@ def measure(
         if not hooks:
             from moecache.validation.forcing import write_forced_trace
 
-            write_forced_trace(forced, done, logger)
+            write_forced_trace(forced, done, logger, check.visits if check is not None else None)
     finally:
         log_stats = logger.close()
         runner.close()

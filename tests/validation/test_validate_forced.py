@@ -162,6 +162,29 @@ def test_the_two_loops_agree(transformers_run, fast_run):
         assert slow[key]["copies"] == fast[key]["copies"], key
 
 
+def test_the_fast_loops_trace_carries_each_visits_cache_fields(transformers_run, fast_run):
+    """The fast loop's trace is the forcing rows with each manager visit's cache columns: per row the
+    same hits as the transformers loop's recorded trace, and over a run the admissions its counters
+    report as copies; the unmodified run has no visit, its cache columns stay null."""
+    slow_folder, slow, _ = transformers_run
+    folder, runs, _ = fast_run
+    key_cols = ["request_id", "token_index", "layer_id"]
+    for key, r in runs.items():
+        table = read_trace(folder / r["trace"])[0]
+        hits = table["cache_hit"].to_pylist()
+        if key[0] == "unmodified":
+            assert all(h is None for h in hits), key
+            continue
+        assert all(h is not None for h in hits), key  # every row visited (no fused layer here)
+        assert sum(len(a) for a in table["admitted"].to_pylist()) == r["copies"], key
+        rows = sorted(zip(*(table[c].to_pylist() for c in key_cols), hits, strict=True))
+        recorded = read_trace(slow_folder / slow[key]["trace"])[0]
+        want = sorted(
+            zip(*(recorded[c].to_pylist() for c in key_cols), recorded["cache_hit"].to_pylist(), strict=True)
+        )
+        assert rows == want, key
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
