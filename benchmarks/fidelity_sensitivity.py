@@ -48,29 +48,16 @@ def main() -> None:
     ]
     variants += [(f"cpu x{v:g}", {"cpu_scale": v}) for v in _scales(args.cpu_scales, "--cpu-scales")]
 
-    import moecache.sim.policies  # noqa: F401  (registers every policy)
-    from moecache.sim.policy_spec import PolicySpec
-    from moecache.validation import baselines
+    from validate_artifact import replayable_runs
+
     from moecache.validation.fidelity import predict_run
 
-    data = json.loads(args.validation.read_text())
-    selected = PolicySpec.from_dict(data["selected"], f"{args.validation}: selected")
-    on_miss = next((r["on_miss"] for r in data["runs"] if r["strategy"] == "selected"), "cpu")
-    strategies = {s.name: s for s in baselines.build(data["strategies"], selected, on_miss)}
     wanted = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = sorted(set(wanted) - set(strategies))
-    if unknown:
-        sys.exit(f"fidelity_sensitivity: --strategies {unknown}: the artifact ran {sorted(strategies)}")
+    chosen = replayable_runs(args.validation, args.traces, "fidelity_sensitivity", wanted)
     rows = []
     print("workload | strategy | capacity | hit measured | hit instant | " + " | ".join(
         f"{name}: hit, ms/token" for name, _ in variants))  # fmt: skip
-    for run in data["runs"]:
-        if run["strategy"] not in wanted:
-            continue
-        strategy = strategies[run["strategy"]]
-        trace = args.traces / run["trace"]
-        if not trace.is_file():
-            sys.exit(f"fidelity_sensitivity: {trace}: no such trace (--traces holds the artifact's traces/)")
+    for run, strategy, trace in chosen:
         row = {"workload": run["workload"], "strategy": run["strategy"], "capacity": run["capacity"],
                "measured_hit_rate": run["hit_rate"], "measured_time_per_token_ms": run["time_per_token_ms"],
                "predicted": []}  # fmt: skip

@@ -30,27 +30,17 @@ def main() -> None:
     ap.add_argument("--traces", required=True, type=Path, help="the folder its runs' `trace` paths are under")
     ap.add_argument("--out", required=True, type=Path, help="scratch folder for the anchored profiles")
     args = ap.parse_args()
-    import moecache.sim.policies  # noqa: F401  (registers every policy)
-    from moecache.sim.policy_spec import PolicySpec
-    from moecache.validation import anchors, baselines, holdout
+    from validate_artifact import replayable_runs
+
+    from moecache.validation import anchors, holdout
 
     for path in (args.validation, args.profile, args.traces):
         if not path.exists():
             sys.exit(f"rejudge_fidelity: {path}: no such file or folder")
-    data = json.loads(args.validation.read_text())
-    selected = PolicySpec.from_dict(data["selected"], f"{args.validation}: selected")
-    on_miss = next((r["on_miss"] for r in data["runs"] if r["strategy"] == "selected"), "cpu")
-    strategies = {s.name: s for s in baselines.build(data["strategies"], selected, on_miss)}
     args.out.mkdir(parents=True, exist_ok=True)
     profile = str(args.profile)
     runs_of: dict[str, list[anchors.Predicted]] = {}
-    for row in data["runs"]:
-        if row["strategy"] not in strategies:  # the unmodified reference: not predicted
-            continue
-        strategy = strategies[row["strategy"]]
-        trace = args.traces / row["trace"]
-        if not trace.is_file():
-            sys.exit(f"rejudge_fidelity: {trace}: no such trace (--traces holds the artifact's traces/)")
+    for row, strategy, trace in replayable_runs(args.validation, args.traces, "rejudge_fidelity"):
         run = anchors.Predicted(dict(row), trace, strategy.sim_policy, int(row["slots"]), strategy.on_miss)
         run.row.update(run.predict(profile))
         runs_of.setdefault(row["workload"], []).append(run)
