@@ -41,7 +41,7 @@ EXECUTION = {
 # 3: runs.parquet and fidelity.parquet carry cpu_probe_change_pct; grouped_mm is the agreement baseline
 # 4: runs.parquet carries decode_cpu_exec_us_per_call
 # 5: validate.repeats; runs.parquet carries time_per_token_ms_repeats
-# 6: the fast loop's traces carry the visits' cache columns
+# 6: the fast loop's traces carry the visits' cache columns; runs.parquet carries hit_rate_repeats
 SCHEMA_VERSION = 6
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",

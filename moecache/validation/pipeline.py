@@ -251,10 +251,12 @@ def validate_all(
         _progress(row, time.perf_counter() - start, shown)
         return outcome, trace, row
 
-    def record(w: Workload, spec: RunSpec, got, is_reference: bool, times: list[float]) -> None:
-        """A run's row (the kept repeat's `got`, with every repeat's time), predicted on the profile."""
+    def record(w: Workload, spec: RunSpec, got, is_reference: bool, repeated: list[dict]) -> None:
+        """A run's row (the kept repeat's `got`, with every repeat's time and hit rate from the rows
+        `repeated`, in run order), predicted on the profile."""
         outcome, trace, row = got
-        row["time_per_token_ms_repeats"] = times
+        row["time_per_token_ms_repeats"] = [r["time_per_token_ms"] for r in repeated]
+        row["hit_rate_repeats"] = [r["hit_rate"] for r in repeated]
         if spec.strategy is None:
             row.update(predict.EMPTY)
         else:
@@ -268,7 +270,7 @@ def validate_all(
     def one(w: Workload, spec: RunSpec, requests, is_reference: bool, outputs=None):
         """A run measured once (the references)."""
         got = timed(w, spec, requests, outputs)
-        record(w, spec, got, is_reference, [got[2]["time_per_token_ms"]])
+        record(w, spec, got, is_reference, [got[2]])
         return got[0], got[1]
 
     def requests_of(w: Workload, answers: Outputs, made: list[Request]):
@@ -328,8 +330,9 @@ def validate_all(
             _configure(model, strategy, slots, hindsight, s.profile, s.init)
             got_of[i].append(timed(w, RunSpec(w.name, strategy, capacity, slots), made, repeat=r))
         for (strategy, capacity, slots), got in zip(plan, got_of, strict=True):
-            times = [row["time_per_token_ms"] for _, _, row in got]
-            record(w, RunSpec(w.name, strategy, capacity, slots), got[repeats.kept(times)], False, times)
+            rows = [row for _, _, row in got]
+            kept = repeats.kept([row["time_per_token_ms"] for row in rows])
+            record(w, RunSpec(w.name, strategy, capacity, slots), got[kept], False, rows)
         _release()
     # 4. the second prediction on each workload's own anchors, and the held-out one on the others'
     fidelity = holdout.anchored_rows(predicted_of, s.profile, s.folder)

@@ -37,6 +37,7 @@ RUNS_SCHEMA = pa.schema(
         # every repeat's time per token, in the order they ran (validate.repeats; the row is the median
         # one's: moecache/validation/repeats.py); one entry for a run measured once
         ("time_per_token_ms_repeats", pa.list_(pa.float64())),
+        ("hit_rate_repeats", pa.list_(pa.float64())),
         # the fast loop's host points over the timed decode steps (runs._host_points; null elsewhere)
         ("decode_manager_us_per_visit", pa.float64()),
         ("decode_readback_wait_us_per_visit", pa.float64()),

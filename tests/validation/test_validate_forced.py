@@ -282,10 +282,12 @@ def test_repeated_runs_keep_the_median_repeat_in_alternating_rounds(trace_root):
     assert order == ["all_cpu", "lru_sync", "lru_sync", "all_cpu"]
     runs = pq.read_table(folder / "runs.parquet").to_pylist()
     assert [r["strategy"] for r in runs] == ["unmodified", "all_cpu", "lru_sync"]
-    assert len(runs[0]["time_per_token_ms_repeats"]) == 1
+    assert len(runs[0]["time_per_token_ms_repeats"]) == 1 and runs[0]["hit_rate_repeats"] == [None]
     for r in runs[1:]:
         times = r["time_per_token_ms_repeats"]
         assert len(times) == 2 and r["time_per_token_ms"] == min(times)
+        hits = r["hit_rate_repeats"]  # the stand-in lands every copy before the next visit: no race
+        assert hits == [r["hit_rate"]] * 2
         first = times.index(min(times))
         assert r["trace"].endswith("-r1/trace.parquet") == (first == 1)
         assert (folder / r["trace"]).is_file()
