@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 
-def runtime_visits(table, num_experts: int) -> dict:
+def runtime_visits(table) -> dict:
     """{(request id, step, layer): (hit experts, experts admitted there as global keys)} of a trace
     table whose cache columns are filled; raises where a routed row has none."""
     visits: dict = {}
@@ -111,7 +111,7 @@ def main() -> None:
             cost = CostModel.for_trace(profile, trace)
             hit_A = replay_timed(trace, policy.bind_cost(cost), slots, cost, on_miss=strategy.on_miss).hit_A
         try:
-            visits = runtime_visits(read_trace(path)[0], trace.num_experts)
+            visits = runtime_visits(read_trace(path)[0])
         except ValueError as exc:
             sys.exit(f"compare_hits: {path}: {exc}")
         got = {"workload": run["workload"], "strategy": run["strategy"], "capacity": run["capacity"],

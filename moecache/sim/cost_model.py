@@ -78,6 +78,9 @@ NOT_MODELLED_NON_EXPERT = (
 )
 
 
+SCALES = ("bandwidth_scale", "cpu_scale", "gpu_scale")  # the sensitivity scales (module docstring)
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class CostModel:
     """Costs of one (trace shape, machine) pair, in microseconds and bytes."""
@@ -101,7 +104,7 @@ class CostModel:
     compute_ratio: float = 1.0  # trace expert bytes / profile expert bytes (scales compute times)
 
     def __post_init__(self) -> None:
-        for name in ("bandwidth_scale", "cpu_scale", "gpu_scale"):
+        for name in SCALES:
             value = getattr(self, name)
             if not value > 0:
                 raise MoecacheError(f"cost model: {name} must be > 0, got {value}")

@@ -33,7 +33,7 @@ import numpy as np
 
 from moecache.cost_profile import CostProfile
 from moecache.errors import MoecacheError
-from moecache.sim.cost_model import CostModel, forward_index, forward_tokens
+from moecache.sim.cost_model import SCALES, CostModel, forward_index, forward_tokens
 from moecache.sim.metrics import summarize
 from moecache.sim.miss_split import ON_MISS_CODES
 from moecache.sim.policy import make_policy
@@ -50,9 +50,6 @@ TIME_TARGET_SHARE = 0.9
 # A run is on a steady machine when the CPU probe timed just before it (machine_check.RunProbe) is within
 # this many percent of the profile's: its time error is then the model's, not the machine's.
 MACHINE_STEADY_PCT = 10.0
-
-
-SCALES = ("bandwidth_scale", "cpu_scale", "gpu_scale")  # the cost model's sensitivity scales
 
 
 def predict_run(

@@ -34,8 +34,8 @@ RUNS_SCHEMA = pa.schema(
         ("decode_tokens_per_s", pa.float64()),
         ("prefill_tokens_per_s", pa.float64()),
         ("time_per_token_ms", pa.float64()),
-        # every repeat's time per token, in the order they ran (validate.repeats; the row is the median
-        # one's: moecache/validation/repeats.py); one entry for a run measured once
+        # every repeat's time per token and hit rate, in the order they ran (validate.repeats; the row is
+        # the median time's repeat: moecache/validation/repeats.py); one entry for a run measured once
         ("time_per_token_ms_repeats", pa.list_(pa.float64())),
         ("hit_rate_repeats", pa.list_(pa.float64())),
         # the fast loop's host points over the timed decode steps (runs._host_points; null elsewhere)
