@@ -37,7 +37,7 @@
 #   10. `fla_qwen`: the Qwen3.6 shape's decode with flash-linear-attention's kernels and without (carry
 #      .whl-fla);
 #   11. `profile_qwen`: the compiled Qwen3.6 step's device time by kernel kind, all resident and at 50%;
-#   12. `agreement_whole` / `agreement_whole_qwen`: whole-model output agreement over 1,000+ positions per
+#   12. `agreement_whole` / `agreement_whole_qwen`: whole-model output agreement over hundreds of positions per
 #      workload (carry .device-data; the Qwen3.6 one .vendor/traces too);
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -242,16 +242,18 @@ part_profile_qwen() {
   step profile_qwen_static50 600 "${p[@]}" --capacity 50% --policy static_layers
 }
 
-# Whole-model output agreement over 1,000+ teacher-forced positions per workload (issue 30; validate's
+# Whole-model output agreement over hundreds of teacher-forced positions per workload (issue 30; validate's
 # fidelity parts feed 122): no cost profile; all_resident and the decision's selected policy at 10/25/50%,
 # forced by law (9 requests x 120 fed tokens: 1,089 positions) and by intent (22 x 45: 1,012); the timed
-# runs 9 tokens a request. agreement_whole_qwen: the same on the Qwen3.6 shape, the traces reshaped here.
-agreement_whole() {  # agreement_whole MODEL LAW_ID INTENT_ID TAG
+# runs 9 tokens a request. agreement_whole_qwen: the same on the Qwen3.6 shape, the traces reshaped here,
+# law 9 x 60 fed tokens (549 positions) and intent 22 x 25 (572): its transformers forward costs more.
+# AGREE_WORKLOADS_<tag>: the workloads to run (default "law intent").
+agreement_whole() {  # agreement_whole MODEL LAW_ID INTENT_ID TAG [LAW_TOKENS INTENT_TOKENS]
   local model=$1 tag=$4 m=(model="$1" model.path=null model.random.seed=0 device=cuda
     "output_root=$MC/.device-data/outputs")
-  local -A trace=([law]=$2 [intent]=$3) requests=([law]=9 [intent]=22) tokens=([law]=120 [intent]=45)
-  local w
-  for w in law intent; do
+  local -A trace=([law]=$2 [intent]=$3) requests=([law]=9 [intent]=22) tokens=([law]=${5:-120} [intent]=${6:-45})
+  local w which="AGREE_WORKLOADS_$tag"
+  for w in ${!which:-law intent}; do
     step "agreement_whole_${tag}_$w" 1200 python3 -m moecache.cli validate validate.decision="$DE" "${m[@]}" \
       validate.forced_trace="${trace[$w]}" validate.forced_requests="${requests[$w]}" validate.forced_max_tokens=9 \
       "validate.capacities=[10%,25%,50%]" "validate.strategies=[all_resident,selected]" validate.loop=fast \
@@ -268,7 +270,7 @@ part_agreement_whole() { agreement_whole deepseek_v2_lite "$LAW" "$INT" dsv2; }
 
 part_agreement_whole_qwen() {
   import_qwen_traces
-  agreement_whole qwen3_6_35b_a3b "${QWEN_IDS[0]}" "${QWEN_IDS[1]}" qwen
+  agreement_whole qwen3_6_35b_a3b "${QWEN_IDS[0]}" "${QWEN_IDS[1]}" qwen 60 25
 }
 
 # law and intent reshaped onto the Qwen3.6 routing shape (docs/trace-format.md), imported once per queue;

@@ -326,6 +326,18 @@ def _check_runtime(rt, source: str) -> None:
                 raise MoecacheError(
                     f"{source}: runtime.split_host.{key}={v!r}: expected a number >= 0 or null"
                 )
+    if rt.get("publish_lag") is not None:
+        _require(rt["publish_lag"], ("us", "quantiles_us"), "runtime.publish_lag", source)
+        q = rt["publish_lag"]["quantiles_us"]
+        if (
+            not isinstance(q, list)
+            or len(q) < 2
+            or not all(_at_least_0(v) for v in q)
+            or any(b < a for a, b in zip(q, q[1:], strict=False))
+        ):
+            raise MoecacheError(
+                f"{source}: runtime.publish_lag.quantiles_us={q!r}: expected at least two non-decreasing numbers >= 0"
+            )
     if rt.get("cpu_step_excess") is not None:
         _require(rt["cpu_step_excess"], ("decode_us", "raw_us"), "runtime.cpu_step_excess", source)
         for key in ("decode_us", "prefill_us"):
@@ -448,6 +460,10 @@ class RuntimeCosts:
     # None in profiles measured at one length (then per token x tokens)
     non_expert_prefill_layer: Curve | None = None
     copy_host_us: float = 0.0  # host time one admission's copy adds to its visit (_copy_host_us)
+    # the fast loop's host time from a deferred visit's last copy enqueue to the next layer's publication,
+    # as quantiles at evenly spaced probabilities (runtime.publish_lag.quantiles_us, measured in the loop);
+    # empty where the profile has no such row (no lag)
+    publish_lag_quantiles_us: tuple[float, ...] = ()
     # on_miss="split", measured in the fast loop (runtime.split_host): host time of the decision in a
     # visit with candidates, and of a waiting visit's wait (stream wait, wait row, wait call); 0.0 where
     # the profile has no such row (older profiles, a transformers-loop calibrate, no visit waited)
@@ -490,6 +506,9 @@ class RuntimeCosts:
             else float(ne["prefill_us_per_token_per_layer"]),
             non_expert_prefill_layer=_prefill_curve(ne),
             copy_host_us=_copy_host_us(rt),
+            publish_lag_quantiles_us=tuple(
+                float(q) for q in (rt.get("publish_lag") or {}).get("quantiles_us") or ()
+            ),
             split_decide_us=_split_host(rt, "decide_us"),
             split_wait_us=_split_host(rt, "wait_us"),
             cpu_step_excess_us=float((rt.get("cpu_step_excess") or {}).get("decode_us") or 0.0),

@@ -588,6 +588,13 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     assert split["timed"] == "fast_loop" and split["policy"] == "lru" and split["decisions"] > 0
     assert split["decide_us"] > 0 and (split["wait_us"] > 0 if split["waits"] else split["wait_us"] is None)
     assert (costs.split_decide_us, costs.split_wait_us) == (split["decide_us"], split["wait_us"] or 0.0)
+    # the publish lag, in the fast loop under lru at 25% with on_miss="cpu" (every visit deferred): its
+    # 21 quantiles over the deferred visits that copied, which the simulator samples
+    lag = rt["publish_lag"]
+    assert lag["timed"] == "fast_loop" and lag["policy"] == "lru" and lag["visits"] > 0
+    q = lag["quantiles_us"]
+    assert len(q) == 21 and 0 < q[0] <= lag["us"] <= q[-1] and q == sorted(q)
+    assert costs.publish_lag_quantiles_us == tuple(q)
 
 
 def test_fast_non_expert_refuses_a_non_positive_remainder() -> None:
@@ -730,9 +737,23 @@ def test_the_split_pays_its_host_time_where_the_profile_has_it(make_trace) -> No
             CostProfile.from_dict(d, "p.json")
 
 
+def test_a_publish_lag_row_is_checked() -> None:
+    """runtime.publish_lag's quantiles: at least two, numbers >= 0, non-decreasing; else one line naming it."""
+    d = _runtime_profile("parallel")
+    for bad in ([5.0], [5.0, 3.0], [-1.0, 2.0], "5", [1.0, True]):
+        d["runtime"]["publish_lag"] = {"us": 1.0, "quantiles_us": bad}
+        with pytest.raises(MoecacheError, match=r"p.json: runtime.publish_lag.quantiles_us="):
+            CostProfile.from_dict(d, "p.json")
+    d["runtime"]["publish_lag"] = {"us": 4.0, "quantiles_us": [3.0, 5.0]}
+    assert CostProfile.from_dict(d).runtime_costs().publish_lag_quantiles_us == (3.0, 5.0)
+    del d["runtime"]["publish_lag"]
+    assert CostProfile.from_dict(d).runtime_costs().publish_lag_quantiles_us == ()
+
+
 def test_the_fast_loop_publishes_and_copies_at_its_host_points(make_trace) -> None:
     """timed.py, 7.: in a profile of the fast loop, on_miss="cpu", a step's copies are enqueued after its
-    CPU half and its hits checked at that host point of the step before. Decode steps: non-expert 100 +
+    CPU half and its hits checked at that host point of the step before (the first step's at its
+    routing: no visit precedes it). Decode steps: non-expert 100 +
     visit 3, CPU half 20 + 2 x 5 = 30 (each step here misses), so a step takes 133; copies 135 us.
     transformers loop: step 0's copies at its routing (103): key 0 lands at 238, a hit at step 2 (369).
     fast loop: at 133 (after the CPU half): key 0 lands at 268, after step 2's host point (266): a miss.
@@ -754,7 +775,7 @@ def test_the_fast_loop_publishes_and_copies_at_its_host_points(make_trace) -> No
     assert module.copy_start_us_C[:2].tolist() == [103.0, 238.0]
     assert module.route_us_V[:3].tolist() == [103.0, 236.0, 369.0]
     assert fast.copy_start_us_C[:2].tolist() == [133.0, 268.0]
-    assert fast.route_us_V[:3].tolist() == [0.0, 133.0, 266.0]
+    assert fast.route_us_V[:3].tolist() == [103.0, 133.0, 266.0]  # the first step: no visit before it
     assert module.hit_A[4] and not fast.hit_A[4]  # step 2's key 0
     assert fast.hit_A.sum() < module.hit_A.sum()
     # the step's evictions happen at its visit too: copies 130 us, key 1 lands at 133 + 2 x 130 = 393;

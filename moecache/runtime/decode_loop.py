@@ -177,6 +177,14 @@ class FastDecoder:
             raise MoecacheError("fast decode: an unmodified model has no CPU path to log")
         self._taps.runtime.cpu_log = log
 
+    def log_publish_lags(self, log: list | None) -> None:
+        """Append every publish lag of the offloaded model's decode steps (ns from a deferred visit's last
+        copy enqueue to the next layer's publication, segments.py `_route`) to `log` (calibrate's
+        runtime.publish_lag); None: stop."""
+        if self._taps is None:
+            raise MoecacheError("fast decode: an unmodified model has no deferred visit to log")
+        self._taps.publish_lag_log = log
+
     def _compiled_step(self):
         """`torch.compile` of the step, compiled (at the warm-up step) with a recompile limit above the
         number of decoder layers: each layer's forward is the same code with its own guards (its layer

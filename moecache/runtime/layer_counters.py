@@ -22,6 +22,10 @@ class LayerCounters:
     readback_wait_ns: int = 0  # host ns waiting for a routing read-back to land (the fast loop on CUDA)
     cpu_ns: int = 0  # host ns of the CPU half: gather, CpuExperts.run, the sum placed on the device
     cpu_exec_ns: int = 0  # of cpu_ns, the fast loop's bound executor calls alone (BoundCall.last_ns)
+    # the fast loop's deferred visits that enqueued copies, and the host ns from each one's last copy
+    # enqueue to the next layer's publication (moecache/runtime/segments.py, `_route`)
+    publish_lags: int = 0
+    publish_lag_ns: int = 0
 
     def copy(self) -> LayerCounters:
         return dataclasses.replace(self)
@@ -39,7 +43,8 @@ class LayerCounters:
     def rates(self) -> dict:
         """The host-point figures validate and the benchmarks report (keys: HOST_RATES): the manager's and
         the routing read-back wait's microseconds per visit, the CPU path's and, of it, the executor's per
-        call, and the CPU entries per call; None where there was no visit or no call."""
+        call, the CPU entries per call, and the mean publish lag of the deferred visits with copies; None
+        where there was no visit, call or such visit."""
 
         def per(ns: int, n: int) -> float | None:
             return ns / 1e3 / n if n else None
@@ -51,6 +56,7 @@ class LayerCounters:
             "cpu_path_us_per_call": per(self.cpu_ns, calls),
             "cpu_exec_us_per_call": per(self.cpu_exec_ns, calls),
             "cpu_entries_per_call": self.cpu_entries / calls if calls else None,
+            "publish_lag_us": per(self.publish_lag_ns, self.publish_lags),
         }
 
 

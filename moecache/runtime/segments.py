@@ -224,6 +224,8 @@ class ExpertsTaps:
         # on_miss="split" on CUDA: per MoE layer, the wait call (operator over the layer's wait row, added
         # into y_TH) as a CUDA graph of its own pool (capture_waits), replayed instead of launched eagerly
         self._wait_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # when a list: every publish lag (`_route`, ns) is appended to it (calibrate's runtime.publish_lag)
+        self.publish_lag_log: list[int] | None = None
 
     # ---- the experts call ------------------------------------------------------------------------
 
@@ -341,12 +343,19 @@ class ExpertsTaps:
         any). With on_miss="cpu" the layer's mapping is published now (`manager.prepare`) and B(l) is
         replayed at once: the visit waits for the read-back in `_combine` while the GPU runs the
         resident experts. With waits the visit runs here: B(l) reads the row that visit sets."""
-        self.flush()
+        copied = self.flush()
         self._expected += 1  # A(l), just run, bumped the device counter
         self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
         if self.forced is not None:
             self._substitute(layer)
         if self.manager.on_miss != "wait":
+            if copied:  # the deferred visit's copies may land before this publication (timed.py, 7.)
+                lag_ns = time.monotonic_ns() - self.manager.engine.last_enqueued_ns
+                counters = self.runtime.counters
+                counters.publish_lags += 1
+                counters.publish_lag_ns += lag_ns
+                if self.publish_lag_log is not None:
+                    self.publish_lag_log.append(lag_ns)
             self.runtime.prepare(layer)
             return
         self._visit(layer)
@@ -357,15 +366,19 @@ class ExpertsTaps:
         self._deferred = self._visit_result = None
         self.manager.cancel_prepare()
 
-    def flush(self) -> None:
-        """Run the visit `_combine` deferred (if any): the decode loop calls it after its last step."""
+    def flush(self) -> bool:
+        """Run the visit `_combine` deferred (if any): the decode loop calls it after its last step.
+        Returns whether it enqueued copies."""
         deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            layer, ids_TK, cpu_ns = deferred
-            self._visit(layer, ids_TK)
-            self._visit_result.cpu_duration_ns = cpu_ns  # its CPU half ran at `_combine`
-            self.runtime.commit()
-            self._visit_result = None
+        if deferred is None:
+            return False
+        layer, ids_TK, cpu_ns = deferred
+        self._visit(layer, ids_TK)
+        visit = self._visit_result
+        visit.cpu_duration_ns = cpu_ns  # its CPU half ran at `_combine`
+        self.runtime.commit()
+        self._visit_result = None
+        return bool(visit.copies)
 
     def _visit(self, layer: int, ids_TK: np.ndarray | None = None) -> None:
         """The layer's visit on the read-back routing (`ids_TK`: the caller has it already, waited for,

@@ -67,6 +67,7 @@ class TransferEngine:
         self.bytes_enqueued = 0
         self.completed_seq = -1  # every copy up to this seq is known complete (the stream is FIFO)
         self.copy_estimate_ns: float | None = None  # one copy's time, for est_ready_ns (module docstring)
+        self.last_enqueued_ns = 0  # host monotonic ns when the last `enqueue` returned its copy
         self._est_free_ns = 0
         # every slot's and every expert's row as a view, made once (indexing a tensor per copy costs more
         # than the copy's enqueue)
@@ -125,6 +126,7 @@ class TransferEngine:
             ready.synchronize()
             copy.observe()
             self.completed_seq = copy.seq
+        self.last_enqueued_ns = time.monotonic_ns()
         return copy
 
     def observe_in_order(self, copies) -> list[Copy]:

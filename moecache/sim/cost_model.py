@@ -317,10 +317,24 @@ class CostModel:
         layer's CPU half (moecache/runtime/segments.py; timed.py, 7.): a profile measured in that loop."""
         return self.runtime is not None and self.runtime.path == "fast" and on_miss == "cpu"
 
+    def defer_V(self, trace, on_miss: str) -> np.ndarray:
+        """bool [V]: the layer steps whose visit is deferred (`defers_visit`): the decode steps only. The
+        fast loop's prefill is transformers' own forward, whose experts modules visit each layer at its
+        routing, before its CPU half (moecache/runtime/experts_module.py, `run`)."""
+        if not self.defers_visit(on_miss):
+            return np.zeros(trace.num_steps, np.bool_)
+        return trace.phase_V == DECODE
+
     def copy_host_us(self) -> float:
         """Host time one admission's copy adds to its layer step (the fast loop's enqueue); 0.0 without
         a runtime section or where the visit rows already hold their copies (RuntimeCosts.copy_host_us)."""
         return 0.0 if self.runtime is None else self.runtime.copy_host_us
+
+    def publish_lag_Q(self) -> np.ndarray:
+        """float64 [Q]: the fast loop's host time from a deferred visit's last copy enqueue to the next
+        layer's publication, as quantiles at evenly spaced probabilities (RuntimeCosts.
+        publish_lag_quantiles_us; timed.py, 7.); empty (no lag) without a runtime section or that row."""
+        return np.array(() if self.runtime is None else self.runtime.publish_lag_quantiles_us, np.float64)
 
     def split_host_us(self) -> tuple[float, float]:
         """on_miss="split"'s host time (timed.py, 6.): (a decision, in a step with candidates; one waiting
@@ -417,6 +431,7 @@ class CostModel:
                 "kernel_us_T1": [float(v) for v in self.runtime.kernel_row_us(1)],
                 "visit_us_T1": float(self.runtime.visit_us(1)),
                 "copy_host_us": self.runtime.copy_host_us,
+                "publish_lag_quantiles_us": list(self.runtime.publish_lag_quantiles_us),
                 "split_decide_us": self.runtime.split_decide_us,
                 "split_wait_us": self.runtime.split_wait_us,
             },

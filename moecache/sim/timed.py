@@ -39,14 +39,19 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
    profile's runtime.split_host, where calibrate measured it): a step with candidates pays the
    decision (split_decide_us), a waiting one also its wait (split_wait_us: the stream's wait, the wait
    row, the wait call), which `split_waits` weighs.
-7. the fast decode loop's deferred visit (`CostModel.defers_visit`: a profile measured in the fast loop,
-   on_miss="cpu"; moecache/runtime/segments.py): the runtime publishes a layer's completed copies at the
-   host point after the layer's non-expert work is enqueued, and runs the layer's visit (policy, copies)
-   at the next host point, after its CPU half. Both happen at the host time h = the previous step's
-   routing time + its CPU half (0 without misses): step s's hits are those whose copy is complete by
-   h_s <= tr (route_us_V holds h_s), and its evictions and copies happen at h_{s+1} = tr + the step's
-   CPU time, not at tr (a copy still loading then is wasted). A prefetch for the next layer is then
-   rarely usable by it.
+7. the fast decode loop's deferred visit (`CostModel.defer_V`: a profile measured in the fast loop,
+   on_miss="cpu", decode steps; the prefill is transformers' forward, whose layers visit at their
+   routing as above; moecache/runtime/segments.py): the runtime runs a layer's visit (policy, copies)
+   at the next host point, after the layer's CPU half, and then publishes the next layer's completed
+   copies. The visit of step s happens at v = tr + the step's CPU time (tr without misses; a copy
+   still loading then is wasted); its j-th copy reaches the engine after j + 1 enqueues (v + (j + 1)
+   x copy_host_us), and step s + 1's hits are those whose copy is complete at its publication, h_{s+1}
+   = v + admissions x copy_host_us + the publish lag (the host's work between the last enqueue and the
+   publication: the commit, the forced rows, the prepare; route_us_V holds h). The lag is the
+   profile's measured distribution (`CostModel.publish_lag_Q`), step s taking its quantile at the
+   probability frac((s + 1) x golden ratio), so consecutive steps sample it evenly and the replay
+   stays deterministic. A prefetch for the next layer is usable by it only where its copy lands within
+   that host time (one copy, ~120 us on an H100, against a lag of about as much).
 """
 
 from __future__ import annotations
@@ -121,12 +126,28 @@ class TimedResult(ReplayResult):
         return self.copy_use_us_C - self.route_us_V[self.copy_step_C]
 
 
+GOLDEN = 0.6180339887498949  # the low-discrepancy sequence of the publish lags' probabilities (7.)
+
+
+@nb.njit(cache=True, nogil=True)
+def _lag_at(lag_Q, s):
+    """Step s's publish lag (7.): the quantile function through lag_Q (evenly spaced probabilities) at
+    the probability frac((s + 1) * GOLDEN), a deterministic sequence that covers [0, 1) evenly over
+    consecutive steps. 0.0 for an empty lag_Q."""
+    n = lag_Q.shape[0]
+    if n < 2:
+        return lag_Q[0] if n else 0.0
+    x = ((s + 1) * GOLDEN) % 1.0 * (n - 1)
+    i = min(int(x), n - 2)
+    return lag_Q[i] + (x - i) * (lag_Q[i + 1] - lag_Q[i])
+
+
 # Compiled once per policy by `bound` (jit.py): the policy is the type of `state`, and every layer
 # visit goes through visit.apply_step, as in instant mode.
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
     cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, cpu_excess_V, serial, miss_mode,
-    defer, copy_host_us, split_decide_us, split_wait_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
+    defer_V, copy_host_us, publish_lag_Q, split_decide_us, split_wait_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
     copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G, uses_G,
     cand_key_J, cand_ready_J, cand_cpu_J, gpu_wait_W,
@@ -138,8 +159,8 @@ def _replay_timed(
     latest copy), gpu_step_G (int64, -1: last step that ran the key on the GPU), seen_G (int64, -1:
     last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy), uses_G
     (int64: the key's uses in the step that last accessed it); on_miss="split"'s candidates (cand_*_J,
-    gpu_wait_W: one more entry). miss_mode: ON_MISS_CODES (0 cpu, 1 wait, 2 split); defer: the fast
-    loop's deferred visit (module docstring, 7.; on_miss="cpu" only).
+    gpu_wait_W: one more entry). miss_mode: ON_MISS_CODES (0 cpu, 1 wait, 2 split); defer_V (bool per
+    step): the fast loop's deferred visit (module docstring, 7.; on_miss="cpu", decode steps only).
     With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
     the operator's row at the step's usable resident entries, a step with a miss on the CPU adds
     cpu_call_us + cpu_excess_V[s] (the profile's CPU-step excess of its phase: CostModel.cpu_excess_V)
@@ -158,6 +179,7 @@ def _replay_timed(
     safe_slots = capacity - held  # free slots whose last GPU user has finished
     t = 0.0
     host = 0.0  # 7.: the host point that publishes this step's hits and enqueues the previous step's copies
+    host_set = False  # whether `host` is that point: the previous step deferred its visit
     engine_free = 0.0
     cpu_fallback_sel = 0
     n_prefetch = 0
@@ -167,7 +189,8 @@ def _replay_timed(
         a0 = start_V[s]
         a1 = start_V[s + 1]
         tr = t + non_expert_V[s]
-        check = host if defer else tr  # hits: copies complete by then
+        defer = defer_V[s]
+        check = host if defer and host_set else tr  # hits: copies complete by then
         gpu = 0.0
         cpu = 0.0
         entries = 0
@@ -255,10 +278,11 @@ def _replay_timed(
                     kept += 1
             n_cand = kept
         n_pf = 0
-        host = visit_t
+        host_set = defer
         for j in range(n_admit):
             k = admit_buf[j]
-            start = max(visit_t, engine_free)
+            # 7.: a deferred visit's copies reach the engine one enqueue (copy_host_us) after another
+            start = max(visit_t + (j + 1) * copy_host_us if defer else visit_t, engine_free)
             if safe_slots > 0:
                 safe_slots -= 1
                 if split and seen_G[k] == s:  # a miss of this step into a safe slot: a candidate
@@ -288,6 +312,8 @@ def _replay_timed(
             copy_of_G[k] = n_copies
             n_copies += 1
         safe_slots += busy_slots  # safe by the next step: it starts after this step's GPU work
+        # 7.: the next step's publication, after the last enqueue and the rest of the host point
+        host = visit_t + n_admit * copy_host_us + _lag_at(publish_lag_Q, s) if defer else visit_t
         split_host_us = 0.0
         if split and n_cand > 0:
             for j in range(1, n_cand):  # in landing order (insertion sort: a handful of candidates)
@@ -401,7 +427,7 @@ def replay_timed(
                 trace.request_V, resident_G, int(capacity), cpu_us_M, cost.gpu_table(),
                 cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
                 cost.cpu_call_us(), cost.cpu_excess_V(trace), cost.serial, ON_MISS_CODES[on_miss],
-                cost.defers_visit(on_miss), float(cost.copy_host_us()),
+                cost.defer_V(trace, on_miss), float(cost.copy_host_us()), cost.publish_lag_Q(),
                 *cost.split_host_us(),
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,

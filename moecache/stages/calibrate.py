@@ -320,6 +320,11 @@ def runtime_summary(profile: CostProfile) -> dict:
     if split is not None:
         rows["split host us per decision (fast loop)"] = split["decide_us"]
         rows["split host us per waiting visit (fast loop)"] = split["wait_us"]
+    lag = rt.get("publish_lag")
+    if lag is not None:
+        rows["publish lag us, median (p10..p90) (fast loop)"] = (
+            f"{lag['us']:.1f} ({lag['quantiles_us'][2]:.1f}..{lag['quantiles_us'][-3]:.1f})"
+        )
     ne = rt["non_expert"]
     if ne is None:
         rows["non-expert"] = rt.get("non_expert_reason", "not measured")

@@ -214,6 +214,40 @@ def _split_host_fast(model, section: dict, base: dict, rs: dict, vocab: int) -> 
     }
 
 
+PUBLISH_LAG_POLICY, PUBLISH_LAG_CAPACITY = "lru", "25%"  # _publish_lag_fast's cache: most visits copy
+PUBLISH_LAG_QUANTILES = 21  # runtime.publish_lag.quantiles_us: p0, p5, ..., p100
+
+
+def _publish_lag_fast(model, rs: dict, vocab: int) -> dict:
+    """cost.runtime.step=fast: the host time from a deferred visit's last copy enqueue to the next layer's
+    publication (the profile's runtime.publish_lag; moecache/runtime/segments.py `_route`, timed.py 7.):
+    the offloaded model reconfigured to PUBLISH_LAG_POLICY at PUBLISH_LAG_CAPACITY with on_miss="cpu"
+    (every visit deferred), decoding under random forced routing (`calibration.time_fast_steps`) over
+    cost.runtime.cpu_path_decode_steps decode steps; every lag of the timed generations, as quantiles.
+    None where no deferred visit copied."""
+    from moecache.validation.generation import FastLoop
+
+    model.moecache.reconfigure(capacity=PUBLISH_LAG_CAPACITY, policy=PUBLISH_LAG_POLICY, on_miss="cpu")
+    lags_ns: list[int] = []
+    cal.time_fast_steps(
+        model, make_loop=FastLoop, prompt_tokens=int(rs["cpu_path_prompt_tokens"]),
+        decode_steps=int(rs["cpu_path_decode_steps"]), repeats=cal.in_loop_repeats(rs), warmup=1,
+        vocab_size=vocab, publish_lag_log=lags_ns,
+    )  # fmt: skip
+    if not lags_ns:
+        return None
+    lags_us = np.asarray(lags_ns, np.float64) / 1e3
+    quantiles = np.percentile(lags_us, np.linspace(0.0, 100.0, PUBLISH_LAG_QUANTILES))
+    return {
+        "us": float(np.median(lags_us)),
+        "quantiles_us": [float(q) for q in quantiles],
+        "visits": len(lags_ns),
+        "policy": PUBLISH_LAG_POLICY,
+        "capacity": PUBLISH_LAG_CAPACITY,
+        "timed": "fast_loop",
+    }
+
+
 def measure_runtime(
     cfg: DictConfig,
     rs: dict,
@@ -367,6 +401,8 @@ def measure_runtime(
             section["cpu_step_excess"] = fit.cpu_step_excess(section, base, rs)
             bar.step("runtime split host time (fast loop)")
             section["split_host"] = _split_host_fast(model, section, base, rs, vocab)
+        bar.step("runtime publish lag (fast loop)")
+        section["publish_lag"] = _publish_lag_fast(model, rs, vocab)
         del model
         gc.collect()
     if section["non_expert"] is None:

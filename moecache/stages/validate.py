@@ -42,7 +42,8 @@ EXECUTION = {
 # 4: runs.parquet carries decode_cpu_exec_us_per_call
 # 5: validate.repeats; runs.parquet carries time_per_token_ms_repeats
 # 6: the fast loop's traces carry the visits' cache columns; runs.parquet carries hit_rate_repeats
-SCHEMA_VERSION = 6
+# 7: runs.parquet carries decode_publish_lag_us
+SCHEMA_VERSION = 7
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
     "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss", "init",

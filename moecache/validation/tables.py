@@ -44,6 +44,9 @@ RUNS_SCHEMA = pa.schema(
         ("decode_cpu_path_us_per_call", pa.float64()),
         ("decode_cpu_exec_us_per_call", pa.float64()),  # of the CPU path, the executor's call alone
         ("decode_cpu_entries_per_call", pa.float64()),
+        # host us from a deferred visit's last copy enqueue to the next layer's publication, mean over
+        # the deferred visits that copied (the profile's runtime.publish_lag; null: none copied)
+        ("decode_publish_lag_us", pa.float64()),
         # the CPU probe timed just before the run against the cost profile's, % (machine_check.RunProbe;
         # null without a profile)
         ("cpu_probe_change_pct", pa.float64()),

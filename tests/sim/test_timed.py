@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ from moecache.sim.cost_model import CostModel, instant_step_us
 from moecache.sim.metrics import per_layer, per_request, summarize
 from moecache.sim.policy import POLICIES, make_policy
 from moecache.sim.replay import initial_resident_mask, replay_instant
-from moecache.sim.timed import TimedResult, replay_timed
+from moecache.sim.timed import TimedResult, _lag_at, replay_timed
+from tests.conftest import decode_steps
+from tests.runtime.helpers import split_profile
 from tests.sim.strategies import hand_cost
 
 PROFILE = REPO_ROOT / "moecache/data/cost_profiles/h200_qwen3_6_35b_a3b_2026-11-30.json"
@@ -409,3 +412,51 @@ def test_replay_timed_refuses_an_unknown_on_miss(make_trace):
     trace = make_trace([(0, 0, 0, [[0]])], 1, 4)
     with pytest.raises(MoecacheError, match="on_miss='later'"):
         replay_timed(trace, make_policy("lru"), 1, hand_cost(), on_miss="later")
+
+
+def _fast_cost(lag_quantiles_us=None) -> CostModel:
+    """A fast-loop profile (tests/runtime/helpers.split_profile: a copy 10 us, a missed expert 6 us on the
+    CPU + 1 us per call, the operator 1 us per entry) with the publish lag's quantiles, if given."""
+    store = SimpleNamespace(hidden_size=4, expert_bytes=1024, num_experts=4)
+    profile = split_profile(store, copy_us=10.0, cpu_us=6.0)
+    if lag_quantiles_us is not None:
+        profile["runtime"]["publish_lag"] = {"us": 0.0, "quantiles_us": list(lag_quantiles_us)}
+    return CostModel.from_profile(CostProfile.from_dict(profile, source="fast profile"), 1024, 64)
+
+
+@pytest.mark.parametrize(
+    "lag,hits_at_1", [(None, [False, False]), (15.0, [True, False]), (25.0, [True, True])]
+)
+def test_a_deferred_visits_copies_land_within_the_publish_lag(make_trace, lag, hits_at_1):
+    """The fast loop's deferred visit (module docstring, 7.), one layer, LRU with 4 slots, two decode
+    steps [0, 1]: step 0 routes at 1 (the profile's 1 us visit row), misses both (CPU 6 + 6 + 1 = 13
+    us) and visits at 14, its copies [14, 24] and [24, 34]; step 1's hits are those complete at its
+    publication, 14 + the publish lag: none without a lag, key 0 at 15, both at 25."""
+    trace = make_trace(decode_steps([[0, 1], [0, 1]]), 1, 4)
+    cost = _fast_cost(None if lag is None else (lag, lag))
+    r = replay_timed(trace, make_policy("lru"), 4, cost)
+    assert r.copy_start_us_C.tolist() == [14, 24] and r.copy_ready_us_C.tolist() == [24, 34]
+    assert r.route_us_V.tolist() == [1, 14 + (lag or 0)]
+    assert r.hit_A.tolist() == [False, False, *hits_at_1]
+    assert r.slot_A.tolist() == [False, False, True, True]
+
+
+def test_a_prefill_step_visits_at_its_routing(make_trace):
+    """The fast loop's prefill is transformers' forward, whose layers visit at their routing: a prefill
+    step's copies start at its routing (2: the visit row's 1 us per token) and the next step's hits are
+    checked at its own routing, after the whole prefill step (its CPU half included), not at a
+    publication."""
+    trace = make_trace([(0, 0, 0, [[0, 1], [0, 1]]), (0, 1, 0, [[0, 1]])], 1, 4)
+    r = replay_timed(trace, make_policy("lru"), 4, _fast_cost())
+    assert r.copy_start_us_C.tolist() == [2, 12]
+    assert r.route_us_V.tolist() == [2, r.step_us_V[0] + 1] and r.step_us_V[0] >= 22
+    assert r.hit_A.tolist() == [False, False, True, True]
+
+
+def test_the_publish_lags_sample_their_quantiles_evenly():
+    """Step s's lag is the quantile function at frac((s + 1) x golden ratio): over consecutive steps the
+    samples follow the measured distribution (here uniform on [0, 100]) and stay inside it."""
+    lags = np.array([_lag_at(np.array([0.0, 100.0]), s) for s in range(1000)])
+    assert lags.min() >= 0 and lags.max() <= 100
+    assert abs(lags.mean() - 50) < 1 and abs(np.median(lags) - 50) < 1
+    assert _lag_at(np.array([7.0, 7.0, 7.0]), 3) == 7.0 and _lag_at(np.zeros(0), 3) == 0.0

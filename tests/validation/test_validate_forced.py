@@ -220,7 +220,13 @@ def test_the_fast_loop_reports_its_host_points(transformers_run, fast_run):
         if key[0] == "all_resident":
             assert row["decode_cpu_path_us_per_call"] is None, key  # no miss, no CPU call
             assert row["decode_cpu_exec_us_per_call"] is None, key
+        # the publish lag: only where a deferred visit (on_miss="cpu") copied, never under a fixed placement
+        if key[0] in ("all_resident", "all_cpu", "n_cpu_moe", "hindsight_static", "lru_sync"):
+            assert row["decode_publish_lag_us"] is None, key
+        elif row["copies"]:
+            assert row["decode_publish_lag_us"] > 0, key
     assert all(r["decode_cpu_path_us_per_call"] is None for r in slow.values())
+    assert all(r["decode_publish_lag_us"] is None for r in slow.values())
     assert all(r["decode_cpu_exec_us_per_call"] is None for r in slow.values())
     assert all(r["decode_readback_wait_us_per_visit"] is None for r in slow.values())
 
