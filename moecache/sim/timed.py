@@ -178,7 +178,7 @@ def _replay_timed(
         held += resident_G[k]
     safe_slots = capacity - held  # free slots whose last GPU user has finished
     t = 0.0
-    host = 0.0  # 7.: the host point that publishes this step's hits and enqueues the previous step's copies
+    host = 0.0  # 7.: the publication of this step's hits, after the previous step's deferred visit
     host_set = False  # whether `host` is that point: the previous step deferred its visit
     engine_free = 0.0
     cpu_fallback_sel = 0
@@ -312,8 +312,8 @@ def _replay_timed(
             copy_of_G[k] = n_copies
             n_copies += 1
         safe_slots += busy_slots  # safe by the next step: it starts after this step's GPU work
-        # 7.: the next step's publication, after the last enqueue and the rest of the host point
-        host = visit_t + n_admit * copy_host_us + _lag_at(publish_lag_Q, s) if defer else visit_t
+        if defer:  # 7.: the next step's publication, after the last enqueue and the rest of the host point
+            host = visit_t + n_admit * copy_host_us + _lag_at(publish_lag_Q, s)
         split_host_us = 0.0
         if split and n_cand > 0:
             for j in range(1, n_cand):  # in landing order (insertion sort: a handful of candidates)
