@@ -327,7 +327,7 @@ def _check_runtime(rt, source: str) -> None:
                     f"{source}: runtime.split_host.{key}={v!r}: expected a number >= 0 or null"
                 )
     if rt.get("publish_lag") is not None:
-        _require(rt["publish_lag"], ("us", "quantiles_us"), "runtime.publish_lag", source)
+        _require(rt["publish_lag"], ("quantiles_us",), "runtime.publish_lag", source)
         q = rt["publish_lag"]["quantiles_us"]
         if (
             not isinstance(q, list)

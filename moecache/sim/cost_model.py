@@ -312,16 +312,13 @@ class CostModel:
         """The step's GPU and CPU halves run one after the other (the runtime's step, module docstring)."""
         return self.runtime is not None and self.runtime.overlap == "serial"
 
-    def defers_visit(self, on_miss: str) -> bool:
-        """The fast decode loop runs an on_miss="cpu" layer's visit at the next host point, after the
-        layer's CPU half (moecache/runtime/segments.py; timed.py, 7.): a profile measured in that loop."""
-        return self.runtime is not None and self.runtime.path == "fast" and on_miss == "cpu"
-
     def defer_V(self, trace, on_miss: str) -> np.ndarray:
-        """bool [V]: the layer steps whose visit is deferred (`defers_visit`): the decode steps only. The
-        fast loop's prefill is transformers' own forward, whose experts modules visit each layer at its
-        routing, before its CPU half (moecache/runtime/experts_module.py, `run`)."""
-        if not self.defers_visit(on_miss):
+        """bool [V]: the layer steps whose visit is deferred. The fast decode loop runs an on_miss="cpu"
+        decode step's visit at the next host point, after the layer's CPU half (moecache/runtime/
+        segments.py; timed.py, 7.): for a profile measured in that loop, its decode steps. Its prefill is
+        transformers' own forward, whose experts modules visit each layer at its routing, before its CPU
+        half (moecache/runtime/experts_module.py, `run`)."""
+        if self.runtime is None or self.runtime.path != "fast" or on_miss != "cpu":
             return np.zeros(trace.num_steps, np.bool_)
         return trace.phase_V == DECODE
 

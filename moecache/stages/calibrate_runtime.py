@@ -218,13 +218,13 @@ PUBLISH_LAG_POLICY, PUBLISH_LAG_CAPACITY = "lru", "25%"  # _publish_lag_fast's c
 PUBLISH_LAG_QUANTILES = 21  # runtime.publish_lag.quantiles_us: p0, p5, ..., p100
 
 
-def _publish_lag_fast(model, rs: dict, vocab: int) -> dict:
+def _publish_lag_fast(model, rs: dict, vocab: int) -> dict | None:
     """cost.runtime.step=fast: the host time from a deferred visit's last copy enqueue to the next layer's
     publication (the profile's runtime.publish_lag; moecache/runtime/segments.py `_route`, timed.py 7.):
     the offloaded model reconfigured to PUBLISH_LAG_POLICY at PUBLISH_LAG_CAPACITY with on_miss="cpu"
     (every visit deferred), decoding under random forced routing (`calibration.time_fast_steps`) over
-    cost.runtime.cpu_path_decode_steps decode steps; every lag of the timed generations, as quantiles.
-    None where no deferred visit copied."""
+    cost.runtime.cpu_path_decode_steps decode steps; every lag of the timed generations, as
+    PUBLISH_LAG_QUANTILES quantiles (the middle one the median). None where no deferred visit copied."""
     from moecache.validation.generation import FastLoop
 
     model.moecache.reconfigure(capacity=PUBLISH_LAG_CAPACITY, policy=PUBLISH_LAG_POLICY, on_miss="cpu")
@@ -239,7 +239,6 @@ def _publish_lag_fast(model, rs: dict, vocab: int) -> dict:
     lags_us = np.asarray(lags_ns, np.float64) / 1e3
     quantiles = np.percentile(lags_us, np.linspace(0.0, 100.0, PUBLISH_LAG_QUANTILES))
     return {
-        "us": float(np.median(lags_us)),
         "quantiles_us": [float(q) for q in quantiles],
         "visits": len(lags_ns),
         "policy": PUBLISH_LAG_POLICY,

@@ -420,7 +420,7 @@ def _fast_cost(lag_quantiles_us=None) -> CostModel:
     store = SimpleNamespace(hidden_size=4, expert_bytes=1024, num_experts=4)
     profile = split_profile(store, copy_us=10.0, cpu_us=6.0)
     if lag_quantiles_us is not None:
-        profile["runtime"]["publish_lag"] = {"us": 0.0, "quantiles_us": list(lag_quantiles_us)}
+        profile["runtime"]["publish_lag"] = {"quantiles_us": list(lag_quantiles_us)}
     return CostModel.from_profile(CostProfile.from_dict(profile, source="fast profile"), 1024, 64)
 
 
