@@ -20,6 +20,8 @@ Runs, each greedy, batch 1, a prompt of `--prompt-tokens` random ids:
   `--policy` (lru) in split mode; (a) there is transformers' generate with whole layer visits.
 `--cpu-teams 15:work,15:idle,...` runs each capacity below 100% once per CPU-path team: the executor's
 OpenMP threads, the GPU-driving thread working among them or idle in them (CpuExperts' host_thread).
+`--router-topk-ab` runs each offloaded run again with the routers' own `torch.topk` (on CUDA the offloaded
+model's routers take moecache's one-launch top-k, moecache/runtime/router_topk.py), an A/B on one model.
 `--visit-first` runs each capacity below 100% again with every layer's visit before its CPU half (the
 host point's order before the visit moved to the next host point, moecache/runtime/segments.py).
 The fast loop's time is the second `generate` call's (the first warms up and captures), decode steps
@@ -553,6 +555,12 @@ def main() -> None:
         help="capacities below 100%%: each run again with the layer's visit before its CPU half (A/B)",
     )
     ap.add_argument(
+        "--router-topk-ab",
+        action="store_true",
+        help="each offloaded run again with the routers' own torch.topk (moecache/runtime/router_topk.py "
+        "switched off for the run), an A/B",
+    )
+    ap.add_argument(
         "--warm-requests",
         type=int,
         default=0,
@@ -641,6 +649,12 @@ def main() -> None:
             offload_session(model, capacity, policy, device)
             offload_s = time.perf_counter() - t1
             print(f"offloaded at {capacity} ({policy}) in {offload_s:.1f} s", flush=True)
+            switched = model.moecache.router_topk
+            if switched is not None:
+                print(
+                    f"routers' top-k kernel: {len(switched.layers)} layers; refused {switched.refused}",
+                    flush=True,
+                )
             if "hf" not in skip:
                 model.moecache.reset()
                 record(
@@ -659,10 +673,17 @@ def main() -> None:
                     jobs.append((label + " split", {"host_points": "always"}))
                 if full:
                     jobs.append(("100% split", {"host_points": "always"}))
+                if args.router_topk_ab and model.moecache.router_topk is not None:
+                    jobs += [(name + " torch-topk", how | {"torch_topk": True}) for name, how in jobs]
                 for g, compiled in variants:
                     for rnd, _, (name, how) in rounds(jobs, args.rounds):
                         model.moecache.reset()
-                        with visit_first() if how.get("visit_first") else contextlib.nullcontext():
+                        with (
+                            visit_first() if how.get("visit_first") else contextlib.nullcontext(),
+                            model.moecache.router_topk.suspended()
+                            if how.get("torch_topk")
+                            else contextlib.nullcontext(),
+                        ):
                             r = run_fast(
                                 model, prompt, args.new_tokens, g, host_points=how.get("host_points", "auto"),
                                 compile=compiled,

@@ -39,6 +39,7 @@
 #   11. `profile_qwen`: the compiled Qwen3.6 step's device time by kernel kind, all resident and at 50%;
 #   12. `agreement_whole` / `agreement_whole_qwen`: whole-model output agreement over hundreds of positions per
 #      workload (carry .device-data; the Qwen3.6 one .vendor/traces too);
+#   13. `router_topk`: the routers' one-launch top-k, its GPU tests and an A/B of the decode step.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -228,6 +229,10 @@ part_fla_qwen() {
   local qwen=(python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20
     --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128 --capacities 100%,50% --policy static_layers
     --compile)
+  # which gated-delta-rule functions transformers' Qwen3.6 module resolved, with the wheels and without
+  step fla_resolved 120 env PYTHONPATH="/tmp/fla:$PYTHONPATH" python3 -c "import transformers.models.qwen3_5_moe.\
+modeling_qwen3_5_moe as m; print({k: getattr(getattr(m, k, None), '__module__', None) for k in dir(m) if 'delta' in k \
+or 'conv1d' in k})"
   step decode_qwen_nofla 600 "${qwen[@]}"
   step decode_qwen_fla 600 env PYTHONPATH="/tmp/fla:$PYTHONPATH" "${qwen[@]}"
 }
@@ -240,6 +245,22 @@ part_profile_qwen() {
     --compile --new-tokens 64 --top 20)
   step profile_qwen 600 "${p[@]}"
   step profile_qwen_static50 600 "${p[@]}" --capacity 50% --policy static_layers
+}
+
+# The routers' top-k as one launch (moecache/runtime/router_topk.py): its GPU tests (the kernel is CUDA
+# torch.topk's order, ties included, or the probe refuses the router), then the decode step with it and
+# with torch's topk, one model each (bench_decode.py --router-topk-ab, two rounds in alternating order):
+# the Qwen3.6 llama.cpp shape all resident and at 50% with llama.cpp's placement, compiled and not; the
+# DeepSeek-V2-Lite shape all resident and at 25% (lfu).
+part_router_topk() {
+  step gputests_topk 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk_rows.py \
+    tests/runtime/test_router_topk.py
+  step router_topk_qwen 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 \
+    --capacities 100%,50% --policy static_layers --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128 \
+    --compile --router-topk-ab --rounds 2
+  step router_topk_dsv2 600 python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml \
+    --vocab 102400 --capacities 100%,25% --policy lfu --skip hf,eager,unmodified --prompt-tokens 512 \
+    --new-tokens 128 --compile --router-topk-ab
 }
 
 # Whole-model output agreement over hundreds of teacher-forced positions per workload (issue 30; validate's

@@ -9,7 +9,8 @@ them cached on the compute device, run by the runtime (docs/runtime.md, "Using i
 
 What happens: every sparse MoE block's `.experts` is replaced by an `OffloadedExperts` module
 (moecache/runtime/experts_module.py) with the same call signature; the router, the shared expert and
-everything else stay the model's and go to the compute device. From a checkpoint path the model is
+everything else stay the model's and go to the compute device (on CUDA the routers' `torch.topk` runs
+as one Triton launch where that changes no output: moecache/runtime/router_topk.py). From a checkpoint path the model is
 streamed (moecache/models/streaming.py): every tensor read once, the routed experts straight into the
 pinned host store and the rest straight onto the compute device, after the memory each needs is checked
 (moecache/models/memory_fit.py; `capacity="auto"` sizes the pool to the free device memory after the rest
@@ -56,6 +57,9 @@ class OffloadSession:
         self._baseline = dataclasses.replace(manager.stats)
         self._counters_base = runtime.counters.copy()
         self._replaced = False
+        # the routers' top-k through moecache's kernel (moecache/runtime/router_topk.py; CUDA only): a
+        # RouterTopk, or None where not installed
+        self.router_topk = None
 
     def stats(self) -> dict:
         """Counters since `offload` or the last `reset`. An access is one distinct expert of one layer
@@ -164,6 +168,7 @@ class OffloadSession:
         for module in modules:
             module._runtime = runtime
         session = OffloadSession(manager, runtime, slots, self.architecture, model=model)
+        session.router_topk = self.router_topk
         model.moecache = session
         return session
 
@@ -199,6 +204,7 @@ def offload(
     cost_profile: str | Path | None = None,
     headroom: str = "3GiB",
     init: str | Path | None = None,
+    router_kernel: bool = True,
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
     local checkpoint folder (streamed through moecache/models/loading.py, `dtype` as model.dtype there;
@@ -207,7 +213,9 @@ def offload(
     trace the cache starts from, moecache/runtime/manager_state.py). `on_miss`: "cpu"
     (a miss runs on the CPU while its copy flies), "wait" (the visit waits for its admissions' copies)
     or "split" (the misses whose copies land before the CPU would finish wait for them, the others run on
-    the CPU, weighed with `cost_profile`, a profile of moecache calibrate; moecache/runtime/manager.py)."""
+    the CPU, weighed with `cost_profile`, a profile of moecache calibrate; moecache/runtime/manager.py).
+    `router_kernel`: on CUDA, the routers' top-k through moecache's one-launch kernel where a probe shows
+    their outputs unchanged (moecache/runtime/router_topk.py; `model.moecache.router_topk` says where)."""
     if isinstance(model_or_path, str | Path):
         from moecache.models.loading import OffloadRequest, load_model
         from moecache.models.memory_fit import AUTO, headroom_bytes
@@ -229,7 +237,7 @@ def offload(
             loaded.model, capacity=loaded.fit.slots, policy=policy, params=params, decision=decision,
             device=str(target), store=loaded.store, standin_mode=standin_mode,
             cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss, cost_profile=cost_profile,
-            init=init,
+            init=init, router_kernel=router_kernel,
         )  # fmt: skip
     capacity_spec(capacity, key="capacity")
     if not isinstance(model_or_path, nn.Module):
@@ -240,7 +248,7 @@ def offload(
     return offload_model(
         model_or_path, capacity=capacity, policy=policy, params=params, decision=decision, device=device,
         standin_mode=standin_mode, cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss,
-        cost_profile=cost_profile, init=init,
+        cost_profile=cost_profile, init=init, router_kernel=router_kernel,
     )  # fmt: skip
 
 
@@ -259,6 +267,7 @@ def offload_model(
     on_miss: str = "cpu",
     cost_profile: str | Path | None = None,
     init: str | Path | None = None,
+    router_kernel: bool = True,
 ) -> nn.Module:
     """`offload` of a model in memory; with `store` (an ExpertStore that `load_model(..., offload=...)`
     filled, the model's routed experts left on the meta device) that store is used and the model's
@@ -282,6 +291,7 @@ def offload_model(
     adapter = adapter_for(model)
     architecture = adapter.describe()
     blocks = [layer.block for layer in adapter.moe_layers()]
+    routers = {layer_id: layer.router for layer_id, layer in enumerate(adapter.moe_layers())}
     top_k = adapter.top_k
     slots = parse_capacity(
         capacity, key="capacity", num_keys=adapter.num_layers * adapter.num_experts,
@@ -301,8 +311,13 @@ def offload_model(
         del adapter
         _drop_experts(blocks)
     model.to(target)  # no expert weights left in the model: only the rest goes to the device
+    router_topk = None
     if target.type == "cuda":
         torch.cuda.empty_cache()
+        if router_kernel:
+            from moecache.runtime.router_topk import install_router_topk
+
+            router_topk = install_router_topk(routers, dtype=model.dtype)
     if init is not None:
         from moecache.runtime.manager_state import init_manager
 
@@ -311,6 +326,7 @@ def offload_model(
     for layer_id, block in enumerate(blocks):
         block.experts = OffloadedExperts(layer_id, runtime)
     model.moecache = OffloadSession(manager, runtime, slots, architecture, model=model)
+    model.moecache.router_topk = router_topk
     return model
 
 

@@ -1,0 +1,125 @@
+"""A router's top-k in one Triton launch: `topk_rows(scores_TE, k, by_value) -> (values_TK, ids_TK)`.
+
+`torch.topk` of a decode step's one row of E router scores is two CUDA kernels (a radix select and a
+bitonic sort of the k results; about 10 us a MoE layer on an H100, docs/benchmarks.md). Here one program
+per row loads the row (E <= 1,024) and takes the largest remaining score k times (a max and a min-index
+reduction over the row each time), writing values and ids: one launch, no scratch memory. The same
+selection as `topk_rows_reference` (the oracle): equal scores go to the lower id; `by_value` returns the
+k in descending score order, else in ascending id order (what CUDA's `torch.topk(sorted=False)` returns).
+Rows must hold no NaN.
+
+moecache/runtime/router_topk.py puts it in place of the routers' `torch.topk` (as a custom operator, so
+that `torch.compile` traces the call).
+
+Shape legend: T tokens (rows), E experts (scores per row), K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_E = 1024  # one program holds a whole row
+SORT_LANES = 32  # torch's small sort network (topk_rows_reference.py); K <= 32
+
+
+@triton.jit
+def _exchange(keys, ids, valid, lanes, stride: tl.constexpr, size: tl.constexpr):
+    """One pass of torch's bitonic network over the lanes (topk_rows_reference._small_bitonic_sort):
+    lanes lo and lo + stride exchange where `(key_lo > key_hi and lo valid) or hi invalid` equals the
+    phase's direction, bit `size` of lo (size 0: the final merge, direction false)."""
+    partner = lanes ^ stride
+    p_keys = tl.gather(keys, partner, 0)
+    p_ids = tl.gather(ids, partner, 0)
+    p_valid = tl.gather(valid, partner, 0)
+    is_lo = (lanes & stride) == 0
+    k_lo = tl.where(is_lo, keys, p_keys)
+    k_hi = tl.where(is_lo, p_keys, keys)
+    v_lo = tl.where(is_lo, valid, p_valid)
+    v_hi = tl.where(is_lo, p_valid, valid)
+    swap = ((k_lo > k_hi) & (v_lo != 0)) | (v_hi == 0)
+    if size == 0:
+        direction = lanes < 0  # all false
+    else:
+        direction = (lanes & size) != 0
+    exchange = swap == direction
+    return (
+        tl.where(exchange, p_keys, keys),
+        tl.where(exchange, p_ids, ids),
+        tl.where(exchange, p_valid, valid),
+    )
+
+
+@triton.jit
+def _topk_rows_kernel(
+    scores_ptr,
+    values_ptr,
+    ids_ptr,
+    E,
+    stride_t,
+    K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BY_VALUE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    row = tl.load(scores_ptr + t * stride_t + offs, mask=valid, other=0.0).to(tl.float32)
+    # 1. the chosen: K times the largest score not chosen yet, the lowest id of equal ones
+    free = valid
+    for _ in tl.static_range(K):
+        kth = tl.max(tl.where(free, row, float("-inf")), axis=0)
+        pick = tl.min(tl.where(free & (row == kth), offs, BLOCK_E), axis=0)
+        free = free & (offs != pick)
+    chosen = valid & ~free
+    # 2. CUDA's gather order: the chosen above the K-th score by id, then those equal to it by id
+    above = chosen & (row > kth)
+    at_kth = chosen & (row == kth)
+    place = tl.where(
+        above,
+        tl.cumsum(above.to(tl.int32), axis=0) - 1,
+        tl.sum(above.to(tl.int32), axis=0) + tl.cumsum(at_kth.to(tl.int32), axis=0) - 1,
+    )
+    if not BY_VALUE:
+        tl.store(values_ptr + t * K + place, row, mask=chosen)
+        tl.store(ids_ptr + t * K + place, offs.to(tl.int64), mask=chosen)
+    else:
+        # 3. that order in lanes 0..K-1 of the sorting network, then the network
+        lanes = tl.arange(0, 32)
+        hit = chosen[None, :] & (place[None, :] == lanes[:, None])  # [32, BLOCK_E]
+        keys = tl.sum(tl.where(hit, row[None, :], 0.0), axis=1)
+        ids = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+        in_use = (lanes < K).to(tl.int32)
+        for size_log in tl.static_range(1, 5):  # size 2, 4, 8, 16
+            for back in tl.static_range(size_log):  # stride size/2 .. 1
+                keys, ids, in_use = _exchange(
+                    keys, ids, in_use, lanes, 1 << (size_log - 1 - back), 1 << size_log
+                )
+        for back in tl.static_range(5):  # stride 16 .. 1
+            keys, ids, in_use = _exchange(keys, ids, in_use, lanes, 1 << (4 - back), 0)
+        tl.store(values_ptr + t * K + lanes, keys, mask=lanes < K)
+        tl.store(ids_ptr + t * K + lanes, ids.to(tl.int64), mask=lanes < K)
+
+
+def topk_rows(scores_TE: torch.Tensor, k: int, by_value: bool = True):
+    """(values_TK in scores' dtype, ids_TK int64): module docstring. Raises ValueError unless scores is a
+    2-D float tensor with 1 <= k <= E <= 1,024."""
+    if scores_TE.dim() != 2 or not scores_TE.is_floating_point():
+        raise ValueError(
+            f"topk_rows: scores must be a 2-D float tensor, got {scores_TE.dtype} {tuple(scores_TE.shape)}"
+        )
+    num_tokens, num_experts = scores_TE.shape
+    if not 1 <= k <= min(num_experts, SORT_LANES) or num_experts > MAX_E:
+        raise ValueError(
+            f"topk_rows: needs 1 <= k <= min(E, {SORT_LANES}) and E <= {MAX_E}, got k {k}, E {num_experts}"
+        )
+    scores_TE = scores_TE if scores_TE.stride(1) == 1 else scores_TE.contiguous()
+    values_TK = torch.empty((num_tokens, k), dtype=torch.float32, device=scores_TE.device)
+    ids_TK = torch.empty((num_tokens, k), dtype=torch.int64, device=scores_TE.device)
+    if num_tokens:
+        _topk_rows_kernel[(num_tokens,)](
+            scores_TE, values_TK, ids_TK, num_experts, scores_TE.stride(0), K=k,
+            BLOCK_E=triton.next_power_of_2(num_experts), BY_VALUE=by_value,
+        )  # fmt: skip
+    return values_TK.to(scores_TE.dtype), ids_TK
