@@ -1,12 +1,13 @@
 """A router's top-k in one Triton launch: `topk_rows(scores_TE, k, by_value) -> (values_TK, ids_TK)`.
 
 `torch.topk` of a decode step's one row of E router scores is two CUDA kernels (a radix select and a
-bitonic sort of the k results; about 10 us a MoE layer on an H100, docs/benchmarks.md). Here one program
-per row loads the row (E <= 1,024) and takes the largest remaining score k times (a max and a min-index
-reduction over the row each time), writing values and ids: one launch, no scratch memory. The same
-selection as `topk_rows_reference` (the oracle): equal scores go to the lower id; `by_value` returns the
-k in descending score order, else in ascending id order (what CUDA's `torch.topk(sorted=False)` returns).
-Rows must hold no NaN.
+bitonic sort of the k results; 9.6 us a MoE layer on an H100, docs/benchmarks.md). Here one program per
+row loads the row (E <= 1,024) and takes the largest remaining score k times (a max and a min-index
+reduction over the row each time), puts the k in the order CUDA's topk gathers them and, for `by_value`
+(topk's `sorted`), runs them through the 32-lane bitonic network torch sorts them with (`tl.gather`
+across the lanes): one launch, no scratch memory, and the ids in the order `torch.topk` returns them,
+equal scores included (`topk_rows_reference`, the oracle, spells the order out). K <= 32; rows must hold
+no NaN.
 
 moecache/runtime/router_topk.py puts it in place of the routers' `torch.topk` (as a custom operator, so
 that `torch.compile` traces the call).
@@ -86,7 +87,7 @@ def _topk_rows_kernel(
         tl.store(ids_ptr + t * K + place, offs.to(tl.int64), mask=chosen)
     else:
         # 3. that order in lanes 0..K-1 of the sorting network, then the network
-        lanes = tl.arange(0, 32)
+        lanes = tl.arange(0, 32)  # SORT_LANES: the passes below are its network's (sizes 2..16, then 16..1)
         hit = chosen[None, :] & (place[None, :] == lanes[:, None])  # [32, BLOCK_E]
         keys = tl.sum(tl.where(hit, row[None, :], 0.0), axis=1)
         ids = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
@@ -104,7 +105,7 @@ def _topk_rows_kernel(
 
 def topk_rows(scores_TE: torch.Tensor, k: int, by_value: bool = True):
     """(values_TK in scores' dtype, ids_TK int64): module docstring. Raises ValueError unless scores is a
-    2-D float tensor with 1 <= k <= E <= 1,024."""
+    2-D float tensor with 1 <= k <= min(E, 32) and E <= 1,024."""
     if scores_TE.dim() != 2 or not scores_TE.is_floating_point():
         raise ValueError(
             f"topk_rows: scores must be a 2-D float tensor, got {scores_TE.dtype} {tuple(scores_TE.shape)}"

@@ -14,13 +14,13 @@ CUDA graph (the fast loop's decode steps, replayed as one launch). An eager call
 transformers loop) keeps torch's topk, which is cheaper to launch from Python. Every other op, and a
 topk of any other form, runs unchanged.
 
-A router is switched only where a probe says the outputs cannot change: its forward on random hidden
-states (T = 1 and T = 7, a fixed seed) with the substitution and without returns equal tensors
-(`torch.equal`, every output) and the substitution happened. The kernel returns the ids in the order CUDA's
-`torch.topk` does, equal scores included (a bf16 router's logits tie often; the order is the order the
-experts' outputs are summed in): topk_rows_reference spells it out. The CPU's topk orders differently,
-so there the probe refuses a router whose scores tie or that asks for `sorted=False`. Hooks on a router (forced routing, the routing recorder) run as before: the
-forward is replaced on the instance, `__call__` is the module's.
+A router is switched only where a probe says the outputs cannot change: its forward on random hidden states
+(T = 1 and T = 7, a fixed seed) with the substitution and without returns equal tensors (`torch.equal`,
+every output) and the substitution happened. The kernel returns the ids in the order CUDA's `torch.topk`
+does, equal scores included (a bf16 router's logits tie often; the order is the order the experts' outputs
+are summed in): topk_rows_reference spells it out. The CPU's topk orders differently, so there the probe
+refuses a router whose scores tie or that asks for `sorted=False`. Hooks on a router (forced routing, the
+routing recorder) run as before: the forward is replaced on the instance, `__call__` is the module's.
 
 Legend: T tokens, H hidden, E experts, K top-k.
 """
