@@ -285,6 +285,9 @@ agreement_whole() {  # agreement_whole MODEL LAW_ID INTENT_ID TAG [LAW_TOKENS IN
     [ -z "$out" ] || cp "$out/agreement.parquet" "$RES/agreement_whole_${tag}_$w.parquet"
     [ -z "$out" ] || cp "$out/validation.json" "$RES/agreement_whole_${tag}_$w.json"
   done
+  # both workloads' positions pooled (benchmarks/pool_agreement.py), where both have run on this machine
+  local runs=("$RES"/agreement_whole_"${tag}"_*.parquet)
+  [ "${#runs[@]}" -lt 2 ] || step "agreement_pooled_$tag" 60 python3 benchmarks/pool_agreement.py "${runs[@]}"
 }
 
 part_agreement_whole() { agreement_whole deepseek_v2_lite "$LAW" "$INT" dsv2; }

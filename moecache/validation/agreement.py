@@ -70,6 +70,22 @@ class LogitErrors:
             "top1_agreement": self.top1_agreement,
         }
 
+    @classmethod
+    def from_figures(cls, positions: int, max_abs: float, mean_abs: float, top1: float) -> LogitErrors:
+        """A run's errors from its reported figures (agreement.parquet's row), for pooling runs of one
+        model: each position weighs the same in the mean (one vocabulary)."""
+        return cls(positions, round(top1 * positions), max_abs, mean_abs * positions, positions)
+
+    def __add__(self, other: LogitErrors) -> LogitErrors:
+        """The errors over both runs' positions."""
+        return LogitErrors(
+            self.positions + other.positions,
+            self.top1_equal + other.top1_equal,
+            max(self.max_abs_error, other.max_abs_error),
+            self.abs_error_sum + other.abs_error_sum,
+            self.entries + other.entries,
+        )
+
     def within(self, tolerance: LogitErrors) -> dict[str, bool]:
         """Per figure, whether this run is within `tolerance` (the two transformers implementations'
         disagreement): errors at most its, top-1 agreement at least its."""
