@@ -110,6 +110,13 @@ class RouterTopk:
     refused: dict[int, str] = field(default_factory=dict)
     _switched: dict[int, tuple[nn.Module, object, object]] = field(default_factory=dict, repr=False)
 
+    def describe(self) -> str:
+        """One line for the user: how many routers were switched, and why the others were not."""
+        total = len(self.layers) + len(self.refused)
+        line = f"routers' top-k in one launch: {len(self.layers)} of {total} MoE layers"
+        reasons = sorted(set(self.refused.values()))
+        return line + (f" (torch.topk kept where {'; '.join(reasons)})" if reasons else "")
+
     def remove(self) -> None:
         self._restore_own()
         self._switched.clear()

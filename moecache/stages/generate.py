@@ -268,6 +268,8 @@ def run(cfg: DictConfig, out=None, err=None) -> dict | None:
             decision=runtime["decision"], device=device, store=loaded.store, on_miss=runtime["on_miss"],
             cost_profile=profile, init=runtime["init"],
         )  # fmt: skip
+        if model.moecache.router_topk is not None:
+            print(model.moecache.router_topk.describe(), file=err)
         if runtime["init"] is not None:
             print(f"cache: started from {runtime['init']}", file=err)
     input_ids = _encode(loaded.tokenizer, c["prompt"], device)

@@ -111,6 +111,17 @@ def test_a_router_whose_outputs_would_change_is_left_alone(monkeypatch) -> None:
     assert "forward" not in router.__dict__
 
 
+def test_describe_counts_the_switched_and_names_why_not() -> None:
+    switched = install_router_topk(
+        {0: SoftmaxTopkRouter(), 1: SoftmaxTopkRouter(largest=False), 2: SoftmaxTopkRouter()},
+        dtype=torch.float32,
+    )
+    assert switched.describe() == (
+        "routers' top-k in one launch: 2 of 3 MoE layers "
+        "(torch.topk kept where its forward calls no torch.topk the kernel computes)"
+    )
+
+
 def test_hooks_still_run_once_per_call_and_not_for_the_probe() -> None:
     router = SoftmaxTopkRouter()
     calls = []
