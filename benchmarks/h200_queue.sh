@@ -229,10 +229,6 @@ part_fla_qwen() {
   local qwen=(python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20
     --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128 --capacities 100%,50% --policy static_layers
     --compile)
-  # which gated-delta-rule functions transformers' Qwen3.6 module resolved, with the wheels and without
-  step fla_resolved 120 env PYTHONPATH="/tmp/fla:$PYTHONPATH" python3 -c "import transformers.models.qwen3_5_moe.\
-modeling_qwen3_5_moe as m; print({k: getattr(getattr(m, k, None), '__module__', None) for k in dir(m) if 'delta' in k \
-or 'conv1d' in k})"
   step decode_qwen_nofla 600 "${qwen[@]}"
   step decode_qwen_fla 600 env PYTHONPATH="/tmp/fla:$PYTHONPATH" "${qwen[@]}"
 }
