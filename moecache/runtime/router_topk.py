@@ -174,8 +174,11 @@ def _probe(router: nn.Module, dtype: torch.dtype) -> str | None:
         x_TH = torch.randn((tokens, hidden), generator=generator).to(dtype=dtype, device=weight.device)
         own = router.forward(x_TH)  # the forward alone: hooks on the router do not see the probe
         mode = KernelTopk(always=True)
-        with mode:
-            kernel = router.forward(x_TH)
+        try:  # a kernel that cannot build or run here leaves the router as it is, the offload goes on
+            with mode:
+                kernel = router.forward(x_TH)
+        except Exception as exc:  # noqa: BLE001 (any failure of the substitution refuses it)
+            return f"the kernel failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         if mode.sent == 0:
             return "its forward calls no torch.topk the kernel computes"
         if not _equal(own, kernel):

@@ -111,6 +111,23 @@ def test_a_router_whose_outputs_would_change_is_left_alone(monkeypatch) -> None:
     assert "forward" not in router.__dict__
 
 
+def test_a_kernel_that_fails_leaves_the_router_alone(monkeypatch) -> None:
+    """A kernel that cannot build or run on this machine refuses the router; the install goes on."""
+    import moecache.runtime.router_topk as router_topk
+
+    def broken(scores_TE, k, by_value):
+        raise RuntimeError("no such instruction\nsecond line")
+
+    monkeypatch.setattr(router_topk, "topk_rows_reference", broken)
+    router = SoftmaxTopkRouter()
+    switched = install_router_topk({0: router}, dtype=torch.float32)
+    assert (
+        switched.layers == []
+        and switched.refused[0] == "the kernel failed (RuntimeError: no such instruction)"
+    )
+    assert "forward" not in router.__dict__
+
+
 def test_describe_counts_the_switched_and_names_why_not() -> None:
     switched = install_router_topk(
         {0: SoftmaxTopkRouter(), 1: SoftmaxTopkRouter(largest=False), 2: SoftmaxTopkRouter()},
