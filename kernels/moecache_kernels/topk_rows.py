@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_E = 1024  # one program holds a whole row
-SORT_LANES = 32  # torch's small sort network (topk_rows_reference.py); K <= 32
+from .topk_rows_reference import check_topk_args
 
 
 @triton.jit
@@ -104,17 +103,10 @@ def _topk_rows_kernel(
 
 
 def topk_rows(scores_TE: torch.Tensor, k: int, by_value: bool = True):
-    """(values_TK in scores' dtype, ids_TK int64): module docstring. Raises ValueError unless scores is a
-    2-D float tensor with 1 <= k <= min(E, 32) and E <= 1,024."""
-    if scores_TE.dim() != 2 or not scores_TE.is_floating_point():
-        raise ValueError(
-            f"topk_rows: scores must be a 2-D float tensor, got {scores_TE.dtype} {tuple(scores_TE.shape)}"
-        )
+    """(values_TK in scores' dtype, ids_TK int64): module docstring. Raises ValueError as
+    `check_topk_args` (topk_rows_reference.py)."""
+    check_topk_args(scores_TE, k)
     num_tokens, num_experts = scores_TE.shape
-    if not 1 <= k <= min(num_experts, SORT_LANES) or num_experts > MAX_E:
-        raise ValueError(
-            f"topk_rows: needs 1 <= k <= min(E, {SORT_LANES}) and E <= {MAX_E}, got k {k}, E {num_experts}"
-        )
     scores_TE = scores_TE if scores_TE.stride(1) == 1 else scores_TE.contiguous()
     values_TK = torch.empty((num_tokens, k), dtype=torch.float32, device=scores_TE.device)
     ids_TK = torch.empty((num_tokens, k), dtype=torch.int64, device=scores_TE.device)

@@ -19,18 +19,27 @@ from __future__ import annotations
 import torch
 
 SORT_LANES = 32  # torch's small sort: K <= 32 results, one bitonic network of 32 lanes
+MAX_E = 1024  # the Triton kernel holds a row in one program
 
 
-def topk_rows_reference(scores_TE: torch.Tensor, k: int, by_value: bool = True):
-    """(values_TK, ids_TK int64): each row's k largest scores in CUDA torch.topk's order (module
-    docstring); `by_value` is topk's `sorted`. Raises ValueError unless scores is 2-D, floating point,
-    and 1 <= k <= min(E, 32)."""
+def check_topk_args(scores_TE: torch.Tensor, k: int) -> None:
+    """The one check of topk_rows' arguments, the kernel's and the reference's: ValueError unless scores
+    is a 2-D float tensor with 1 <= k <= min(E, 32) and E <= 1,024."""
     if scores_TE.dim() != 2 or not scores_TE.is_floating_point():
         raise ValueError(
             f"topk_rows: scores must be a 2-D float tensor, got {scores_TE.dtype} {tuple(scores_TE.shape)}"
         )
-    if not 1 <= k <= min(scores_TE.shape[1], SORT_LANES):
-        raise ValueError(f"topk_rows: k must lie in [1, {min(scores_TE.shape[1], SORT_LANES)}], got {k}")
+    num_experts = scores_TE.shape[1]
+    if not 1 <= k <= min(num_experts, SORT_LANES) or num_experts > MAX_E:
+        raise ValueError(
+            f"topk_rows: needs 1 <= k <= min(E, {SORT_LANES}) and E <= {MAX_E}, got k {k}, E {num_experts}"
+        )
+
+
+def topk_rows_reference(scores_TE: torch.Tensor, k: int, by_value: bool = True):
+    """(values_TK, ids_TK int64): each row's k largest scores in CUDA torch.topk's order (module
+    docstring); `by_value` is topk's `sorted`. Raises ValueError as `check_topk_args`."""
+    check_topk_args(scores_TE, k)
     values_TE, ids_TE = torch.sort(scores_TE, dim=-1, descending=True, stable=True)
     values_TK, ids_TK = values_TE[:, :k], ids_TE[:, :k]
     rows = []

@@ -32,12 +32,10 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-from moecache_kernels.topk_rows_reference import topk_rows_reference
+from moecache_kernels.topk_rows_reference import MAX_E, SORT_LANES, topk_rows_reference
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-MAX_E = 1024  # topk_rows holds a row in one program
-MAX_K = 32  # and sorts its k in torch's 32-lane network
 PROBE_TOKENS = (1, 7)
 PROBE_SEED = 0
 
@@ -94,7 +92,7 @@ def _topk_call(scores, k, dim=-1, largest=True, sorted=True, *, out=None):  # no
         or dim not in (-1, 1)
         or not scores.is_floating_point()
         or not isinstance(k, int)
-        or not 1 <= k <= min(scores.shape[1], MAX_K)
+        or not 1 <= k <= min(scores.shape[1], SORT_LANES)
         or scores.shape[1] > MAX_E
     ):
         return None
@@ -103,12 +101,16 @@ def _topk_call(scores, k, dim=-1, largest=True, sorted=True, *, out=None):  # no
 
 @dataclass
 class RouterTopk:
-    """What `install_router_topk` switched: layers, the refused layers with the reason, and per switched
-    layer (router, its own instance `forward` or None, the switched forward)."""
+    """What `install_router_topk` switched: per switched layer (router, its own instance `forward` or
+    None, the switched forward), and the refused layers with the reason."""
 
-    layers: list[int] = field(default_factory=list)
     refused: dict[int, str] = field(default_factory=dict)
     _switched: dict[int, tuple[nn.Module, object, object]] = field(default_factory=dict, repr=False)
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers whose routers take the kernel, in install order."""
+        return list(self._switched)
 
     def describe(self) -> str:
         """One line for the user: how many routers were switched, and why the others were not."""
@@ -120,7 +122,6 @@ class RouterTopk:
     def remove(self) -> None:
         self._restore_own()
         self._switched.clear()
-        self.layers = []
 
     @contextlib.contextmanager
     def suspended(self):
@@ -152,7 +153,6 @@ def install_router_topk(routers: dict[int, nn.Module], *, dtype: torch.dtype) ->
         own = router.__dict__.get("forward")
         router.forward = functools.partial(_switched_forward, router.forward)
         done._switched[layer] = (router, own, router.forward)
-        done.layers.append(layer)
     return done
 
 

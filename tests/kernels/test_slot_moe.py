@@ -22,6 +22,7 @@ from moecache_kernels.slot_moe_config import (
     validate_entry,
 )
 
+from tests.kernels.interpreted import run_interpreted
 from tests.kernels.slot_moe_cases import PATTERNS, make_case, out_of_range_case
 
 HERE = Path(__file__).resolve().parent
@@ -321,8 +322,7 @@ ALIGN_CASES = [
     (400, 40, "all", 16, 0),
 ]
 ALIGN_SCRIPT = """
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
+import sys
 import torch
 from moecache_kernels.slot_moe_align import align_by_expert_triton
 cases = torch.load(sys.argv[1])
@@ -339,14 +339,7 @@ def aligned_by_triton(tmp_path_factory) -> list:
         case = make_case(t, **shape, pattern=pattern, dtype=torch.float32, seed=SEED + 7 * i)
         cases.append((case, block_m))
         args.append((case["topk_ids_TK"], case["slot_of_E"], case["w13_SIH"].shape[0], block_m, chunk))
-    folder = tmp_path_factory.mktemp("align")
-    torch.save(args, folder / "cases.pt")
-    run = subprocess.run(
-        [sys.executable, "-c", ALIGN_SCRIPT, str(folder / "cases.pt"), str(folder / "out.pt")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, f"interpreted align failed:\n{run.stderr[-4000:]}"
-    got = torch.load(folder / "out.pt")
+    got = run_interpreted(ALIGN_SCRIPT, args, tmp_path_factory.mktemp("align"), "align")
     want = [align_by_expert(*a[:4]) for a in args]
     return list(zip(cases, want, got, strict=True))
 

@@ -5,12 +5,11 @@ scores)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from moecache_kernels.topk_rows_reference import topk_rows_reference
+
+from tests.kernels.interpreted import run_interpreted
 
 CUDA = torch.cuda.is_available()
 
@@ -19,8 +18,7 @@ SHAPES = ((1, 256, 8), (5, 64, 6), (3, 60, 6), (2, 8, 8), (1, 1, 1), (0, 16, 2),
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 INTERPRET_SCRIPT = """
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
+import sys
 import torch
 from moecache_kernels.topk_rows import topk_rows
 cases = torch.load(sys.argv[1])
@@ -49,15 +47,9 @@ def _cases() -> list[tuple[torch.Tensor, int, bool]]:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("topk_rows")
     cases = _cases()
-    torch.save(cases, folder / "cases.pt")
-    run = subprocess.run(
-        [sys.executable, "-c", INTERPRET_SCRIPT, str(folder / "cases.pt"), str(folder / "out.pt")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, f"interpreted topk_rows failed:\n{run.stderr[-4000:]}"
-    return list(zip(cases, torch.load(folder / "out.pt"), strict=True))
+    outputs = run_interpreted(INTERPRET_SCRIPT, cases, tmp_path_factory.mktemp("topk_rows"), "topk_rows")
+    return list(zip(cases, outputs, strict=True))
 
 
 def test_interpreted_kernel_equals_the_reference(interpreted) -> None:

@@ -49,6 +49,7 @@ def test_a_tiny_qwen3_5_moe_is_switched_and_compiled_computes_the_same_logits() 
         assert all("forward" not in router.__dict__ for router in routers.values())
     assert all("forward" in router.__dict__ for router in routers.values())
     switched.remove()
+    assert switched.layers == []
     assert all("forward" not in router.__dict__ for router in routers.values())
 
 
