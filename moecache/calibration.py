@@ -812,6 +812,7 @@ def decode_steps_per_generation(decode_steps: int, repeats: int) -> int:
 def time_fast_steps(
     model, *, make_loop, prompt_tokens: int, decode_steps: int, repeats: int, warmup: int, vocab_size: int,
     seed: int = 0, cpu_log: list | None = None, timed_start=None, publish_lag_log: list | None = None,
+    warmup_log: list | None = None,
 ) -> tuple[Timing, Timing]:  # fmt: skip
     """(prefill, decode) of an offloaded model (`moecache.offload`) in moecache's fast decode loop, run
     as `moecache validate validate.loop=fast` runs a request: `make_loop(model, max_cache_len, forced)`
@@ -825,8 +826,9 @@ def time_fast_steps(
     distinct experts, as the operator's rows are timed. `cpu_log`: a list that receives the timed
     generations' CPU-path calls, (tokens, entries, ns, uses: each expert's token count) each
     (`FastDecoder.log_cpu_calls`); `publish_lag_log`: a list that receives the timed generations' publish
-    lags in ns (`FastDecoder.log_publish_lags`); `timed_start`: called once, before the first timed
-    generation (its caller's counters start there)."""
+    lags in ns (`FastDecoder.log_publish_lags`); `warmup_log`: a list that receives the decoder's warm-up
+    gaps in us (its first decode steps: eager, then the capture; in the first, untimed, generation);
+    `timed_start`: called once, before the first timed generation (its caller's counters start there)."""
     per_run = decode_steps_per_generation(decode_steps, repeats)
     gen = torch.Generator().manual_seed(seed)
     prompt = tuple(torch.randint(0, vocab_size, (prompt_tokens,), generator=gen).tolist())
@@ -845,6 +847,8 @@ def time_fast_steps(
             if timed_start is not None and n == warmup:
                 timed_start()
             got = loop.generate(prompt, per_run + 1)
+            if warmup_log is not None:
+                warmup_log += [gap * 1e6 for gap in got.gaps_s[: got.warmup_gaps]]
             if n >= warmup:
                 prefill.append(got.ttft_s * 1e6)
                 decode += [gap * 1e6 for gap in got.gaps_s[got.warmup_gaps :]]

@@ -338,6 +338,13 @@ def _check_runtime(rt, source: str) -> None:
             raise MoecacheError(
                 f"{source}: runtime.publish_lag.quantiles_us={q!r}: expected at least two non-decreasing numbers >= 0"
             )
+    if rt.get("decode_warmup") is not None:
+        _require(rt["decode_warmup"], ("pause_us",), "runtime.decode_warmup", source)
+        pauses = rt["decode_warmup"]["pause_us"]
+        if not isinstance(pauses, list) or not all(_at_least_0(v) for v in pauses):
+            raise MoecacheError(
+                f"{source}: runtime.decode_warmup.pause_us={pauses!r}: expected a list of numbers >= 0"
+            )
     if rt.get("cpu_step_excess") is not None:
         _require(rt["cpu_step_excess"], ("decode_us", "raw_us"), "runtime.cpu_step_excess", source)
         for key in ("decode_us", "prefill_us"):
@@ -464,6 +471,9 @@ class RuntimeCosts:
     # as quantiles at evenly spaced probabilities (runtime.publish_lag.quantiles_us, measured in the loop);
     # empty where the profile has no such row (no lag)
     publish_lag_quantiles_us: tuple[float, ...] = ()
+    # the fast loop's decoder warm-up: its first decode steps (eager, the capture) beyond a decode step's
+    # time (runtime.decode_warmup.pause_us, measured in the loop); empty where the profile has no such row
+    decode_warmup_pause_us: tuple[float, ...] = ()
     # on_miss="split", measured in the fast loop (runtime.split_host): host time of the decision in a
     # visit with candidates, and of a waiting visit's wait (stream wait, wait row, wait call); 0.0 where
     # the profile has no such row (older profiles, a transformers-loop calibrate, no visit waited)
@@ -508,6 +518,9 @@ class RuntimeCosts:
             copy_host_us=_copy_host_us(rt),
             publish_lag_quantiles_us=tuple(
                 float(q) for q in (rt.get("publish_lag") or {}).get("quantiles_us") or ()
+            ),
+            decode_warmup_pause_us=tuple(
+                float(p) for p in (rt.get("decode_warmup") or {}).get("pause_us") or ()
             ),
             split_decide_us=_split_host(rt, "decide_us"),
             split_wait_us=_split_host(rt, "wait_us"),

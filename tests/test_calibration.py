@@ -597,6 +597,25 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     median = result.summary["publish lag us, median (p10..p90) (fast loop)"]
     assert median == f"{q[10]:.1f} ({q[2]:.1f}..{q[18]:.1f})"
     assert costs.publish_lag_quantiles_us == tuple(q)
+    # the same decoder's warm-up (its first decode step, eager here: no graphs on the CPU), as the time it
+    # took beyond a timed step's median; the simulator pauses the first request's decode steps by it
+    warm = rt["decode_warmup"]
+    assert warm["timed"] == "fast_loop" and len(warm["gaps_us"]) == len(warm["pause_us"]) >= 1
+    assert warm["pause_us"] == [max(0.0, gap - warm["step_us"]) for gap in warm["gaps_us"]]
+    assert costs.decode_warmup_pause_us == tuple(warm["pause_us"])
+
+
+def test_a_decode_warmup_row_is_checked() -> None:
+    """runtime.decode_warmup's pauses: a list of numbers >= 0; else one line naming it."""
+    d = _runtime_profile("parallel")
+    for bad in ([-1.0], "5", [1.0, True], [float("nan")], 3.0):
+        d["runtime"]["decode_warmup"] = {"pause_us": bad}
+        with pytest.raises(MoecacheError, match=r"p.json: runtime.decode_warmup.pause_us="):
+            CostProfile.from_dict(d, "p.json")
+    d["runtime"]["decode_warmup"] = {"pause_us": [8.0, 0.0]}
+    assert CostProfile.from_dict(d).runtime_costs().decode_warmup_pause_us == (8.0, 0.0)
+    del d["runtime"]["decode_warmup"]
+    assert CostProfile.from_dict(d).runtime_costs().decode_warmup_pause_us == ()
 
 
 def test_fast_non_expert_refuses_a_non_positive_remainder() -> None:

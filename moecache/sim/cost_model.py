@@ -333,6 +333,25 @@ class CostModel:
         publish_lag_quantiles_us; timed.py, 7.); empty (no lag) without a runtime section or that row."""
         return np.array(() if self.runtime is None else self.runtime.publish_lag_quantiles_us, np.float64)
 
+    def pause_V(self, trace) -> np.ndarray:
+        """float64 [V]: host time before each layer step that is no step's own (timed.py, 8.): the fast
+        loop's decoder warm-up (RuntimeCosts.decode_warmup_pause_us), a decoder's first decode steps
+        being slower than the rest. A run builds one decoder, so the trace's first request pays it: its
+        j-th decode step the j-th pause, spread evenly over that step's layer steps. Zeros without a
+        fast-loop runtime section or that row."""
+        pause_V = np.zeros(trace.num_steps, np.float64)
+        pauses = (
+            () if self.runtime is None or self.runtime.path != "fast" else self.runtime.decode_warmup_pause_us
+        )
+        if not pauses or trace.num_steps == 0:
+            return pause_V
+        _, first_F = forward_index(trace)
+        end_F = np.append(first_F[1:], trace.num_steps)  # a forward step is a run of layer steps
+        ours_F = (trace.request_V[first_F] == trace.request_V[0]) & (trace.phase_V[first_F] == DECODE)
+        for f, pause_us in zip(np.nonzero(ours_F)[0], pauses, strict=False):
+            pause_V[first_F[f] : end_F[f]] = pause_us / (end_F[f] - first_F[f])
+        return pause_V
+
     def split_host_us(self) -> tuple[float, float]:
         """on_miss="split"'s host time (timed.py, 6.): (a decision, in a step with candidates; one waiting
         step's wait), the fast loop's own as calibrate measured it (RuntimeCosts.split_decide_us /
@@ -429,6 +448,7 @@ class CostModel:
                 "visit_us_T1": float(self.runtime.visit_us(1)),
                 "copy_host_us": self.runtime.copy_host_us,
                 "publish_lag_quantiles_us": list(self.runtime.publish_lag_quantiles_us),
+                "decode_warmup_pause_us": list(self.runtime.decode_warmup_pause_us),
                 "split_decide_us": self.runtime.split_decide_us,
                 "split_wait_us": self.runtime.split_wait_us,
             },

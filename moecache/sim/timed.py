@@ -52,6 +52,12 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
    probability frac((s + 1) x golden ratio), so consecutive steps sample it evenly and the replay
    stays deterministic. A prefetch for the next layer is usable by it only where its copy lands within
    that host time (one copy, ~120 us on an H100, against a lag of about as much).
+8. the fast loop's decoder warm-up (`CostModel.pause_V`: a profile measured in the fast loop): a run's
+   decoder runs its first decode steps eagerly and then captures its graphs, so those steps of the
+   run's first request take longer than the rest (calibrate's runtime.decode_warmup: ~80 and ~20 ms
+   on DeepSeek-V2-Lite's shape on an H100, against ~20 ms steps). That time is a pause before the
+   step's layer steps: the clock and the next publication move on by it, the copy engine keeps
+   copying, and no step's duration holds it (validate leaves the warm-up gaps out of time per token).
 """
 
 from __future__ import annotations
@@ -147,7 +153,7 @@ def _lag_at(lag_Q, s):
 def _replay_timed(
     state, key_A, uses_A, start_V, clock_V, request_V, resident_G, capacity,
     cpu_us_M, gpu_us_M, non_expert_V, copy_us, kernel_off_V, kernel_us_X, cpu_call_us, cpu_excess_V, serial, miss_mode,
-    defer_V, copy_host_us, publish_lag_Q, split_decide_us, split_wait_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
+    defer_V, copy_host_us, publish_lag_Q, pause_V, split_decide_us, split_wait_us, hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
     copy_key_C, copy_step_C, copy_start_C, copy_ready_C, copy_wasted_C, copy_prefetch_C, copy_used_C,
     copy_use_C, admit_buf, evict_buf, ready_G, copy_of_G, gpu_step_G, seen_G, pending_G, uses_G,
     cand_key_J, cand_ready_J, cand_cpu_J, gpu_wait_W,
@@ -160,7 +166,8 @@ def _replay_timed(
     last step that accessed the key), pending_G (int64, -1: the key's pending prefetch copy), uses_G
     (int64: the key's uses in the step that last accessed it); on_miss="split"'s candidates (cand_*_J,
     gpu_wait_W: one more entry). miss_mode: ON_MISS_CODES (0 cpu, 1 wait, 2 split); defer_V (bool per
-    step): the fast loop's deferred visit (module docstring, 7.; on_miss="cpu", decode steps only).
+    step): the fast loop's deferred visit (module docstring, 7.; on_miss="cpu", decode steps only);
+    pause_V (us per step): host time before the step that is not its own (8.).
     With kernel rows (kernel_off_V not empty: a profile's runtime step, cost_model.py) the GPU time is
     the operator's row at the step's usable resident entries, a step with a miss on the CPU adds
     cpu_call_us + cpu_excess_V[s] (the profile's CPU-step excess of its phase: CostModel.cpu_excess_V)
@@ -188,6 +195,9 @@ def _replay_timed(
     for s in range(num_steps):
         a0 = start_V[s]
         a1 = start_V[s + 1]
+        if pause_V[s] > 0.0:  # 8.: the host is away; copies go on
+            t += pause_V[s]
+            host += pause_V[s]
         tr = t + non_expert_V[s]
         defer = defer_V[s]
         check = host if defer and host_set else tr  # hits: copies complete by then
@@ -428,7 +438,7 @@ def replay_timed(
                 cost.non_expert_V(trace), float(cost.copy_us()), kernel_off_V, kernel_us_X,
                 cost.cpu_call_us(), cost.cpu_excess_V(trace), cost.serial, ON_MISS_CODES[on_miss],
                 cost.defer_V(trace, on_miss), float(cost.copy_host_us()), cost.publish_lag_Q(),
-                *cost.split_host_us(),
+                cost.pause_V(trace), *cost.split_host_us(),
                 hit_A, slot_A, admits_V, evicts_V, step_us_V, route_us_V, prefetch_V,
                 key_C, step_C, start_C, ready_C, wasted_C, prefetch_C, used_C, use_C, *scratch,
             )  # fmt: skip

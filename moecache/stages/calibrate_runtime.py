@@ -218,33 +218,42 @@ PUBLISH_LAG_POLICY, PUBLISH_LAG_CAPACITY = "lru", "25%"  # _publish_lag_fast's c
 PUBLISH_LAG_QUANTILES = 21  # runtime.publish_lag.quantiles_us: p0, p5, ..., p100
 
 
-def _publish_lag_fast(model, rs: dict, vocab: int) -> dict | None:
-    """cost.runtime.step=fast: the host time from a deferred visit's last copy enqueue to the next layer's
-    publication (the profile's runtime.publish_lag; moecache/runtime/segments.py `_route`, timed.py 7.):
-    the offloaded model reconfigured to PUBLISH_LAG_POLICY at PUBLISH_LAG_CAPACITY with on_miss="cpu"
-    (every visit deferred), decoding under random forced routing (`calibration.time_fast_steps`) over
-    cost.runtime.cpu_path_decode_steps decode steps; every lag of the timed generations, as
-    PUBLISH_LAG_QUANTILES quantiles (the middle one the median). None where no deferred visit copied."""
+def _publish_lag_fast(model, rs: dict, vocab: int) -> tuple[dict | None, dict | None]:
+    """cost.runtime.step=fast: (runtime.publish_lag, runtime.decode_warmup) of one run of the fast loop.
+    publish_lag: the host time from a deferred visit's last copy enqueue to the next layer's publication
+    (moecache/runtime/segments.py `_route`, timed.py 7.): the offloaded model reconfigured to
+    PUBLISH_LAG_POLICY at PUBLISH_LAG_CAPACITY with on_miss="cpu" (every visit deferred), decoding under
+    random forced routing (`calibration.time_fast_steps`) over cost.runtime.cpu_path_decode_steps decode
+    steps; every lag of the timed generations, as PUBLISH_LAG_QUANTILES quantiles (the middle one the
+    median); None where no deferred visit copied. decode_warmup: the same decoder's first decode steps
+    (eager, then the capture), each as the time it took beyond a timed step's median (`pause_us`, >= 0:
+    time the copy engine runs on while the host warms up; timed.py 8.); None where the decoder had no
+    warm-up steps (graphs off)."""
     from moecache.validation.generation import FastLoop
 
     model.moecache.reconfigure(capacity=PUBLISH_LAG_CAPACITY, policy=PUBLISH_LAG_POLICY, on_miss="cpu")
     lags_ns: list[int] = []
-    cal.time_fast_steps(
+    warmup_us: list[float] = []
+    _, decode = cal.time_fast_steps(
         model, make_loop=FastLoop, prompt_tokens=int(rs["cpu_path_prompt_tokens"]),
         decode_steps=int(rs["cpu_path_decode_steps"]), repeats=cal.in_loop_repeats(rs), warmup=1,
-        vocab_size=vocab, publish_lag_log=lags_ns,
+        vocab_size=vocab, publish_lag_log=lags_ns, warmup_log=warmup_us,
     )  # fmt: skip
+    where = {"policy": PUBLISH_LAG_POLICY, "capacity": PUBLISH_LAG_CAPACITY, "timed": "fast_loop"}
+    warmup = None
+    if warmup_us:
+        step_us = float(decode.median_us)
+        warmup = {
+            "pause_us": [max(0.0, gap - step_us) for gap in warmup_us],
+            "gaps_us": warmup_us,
+            "step_us": step_us,
+            **where,
+        }
     if not lags_ns:
-        return None
+        return None, warmup
     lags_us = np.asarray(lags_ns, np.float64) / 1e3
     quantiles = np.percentile(lags_us, np.linspace(0.0, 100.0, PUBLISH_LAG_QUANTILES))
-    return {
-        "quantiles_us": [float(q) for q in quantiles],
-        "visits": len(lags_ns),
-        "policy": PUBLISH_LAG_POLICY,
-        "capacity": PUBLISH_LAG_CAPACITY,
-        "timed": "fast_loop",
-    }
+    return {"quantiles_us": [float(q) for q in quantiles], "visits": len(lags_ns), **where}, warmup
 
 
 def measure_runtime(
@@ -400,8 +409,8 @@ def measure_runtime(
             section["cpu_step_excess"] = fit.cpu_step_excess(section, base, rs)
             bar.step("runtime split host time (fast loop)")
             section["split_host"] = _split_host_fast(model, section, base, rs, vocab)
-        bar.step("runtime publish lag (fast loop)")
-        section["publish_lag"] = _publish_lag_fast(model, rs, vocab)
+        bar.step("runtime publish lag and decoder warm-up (fast loop)")
+        section["publish_lag"], section["decode_warmup"] = _publish_lag_fast(model, rs, vocab)
         del model
         gc.collect()
     if section["non_expert"] is None:

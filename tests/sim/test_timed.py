@@ -6,6 +6,7 @@ latency 2 us + 1024 B / 128 B/us = a 10 us copy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -414,13 +415,16 @@ def test_replay_timed_refuses_an_unknown_on_miss(make_trace):
         replay_timed(trace, make_policy("lru"), 1, hand_cost(), on_miss="later")
 
 
-def _fast_cost(lag_quantiles_us=None) -> CostModel:
+def _fast_cost(lag_quantiles_us=None, warmup_pause_us=None) -> CostModel:
     """A fast-loop profile (tests/runtime/helpers.split_profile: a copy 10 us, a missed expert 6 us on the
-    CPU + 1 us per call, the operator 1 us per entry) with the publish lag's quantiles, if given."""
+    CPU + 1 us per call, the operator 1 us per entry) with the publish lag's quantiles and the decoder's
+    warm-up pauses, if given."""
     store = SimpleNamespace(hidden_size=4, expert_bytes=1024, num_experts=4)
     profile = split_profile(store, copy_us=10.0, cpu_us=6.0)
     if lag_quantiles_us is not None:
         profile["runtime"]["publish_lag"] = {"quantiles_us": list(lag_quantiles_us)}
+    if warmup_pause_us is not None:
+        profile["runtime"]["decode_warmup"] = {"pause_us": list(warmup_pause_us)}
     return CostModel.from_profile(CostProfile.from_dict(profile, source="fast profile"), 1024, 64)
 
 
@@ -439,6 +443,36 @@ def test_a_deferred_visits_copies_land_within_the_publish_lag(make_trace, lag, h
     assert r.route_us_V.tolist() == [1, 14 + (lag or 0)]
     assert r.hit_A.tolist() == [False, False, *hits_at_1]
     assert r.slot_A.tolist() == [False, False, True, True]
+
+
+def test_the_decoders_warm_up_is_a_pause_the_copy_engine_runs_through(make_trace):
+    """timed.py, 8.: the steps of the publish-lag test above, step 1 the decoder's second warm-up step
+    (pauses [0, 30]): its publication moves from 14 to 44, after both copies land (24, 34), so both are
+    hits; step 0 is unchanged and no step's duration holds the pause."""
+    trace = make_trace(decode_steps([[0, 1], [0, 1]]), 1, 4)
+    plain = replay_timed(trace, make_policy("lru"), 4, _fast_cost())
+    paused = replay_timed(trace, make_policy("lru"), 4, _fast_cost(warmup_pause_us=(0.0, 30.0)))
+    assert plain.route_us_V.tolist() == [1, 14] and paused.route_us_V.tolist() == [1, 44]
+    assert plain.hit_A.tolist() == [False] * 4 and paused.hit_A.tolist() == [False, False, True, True]
+    assert paused.copy_ready_us_C.tolist() == plain.copy_ready_us_C.tolist() == [24, 34]
+    assert paused.step_us_V[0] == plain.step_us_V[0] and paused.step_us_V[1] < plain.step_us_V[1]
+    assert paused.forward_us_F.sum() == paused.step_us_V.sum()
+
+
+def test_the_warm_up_pauses_fall_on_the_first_requests_decode_steps(make_trace):
+    """A run builds one decoder: its first request's first decode steps pay the pauses, each spread over
+    that step's layer steps (2 layers here); its prefill and every later request pay none; a profile
+    without the row, or of the transformers loop, none at all."""
+    steps = [(0, 0, layer, [[0], [1]]) for layer in range(2)]  # request 0's prefill (2 tokens)
+    steps += [(r, i, layer, [[0]]) for r in (0, 1) for i in (1, 2, 3) for layer in range(2)]
+    trace = make_trace(steps, 2, 4)
+    pause_V = _fast_cost(warmup_pause_us=(8.0, 4.0)).pause_V(trace)
+    assert pause_V.tolist() == [0, 0, 4, 4, 2, 2] + [0] * 8
+    assert not _fast_cost().pause_V(trace).any()
+    fast = _fast_cost(warmup_pause_us=(8.0, 4.0))
+    assert (
+        not fast.replace(runtime=dataclasses.replace(fast.runtime, path="transformers")).pause_V(trace).any()
+    )
 
 
 def test_a_prefill_step_visits_at_its_routing(make_trace):
