@@ -39,7 +39,8 @@
 #   11. `profile_qwen`: the compiled Qwen3.6 step's device time by kernel kind, all resident and at 50%;
 #   12. `agreement_whole` / `agreement_whole_qwen`: whole-model output agreement over hundreds of positions per
 #      workload (carry .device-data; the Qwen3.6 one .vendor/traces too);
-#   13. `router_topk`: the routers' one-launch top-k, its GPU tests and an A/B of the decode step.
+#   13. `router_topk`: the routers' one-launch top-k, its GPU tests and an A/B of the decode step;
+#       `topk_bench`: the kernel alone against torch.topk at each num_warps.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -258,6 +259,10 @@ part_router_topk() {
     --vocab 102400 --capacities 100%,25% --policy lfu --skip hf,eager,unmodified --prompt-tokens 512 \
     --new-tokens 128 --compile --router-topk-ab
 }
+
+# The routers' top-k alone: torch.topk against the kernel at each num_warps, one captured graph of a decode
+# step's router calls (benchmarks/bench_topk_rows.py).
+part_topk_bench() { step topk_bench 300 python3 benchmarks/bench_topk_rows.py; }
 
 # Whole-model output agreement over hundreds of teacher-forced positions per workload (issue 30; validate's
 # fidelity parts feed 122): no cost profile; all_resident and the decision's selected policy at 10/25/50%,

@@ -2,12 +2,14 @@
 
 `torch.topk` of a decode step's one row of E router scores is two CUDA kernels (a radix select and a
 bitonic sort of the k results; 9.6 us a MoE layer on an H100, docs/benchmarks.md). Here one program per
-row loads the row (E <= 1,024) and takes the largest remaining score k times (a max and a min-index
-reduction over the row each time), puts the k in the order CUDA's topk gathers them and, for `by_value`
-(topk's `sorted`), runs them through the 32-lane bitonic network torch sorts them with (`tl.gather`
-across the lanes): one launch, no scratch memory, and the ids in the order `torch.topk` returns them,
-equal scores included (`topk_rows_reference`, the oracle, spells the order out). K <= 32; rows must hold
-no NaN.
+row loads the row (E <= 1,024) and takes the largest remaining score k times (one max over the row each time, of
+the score's bits and the id packed into one integer, so that equal scores give the lowest id). For
+`by_value` (topk's `sorted`) that is torch's order where the chosen scores are distinct; where two are
+equal, the k go in the order CUDA's topk gathers them through the 32-lane bitonic network torch sorts
+them with (`tl.gather` across the lanes), which decides the order of equal scores. Otherwise they are
+stored in the gather order. One launch, no scratch memory, and the ids in the order `torch.topk`
+returns them, equal scores included (`topk_rows_reference`, the oracle, spells the order out). K <= 32;
+rows must hold no NaN.
 
 moecache/runtime/router_topk.py puts it in place of the routers' `torch.topk` (as a custom operator, so
 that `torch.compile` traces the call).
@@ -66,11 +68,26 @@ def _topk_rows_kernel(
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
     row = tl.load(scores_ptr + t * stride_t + offs, mask=valid, other=0.0).to(tl.float32)
-    # 1. the chosen: K times the largest score not chosen yet, the lowest id of equal ones
+    # 1. the chosen: K times the largest score not chosen yet, the lowest id of equal ones, in one max
+    # over (score's bits in signed integer order) << 32 | (BLOCK_E - 1 - id); -0.0 as 0.0, which it equals
+    bits = tl.where(row == 0.0, 0.0, row).to(tl.int32, bitcast=True)
+    order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    packed = (order << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+    lowest = -9223372036854775807 - 1
     free = valid
-    for _ in tl.static_range(K):
-        kth = tl.max(tl.where(free, row, float("-inf")), axis=0)
-        pick = tl.min(tl.where(free & (row == kth), offs, BLOCK_E), axis=0)
+    lanes = tl.arange(0, 32)  # SORT_LANES: lanes 0..K-1 take the chosen in the order picked
+    pick_ids = tl.zeros([32], tl.int32)
+    ties = 0  # picks are in descending score order: equal scores among the chosen are adjacent
+    kth = float("-inf")
+    for i in tl.static_range(K):
+        best = tl.max(tl.where(free, packed, lowest), axis=0)
+        pick = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        best_order = (best >> 32).to(tl.int32)
+        value = (best_order ^ ((best_order >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        if i > 0:
+            ties += (value == kth).to(tl.int32)
+        kth = value
+        pick_ids = tl.where(lanes == i, pick, pick_ids)
         free = free & (offs != pick)
     chosen = valid & ~free
     # 2. CUDA's gather order: the chosen above the K-th score by id, then those equal to it by id
@@ -85,24 +102,30 @@ def _topk_rows_kernel(
         tl.store(values_ptr + t * K + place, row, mask=chosen)
         tl.store(ids_ptr + t * K + place, offs.to(tl.int64), mask=chosen)
     else:
-        # 3. that order in lanes 0..K-1 of the sorting network, then the network
-        lanes = tl.arange(0, 32)  # SORT_LANES: the passes below are its network's (sizes 2..16, then 16..1)
-        hit = chosen[None, :] & (place[None, :] == lanes[:, None])  # [32, BLOCK_E]
-        keys = tl.sum(tl.where(hit, row[None, :], 0.0), axis=1)
-        ids = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
-        in_use = (lanes < K).to(tl.int32)
-        for size_log in tl.static_range(1, 5):  # size 2, 4, 8, 16
-            for back in tl.static_range(size_log):  # stride size/2 .. 1
-                keys, ids, in_use = _exchange(
-                    keys, ids, in_use, lanes, 1 << (size_log - 1 - back), 1 << size_log
-                )
-        for back in tl.static_range(5):  # stride 16 .. 1
-            keys, ids, in_use = _exchange(keys, ids, in_use, lanes, 1 << (4 - back), 0)
+        ids = pick_ids
+        keys = tl.gather(row, ids, 0)
+        if ties > 0:
+            # 3. equal scores come out in the order torch's network gives them: that order in lanes
+            # 0..K-1 of the network, then the network (without ties it sorts them as picked)
+            hit = chosen[None, :] & (place[None, :] == lanes[:, None])  # [32, BLOCK_E]
+            keys = tl.sum(tl.where(hit, row[None, :], 0.0), axis=1)
+            ids = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+            in_use = (lanes < K).to(tl.int32)
+            for size_log in tl.static_range(1, 5):  # size 2, 4, 8, 16
+                for back in tl.static_range(size_log):  # stride size/2 .. 1
+                    keys, ids, in_use = _exchange(
+                        keys, ids, in_use, lanes, 1 << (size_log - 1 - back), 1 << size_log
+                    )
+            for back in tl.static_range(5):  # stride 16 .. 1
+                keys, ids, in_use = _exchange(keys, ids, in_use, lanes, 1 << (4 - back), 0)
         tl.store(values_ptr + t * K + lanes, keys, mask=lanes < K)
         tl.store(ids_ptr + t * K + lanes, ids.to(tl.int64), mask=lanes < K)
 
 
-def topk_rows(scores_TE: torch.Tensor, k: int, by_value: bool = True):
+NUM_WARPS = 4  # one row's program; benchmarks/bench_topk_rows.py times the others
+
+
+def topk_rows(scores_TE: torch.Tensor, k: int, by_value: bool = True, num_warps: int = NUM_WARPS):
     """(values_TK in scores' dtype, ids_TK int64): module docstring. Raises ValueError as
     `check_topk_args` (topk_rows_reference.py)."""
     check_topk_args(scores_TE, k)
@@ -113,6 +136,6 @@ def topk_rows(scores_TE: torch.Tensor, k: int, by_value: bool = True):
     if num_tokens:
         _topk_rows_kernel[(num_tokens,)](
             scores_TE, values_TK, ids_TK, num_experts, scores_TE.stride(0), K=k,
-            BLOCK_E=triton.next_power_of_2(num_experts), BY_VALUE=by_value,
+            BLOCK_E=triton.next_power_of_2(num_experts), BY_VALUE=by_value, num_warps=num_warps,
         )  # fmt: skip
     return values_TK.to(scores_TE.dtype), ids_TK
