@@ -603,6 +603,8 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     assert warm["timed"] == "fast_loop" and len(warm["gaps_us"]) == len(warm["pause_us"]) >= 1
     assert warm["pause_us"] == [max(0.0, gap - warm["step_us"]) for gap in warm["gaps_us"]]
     assert costs.decode_warmup_pause_us == tuple(warm["pause_us"])
+    shown = result.summary["decoder warm-up ms beyond a step (fast loop)"]
+    assert shown == ", ".join(f"{p / 1e3:.1f}" for p in warm["pause_us"])
 
 
 def test_a_decode_warmup_row_is_checked() -> None:

@@ -325,6 +325,11 @@ def runtime_summary(profile: CostProfile) -> dict:
         q = lag["quantiles_us"]
         at = [q[round(p * (len(q) - 1))] for p in (0.5, 0.1, 0.9)]
         rows["publish lag us, median (p10..p90) (fast loop)"] = f"{at[0]:.1f} ({at[1]:.1f}..{at[2]:.1f})"
+    warm = rt.get("decode_warmup")
+    if warm is not None:  # the decoder's first decode steps beyond a timed step
+        rows["decoder warm-up ms beyond a step (fast loop)"] = ", ".join(
+            f"{p / 1e3:.1f}" for p in warm["pause_us"]
+        )
     ne = rt["non_expert"]
     if ne is None:
         rows["non-expert"] = rt.get("non_expert_reason", "not measured")

@@ -214,11 +214,14 @@ def _split_host_fast(model, section: dict, base: dict, rs: dict, vocab: int) -> 
     }
 
 
-PUBLISH_LAG_POLICY, PUBLISH_LAG_CAPACITY = "lru", "25%"  # _publish_lag_fast's cache: most visits copy
+PUBLISH_LAG_POLICY, PUBLISH_LAG_CAPACITY = (
+    "lru",
+    "25%",
+)  # _publish_lag_and_warmup_fast's cache: most visits copy
 PUBLISH_LAG_QUANTILES = 21  # runtime.publish_lag.quantiles_us: p0, p5, ..., p100
 
 
-def _publish_lag_fast(model, rs: dict, vocab: int) -> tuple[dict | None, dict | None]:
+def _publish_lag_and_warmup_fast(model, rs: dict, vocab: int) -> tuple[dict | None, dict | None]:
     """cost.runtime.step=fast: (runtime.publish_lag, runtime.decode_warmup) of one run of the fast loop.
     publish_lag: the host time from a deferred visit's last copy enqueue to the next layer's publication
     (moecache/runtime/segments.py `_route`, timed.py 7.): the offloaded model reconfigured to
@@ -410,7 +413,7 @@ def measure_runtime(
             bar.step("runtime split host time (fast loop)")
             section["split_host"] = _split_host_fast(model, section, base, rs, vocab)
         bar.step("runtime publish lag and decoder warm-up (fast loop)")
-        section["publish_lag"], section["decode_warmup"] = _publish_lag_fast(model, rs, vocab)
+        section["publish_lag"], section["decode_warmup"] = _publish_lag_and_warmup_fast(model, rs, vocab)
         del model
         gc.collect()
     if section["non_expert"] is None:
