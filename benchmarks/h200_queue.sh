@@ -26,6 +26,7 @@
 #      there (devprep puts the two .npz files in .vendor/traces);
 #   6. `llama_qwen`: the Qwen3.6 shape beside llama.cpp (write; build unless built, while converting; bench,
 #      moecache compiled too);
+#   6a. `llama_qwen_static`: the same, llama.cpp and moecache compiled with static_layers only;
 #   6b. `llama_dsv2`: 1, 3 and 4 without the loader and the GPU tests (carry .vendor/traces for the forced rows);
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
@@ -218,6 +219,16 @@ part_llama_qwen() {
   [ ! -f "$VS/results/dsv2-llama.json" ] || shapes="dsv2 qwen"
   # shellcheck disable=SC2086  # shapes: words
   step report_qwen 60 "${VS_RUN[@]}" report $shapes
+}
+
+# The Qwen3.6 shape beside llama.cpp again with only the columns that decide the decode target: llama.cpp
+# and moecache compiled with llama.cpp's placement (static_layers), on a fresh machine (no dsv2 files).
+part_llama_qwen_static() {
+  local q=(env CKPT_ROOT=/dev/shm/ck "${VS_RUN[@]}")
+  step prepare_qwen 1500 "${q[@]}" prepare qwen
+  step bench_llama_qwen 600 env SIDE=llama "${q[@]}" bench qwen
+  step bench_static_compiled_qwen 900 env SIDE=moecache_compiled POLICY=static_layers "${q[@]}" bench qwen
+  step report_qwen 60 "${VS_RUN[@]}" report qwen
 }
 
 # The Qwen3.6 shape's linear-attention layers through flash-linear-attention (transformers uses its Triton
