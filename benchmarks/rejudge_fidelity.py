@@ -4,10 +4,13 @@
 runs (runs of validation.json, each run's recorded trace, the cost profile it was given) can be predicted
 again without a GPU: this script rebuilds validate's predictions (moecache/validation/predict.py), its
 anchored profiles (anchors.py) and its fidelity table and verdicts (holdout.py) with the code of this tree.
-Nothing is measured; the anchored profiles go to --out (a scratch folder).
+Nothing is measured; the anchored profiles go to --out (a scratch folder). `--latency`: the artifact's
+latency.parquet, for an artifact from before runs carried `warmup_gaps_ms` (validate schema 8): each
+run's warm-up gaps are read from it (the latencies flagged warm-up, in order), so that the anchoring
+takes the decoder's warm-up as validate now does.
 
     python benchmarks/rejudge_fidelity.py --validation <dir>/validation.json --profile <cost_profile.json> \\
-        --traces <folder holding the artifact's traces/> --out /tmp/rejudge
+        --traces <folder holding the artifact's traces/> --out /tmp/rejudge [--latency <dir>/latency.parquet]
 
 Prints one row per held-out prediction and per direction, then one JSON line (holdout.summary's).
 """
@@ -23,25 +26,43 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def warmup_gaps(latency: Path) -> dict:
+    """{(workload, strategy, capacity): [ms]}: each run's latencies flagged warm-up, in token order."""
+    import pyarrow.parquet as pq
+
+    out: dict = {}
+    for r in pq.read_table(latency).to_pylist():
+        if r["warmup"]:
+            out.setdefault((r["workload"], r["strategy"], r["capacity"]), []).append(float(r["latency_ms"]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--validation", required=True, type=Path, help="a validate artifact's validation.json")
     ap.add_argument("--profile", required=True, type=Path, help="the cost profile the validate run was given")
     ap.add_argument("--traces", required=True, type=Path, help="the folder its runs' `trace` paths are under")
     ap.add_argument("--out", required=True, type=Path, help="scratch folder for the anchored profiles")
+    ap.add_argument(
+        "--latency", type=Path, help="the artifact's latency.parquet (runs without warmup_gaps_ms)"
+    )
     args = ap.parse_args()
     from validate_artifact import replayable_runs
 
     from moecache.validation import anchors, holdout
 
-    for path in (args.validation, args.profile, args.traces):
+    for path in (args.validation, args.profile, args.traces, *([args.latency] if args.latency else [])):
         if not path.exists():
             sys.exit(f"rejudge_fidelity: {path}: no such file or folder")
     args.out.mkdir(parents=True, exist_ok=True)
     profile = str(args.profile)
+    warm_ms = warmup_gaps(args.latency) if args.latency else {}
     runs_of: dict[str, list[anchors.Predicted]] = {}
     for row, strategy, trace in replayable_runs(args.validation, args.traces, "rejudge_fidelity"):
-        run = anchors.Predicted(dict(row), trace, strategy.sim_policy, int(row["slots"]), strategy.on_miss)
+        row = dict(row)
+        if row.get("warmup_gaps_ms") is None:
+            row["warmup_gaps_ms"] = warm_ms.get((row["workload"], row["strategy"], row["capacity"]))
+        run = anchors.Predicted(row, trace, strategy.sim_policy, int(row["slots"]), strategy.on_miss)
         run.row.update(run.predict(profile))
         runs_of.setdefault(row["workload"], []).append(run)
     table = holdout.anchored_rows(runs_of, profile, args.out)

@@ -43,7 +43,8 @@ EXECUTION = {
 # 5: validate.repeats; runs.parquet carries time_per_token_ms_repeats
 # 6: the fast loop's traces carry the visits' cache columns; runs.parquet carries hit_rate_repeats
 # 7: runs.parquet carries decode_publish_lag_us
-SCHEMA_VERSION = 7
+# 8: runs.parquet carries warmup_gaps_ms; anchoring moves the profile's decoder warm-up too
+SCHEMA_VERSION = 8
 KEYS = (
     "decision", "workloads", "capacities", "strategies", "requests", "max_new_tokens", "cost_profile",
     "loop", "reference", "forced_trace", "forced_requests", "forced_max_tokens", "warmup", "on_miss", "init",

@@ -5,7 +5,9 @@ per layer (runtime.non_expert.decode_us_per_layer, from its all-resident run) an
 (runtime.cpu_step_excess.decode_us, from its all-CPU run). validate runs the same two baselines,
 all_resident and all_cpu, minutes later in another process, and on the H200 hosts the machine itself moved
 between the two by 10-60% (the machine check, CHANGELOG.md). `anchored_profile` moves those two numbers
-so that this validate's own all_resident and all_cpu runs are priced exactly (the excess kept >= 0), and
+so that this validate's own all_resident and all_cpu runs are priced exactly (the excess kept >= 0), takes
+the decoder's warm-up (runtime.decode_warmup, docs/simulator.md) from the all_cpu run's own warm-up gaps
+(each beyond that run's mean decode step; a run's decoder warms up as calibrate's does), and
 `add_anchored` predicts every run of the workload again with that profile (`fidelity_errors_anchored`):
 the simulator's error with the machine's drift between the two processes taken out. The profile's other
 rows (CPU path, copies, operator, manager) stay calibrate's. The workload's all_resident and all_cpu runs
@@ -65,8 +67,26 @@ def anchored_profile(profile_path: str, anchors: dict[str, Predicted], out: Path
     non_expert["decode_us_per_layer"] = max(0.0, non_expert["decode_us_per_layer"] + gap_us["all_resident"])
     excess["decode_us"] = max(0.0, excess["decode_us"] + gap_us["all_cpu"] - gap_us["all_resident"])
     excess["anchored_on"] = "validate: " + ", ".join(ANCHORS)
+    warmup = _warmup_of(anchors["all_cpu"].row)
+    if warmup is not None:
+        runtime["decode_warmup"] = warmup
     out.write_text(json.dumps(data, indent=1, sort_keys=True))
     return out
+
+
+def _warmup_of(row: dict) -> dict | None:
+    """runtime.decode_warmup from a fast-loop run's row: its warm-up gaps (`warmup_gaps_ms`) each beyond
+    its mean decode step (1 / decode_tokens_per_s); None where the row has neither."""
+    gaps_ms, rate = row.get("warmup_gaps_ms"), row.get("decode_tokens_per_s")
+    if not gaps_ms or not rate:
+        return None
+    step_ms = 1e3 / float(rate)
+    return {
+        "pause_us": [max(0.0, float(g) - step_ms) * 1e3 for g in gaps_ms],
+        "gaps_us": [float(g) * 1e3 for g in gaps_ms],
+        "step_us": step_ms * 1e3,
+        "anchored_on": f"validate: {row['strategy']}",
+    }
 
 
 def add_anchored(runs: list[Predicted], profile_path: str, folder: Path, workload: str) -> Path | None:

@@ -143,7 +143,8 @@ def measure(
     outputs = Outputs() if outputs is None else outputs
     latencies: list[dict] = []
     done: list[Request] = []
-    ttft_s, gaps_s, warm_n, loops = [], [], 0, set()
+    ttft_s, gaps_s, loops = [], [], set()
+    warm_gaps_s: list[float] = []  # the decoder's warm-up gaps (eager steps, the capture), in order
     host: LayerCounters | None = None  # the fast loop's host points, summed over the requests
     prompt_tokens = generated = 0
     recorder = check = None
@@ -175,9 +176,9 @@ def measure(
                 ttft_s.append(gen.ttft_s)
                 warm = gen.warmup_gaps
                 gaps_s += gen.gaps_s[warm:]
+                warm_gaps_s += gen.gaps_s[:warm]
                 if gen.host is not None:
                     host = gen.host if host is None else host + gen.host
-                warm_n += warm
                 done.append(req)
                 prompt_tokens += len(req.prompt_ids)
                 generated += len(gen.tokens)
@@ -194,7 +195,7 @@ def measure(
     finally:
         log_stats = logger.close()
         runner.close()
-    return _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss,
+    return _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_gaps_s, prompt_tokens, generated, rss,
                     cuda_peak, session, before, outputs, latencies, loops, hooks, check, host)  # fmt: skip
 
 
@@ -211,7 +212,7 @@ def _host_points(host: LayerCounters | None) -> dict:
     return {f"decode_{key}": value for key, value in host.rates().items()}
 
 
-def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens, generated, rss, cuda_peak,
+def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_gaps_s, prompt_tokens, generated, rss, cuda_peak,
              session, before, outputs, latencies, loops, hooks, check, host) -> RunOutcome:  # fmt: skip
     L = meta.num_layers
     n_requests = len(done)
@@ -236,7 +237,8 @@ def _outcome(spec, meta, done, log_stats, ttft_s, gaps_s, warm_n, prompt_tokens,
         "requests": n_requests,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
-        "warmup_gaps": warm_n,
+        "warmup_gaps": len(warm_gaps_s),
+        "warmup_gaps_ms": [g * 1e3 for g in warm_gaps_s],
         "ttft_ms": float(np.mean(ttft_s)) * 1e3,
         **{f"itl_p{q}_ms": _percentile([g * 1e3 for g in gaps_s], q) for q in QUANTILES},
         "decode_tokens_per_s": len(gaps_s) / decode_s if decode_s > 0 else None,

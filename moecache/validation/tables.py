@@ -27,6 +27,7 @@ RUNS_SCHEMA = pa.schema(
         ("prompt_tokens", pa.int64()),
         ("generated_tokens", pa.int64()),
         ("warmup_gaps", pa.int64()),  # the fast loop's warm-up gaps, left out of the latencies below
+        ("warmup_gaps_ms", pa.list_(pa.float64())),  # their durations (the decoder's first decode steps)
         ("ttft_ms", pa.float64()),
         ("itl_p50_ms", pa.float64()),
         ("itl_p90_ms", pa.float64()),

@@ -103,3 +103,21 @@ def test_no_second_prediction_without_both_anchors_or_an_excess(traces, tmp_path
     assert all(r.row["fidelity_errors_anchored"] is None and r.row["anchored_profile"] is None for r in runs)
     both = {"all_resident": runs[0], "all_cpu": _run(traces, "all_cpu")}
     assert anchors.anchored_profile(_profile(tmp_path), both, tmp_path / "x.json") is None  # no excess row
+
+
+def test_the_decoder_warm_up_is_taken_from_the_all_cpu_run(traces, tmp_path):
+    """The anchored profile's runtime.decode_warmup: the all-CPU run's warm-up gaps each beyond its mean
+    decode step (its row's decode rate), at least 0; a row without the gaps keeps the profile's."""
+    profile = _with_excess(tmp_path, 0.0)
+    data = json.loads(open(profile).read())
+    data["runtime"]["decode_warmup"] = {"pause_us": [5.0]}
+    open(profile, "w").write(json.dumps(data))
+    runs = {name: _run(traces, name, decode_ms=2.0) for name in ("all_resident", "all_cpu")}
+    runs["all_cpu"].row["warmup_gaps_ms"] = [7.5, 1.5]
+    out = anchors.anchored_profile(profile, runs, tmp_path / "anchored.json")
+    warm = json.loads(out.read_text())["runtime"]["decode_warmup"]
+    assert warm["pause_us"] == pytest.approx([5500.0, 0.0]) and warm["step_us"] == pytest.approx(2000.0)
+    assert warm["anchored_on"] == "validate: all_cpu"
+    runs["all_cpu"].row["warmup_gaps_ms"] = []
+    out = anchors.anchored_profile(profile, runs, tmp_path / "anchored.json")
+    assert json.loads(out.read_text())["runtime"]["decode_warmup"] == {"pause_us": [5.0]}

@@ -225,6 +225,12 @@ def test_the_fast_loop_reports_its_host_points(transformers_run, fast_run):
             assert row["decode_publish_lag_us"] is None, key
         elif row["copies"]:
             assert row["decode_publish_lag_us"] > 0, key
+    # every run's decoder warm-up: its gaps' durations, one per warm-up gap (the fast loop: its first
+    # decode step of a mode runs eagerly), none for the transformers loop
+    for key, row in fast.items():
+        assert len(row["warmup_gaps_ms"]) == row["warmup_gaps"] >= 1, key
+        assert all(g > 0 for g in row["warmup_gaps_ms"]), key
+    assert all(r["warmup_gaps_ms"] == [] for r in slow.values())
     assert all(r["decode_cpu_path_us_per_call"] is None for r in slow.values())
     assert all(r["decode_publish_lag_us"] is None for r in slow.values())
     assert all(r["decode_cpu_exec_us_per_call"] is None for r in slow.values())
