@@ -54,8 +54,8 @@ precede the MoE block; non_expert is 0 unless configured, see cost_model.py):
    that host time (one copy, ~120 us on an H100, against a lag of about as much).
 8. the fast loop's decoder warm-up (`CostModel.pause_V`: a profile measured in the fast loop): a run's
    decoder runs its first decode steps eagerly and then captures its graphs, so those steps of the
-   run's first request take longer than the rest (calibrate's runtime.decode_warmup: ~80 and ~20 ms
-   on DeepSeek-V2-Lite's shape on an H100, against ~20 ms steps). That time is a pause before the
+   run's first request take longer than the rest (runtime.decode_warmup; on DeepSeek-V2-Lite's shape
+   on an H100, 55-80 ms each against 12-25 ms steps). That time is a pause before the
    step's layer steps: the clock and the next publication move on by it, the copy engine keeps
    copying, and no step's duration holds it (validate leaves the warm-up gaps out of time per token).
 """

@@ -214,10 +214,8 @@ def _split_host_fast(model, section: dict, base: dict, rs: dict, vocab: int) -> 
     }
 
 
-PUBLISH_LAG_POLICY, PUBLISH_LAG_CAPACITY = (
-    "lru",
-    "25%",
-)  # _publish_lag_and_warmup_fast's cache: most visits copy
+# _publish_lag_and_warmup_fast's cache: most visits copy
+PUBLISH_LAG_POLICY, PUBLISH_LAG_CAPACITY = "lru", "25%"
 PUBLISH_LAG_QUANTILES = 21  # runtime.publish_lag.quantiles_us: p0, p5, ..., p100
 
 
@@ -231,7 +229,7 @@ def _publish_lag_and_warmup_fast(model, rs: dict, vocab: int) -> tuple[dict | No
     median); None where no deferred visit copied. decode_warmup: the same decoder's first decode steps
     (eager, then the capture), each as the time it took beyond a timed step's median (`pause_us`, >= 0:
     time the copy engine runs on while the host warms up; timed.py 8.); None where the decoder had no
-    warm-up steps (graphs off)."""
+    warm-up step."""
     from moecache.validation.generation import FastLoop
 
     model.moecache.reconfigure(capacity=PUBLISH_LAG_CAPACITY, policy=PUBLISH_LAG_POLICY, on_miss="cpu")
