@@ -297,6 +297,24 @@ def _split_host(rt: dict, key: str) -> float:
     return 0.0 if row is None or row.get(key) is None else float(row[key])
 
 
+def decode_warmup_row(gaps_us: list[float], step_us: float, **where) -> dict:
+    """runtime.decode_warmup from a fast-loop decoder's warm-up gaps and its decode step's time: each gap
+    beyond the step (`pause_us`, at least 0; the simulator's pause, timed.py 8.), with the measurements
+    and `where` (what ran them) kept beside. calibrate's own decoder and validate's anchoring both write
+    it so."""
+    return {
+        "pause_us": [max(0.0, float(gap) - float(step_us)) for gap in gaps_us],
+        "gaps_us": [float(gap) for gap in gaps_us],
+        "step_us": float(step_us),
+        **where,
+    }
+
+
+def _numbers(rt: dict, section: str, key: str) -> tuple[float, ...]:
+    """runtime.<section>.<key>, a list of numbers, as floats; () where the profile has no such row."""
+    return tuple(float(v) for v in (rt.get(section) or {}).get(key) or ())
+
+
 def _at_least_0(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
@@ -516,12 +534,8 @@ class RuntimeCosts:
             else float(ne["prefill_us_per_token_per_layer"]),
             non_expert_prefill_layer=_prefill_curve(ne),
             copy_host_us=_copy_host_us(rt),
-            publish_lag_quantiles_us=tuple(
-                float(q) for q in (rt.get("publish_lag") or {}).get("quantiles_us") or ()
-            ),
-            decode_warmup_pause_us=tuple(
-                float(p) for p in (rt.get("decode_warmup") or {}).get("pause_us") or ()
-            ),
+            publish_lag_quantiles_us=_numbers(rt, "publish_lag", "quantiles_us"),
+            decode_warmup_pause_us=_numbers(rt, "decode_warmup", "pause_us"),
             split_decide_us=_split_host(rt, "decide_us"),
             split_wait_us=_split_host(rt, "wait_us"),
             cpu_step_excess_us=float((rt.get("cpu_step_excess") or {}).get("decode_us") or 0.0),

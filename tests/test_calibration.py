@@ -607,19 +607,6 @@ def test_calibrate_step_fast_times_the_fast_loop_all_resident(tmp_path, one_torc
     assert shown == ", ".join(f"{p / 1e3:.1f}" for p in warm["pause_us"])
 
 
-def test_a_decode_warmup_row_is_checked() -> None:
-    """runtime.decode_warmup's pauses: a list of numbers >= 0; else one line naming it."""
-    d = _runtime_profile("parallel")
-    for bad in ([-1.0], "5", [1.0, True], [float("nan")], 3.0):
-        d["runtime"]["decode_warmup"] = {"pause_us": bad}
-        with pytest.raises(MoecacheError, match=r"p.json: runtime.decode_warmup.pause_us="):
-            CostProfile.from_dict(d, "p.json")
-    d["runtime"]["decode_warmup"] = {"pause_us": [8.0, 0.0]}
-    assert CostProfile.from_dict(d).runtime_costs().decode_warmup_pause_us == (8.0, 0.0)
-    del d["runtime"]["decode_warmup"]
-    assert CostProfile.from_dict(d).runtime_costs().decode_warmup_pause_us == ()
-
-
 def test_fast_non_expert_refuses_a_non_positive_remainder() -> None:
     timing = cal.Timing(median_us=400.0, p10_us=390.0, p90_us=420.0, repeats=3)
     less = calibration_fit.less_expert_path(timing, 4, 60.0, "decode step")
@@ -760,17 +747,29 @@ def test_the_split_pays_its_host_time_where_the_profile_has_it(make_trace) -> No
             CostProfile.from_dict(d, "p.json")
 
 
-def test_a_publish_lag_row_is_checked() -> None:
-    """runtime.publish_lag's quantiles: at least two, numbers >= 0, non-decreasing; else one line naming it."""
+@pytest.mark.parametrize(
+    "section,key,costs_field,bads,good",
+    [
+        # the publish lag's quantiles: at least two, numbers >= 0, non-decreasing
+        ("publish_lag", "quantiles_us", "publish_lag_quantiles_us",
+         ([5.0], [5.0, 3.0], [-1.0, 2.0], "5", [1.0, True]), [3.0, 5.0]),
+        # the decoder warm-up's pauses: a list of numbers >= 0
+        ("decode_warmup", "pause_us", "decode_warmup_pause_us",
+         ([-1.0], "5", [1.0, True], [float("nan")], 3.0), [8.0, 0.0]),
+    ],
+)  # fmt: skip
+def test_a_list_row_is_checked(section, key, costs_field, bads, good) -> None:
+    """runtime.<section>.<key> out of its bounds: one line naming it; in them, read into RuntimeCosts;
+    absent, empty."""
     d = _runtime_profile("parallel")
-    for bad in ([5.0], [5.0, 3.0], [-1.0, 2.0], "5", [1.0, True]):
-        d["runtime"]["publish_lag"] = {"quantiles_us": bad}
-        with pytest.raises(MoecacheError, match=r"p.json: runtime.publish_lag.quantiles_us="):
+    for bad in bads:
+        d["runtime"][section] = {key: bad}
+        with pytest.raises(MoecacheError, match=rf"p.json: runtime.{section}.{key}="):
             CostProfile.from_dict(d, "p.json")
-    d["runtime"]["publish_lag"] = {"quantiles_us": [3.0, 5.0]}
-    assert CostProfile.from_dict(d).runtime_costs().publish_lag_quantiles_us == (3.0, 5.0)
-    del d["runtime"]["publish_lag"]
-    assert CostProfile.from_dict(d).runtime_costs().publish_lag_quantiles_us == ()
+    d["runtime"][section] = {key: good}
+    assert getattr(CostProfile.from_dict(d).runtime_costs(), costs_field) == tuple(good)
+    del d["runtime"][section]
+    assert getattr(CostProfile.from_dict(d).runtime_costs(), costs_field) == ()
 
 
 def test_the_fast_loop_publishes_and_copies_at_its_host_points(make_trace) -> None:

@@ -54,6 +54,19 @@ def _exchange(keys, ids, valid, lanes, stride: tl.constexpr, size: tl.constexpr)
 
 
 @triton.jit
+def _gather_place(row, chosen, kth):
+    """2. Each chosen score's place in CUDA's gather order: the chosen above the K-th score by id, then
+    those equal to it by id."""
+    above = chosen & (row > kth)
+    at_kth = chosen & (row == kth)
+    return tl.where(
+        above,
+        tl.cumsum(above.to(tl.int32), axis=0) - 1,
+        tl.sum(above.to(tl.int32), axis=0) + tl.cumsum(at_kth.to(tl.int32), axis=0) - 1,
+    )
+
+
+@triton.jit
 def _topk_rows_kernel(
     scores_ptr,
     values_ptr,
@@ -90,15 +103,8 @@ def _topk_rows_kernel(
         pick_ids = tl.where(lanes == i, pick, pick_ids)
         free = free & (offs != pick)
     chosen = valid & ~free
-    # 2. CUDA's gather order: the chosen above the K-th score by id, then those equal to it by id
-    above = chosen & (row > kth)
-    at_kth = chosen & (row == kth)
-    place = tl.where(
-        above,
-        tl.cumsum(above.to(tl.int32), axis=0) - 1,
-        tl.sum(above.to(tl.int32), axis=0) + tl.cumsum(at_kth.to(tl.int32), axis=0) - 1,
-    )
     if not BY_VALUE:
+        place = _gather_place(row, chosen, kth)
         tl.store(values_ptr + t * K + place, row, mask=chosen)
         tl.store(ids_ptr + t * K + place, offs.to(tl.int64), mask=chosen)
     else:
@@ -107,6 +113,7 @@ def _topk_rows_kernel(
         if ties > 0:
             # 3. equal scores come out in the order torch's network gives them: that order in lanes
             # 0..K-1 of the network, then the network (without ties it sorts them as picked)
+            place = _gather_place(row, chosen, kth)
             hit = chosen[None, :] & (place[None, :] == lanes[:, None])  # [32, BLOCK_E]
             keys = tl.sum(tl.where(hit, row[None, :], 0.0), axis=1)
             ids = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)

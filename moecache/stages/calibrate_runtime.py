@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from moecache import calibration as cal
 from moecache import calibration_fit as fit
 from moecache.config import to_container
-from moecache.cost_profile import CostProfile
+from moecache.cost_profile import CostProfile, decode_warmup_row
 from moecache.errors import MoecacheError
 
 
@@ -241,15 +241,7 @@ def _publish_lag_and_warmup_fast(model, rs: dict, vocab: int) -> tuple[dict | No
         vocab_size=vocab, publish_lag_log=lags_ns, warmup_log=warmup_us,
     )  # fmt: skip
     where = {"policy": PUBLISH_LAG_POLICY, "capacity": PUBLISH_LAG_CAPACITY, "timed": "fast_loop"}
-    warmup = None
-    if warmup_us:
-        step_us = float(decode.median_us)
-        warmup = {
-            "pause_us": [max(0.0, gap - step_us) for gap in warmup_us],
-            "gaps_us": warmup_us,
-            "step_us": step_us,
-            **where,
-        }
+    warmup = decode_warmup_row(warmup_us, decode.median_us, **where) if warmup_us else None
     if not lags_ns:
         return None, warmup
     lags_us = np.asarray(lags_ns, np.float64) / 1e3

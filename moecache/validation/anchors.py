@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from moecache.cost_profile import decode_warmup_row
 from moecache.sim.policy_spec import PolicySpec
 from moecache.validation import predict
 
@@ -80,13 +81,9 @@ def _warmup_of(row: dict) -> dict | None:
     gaps_ms, rate = row.get("warmup_gaps_ms"), row.get("decode_tokens_per_s")
     if not gaps_ms or not rate:
         return None
-    step_ms = 1e3 / float(rate)
-    return {
-        "pause_us": [max(0.0, float(g) - step_ms) * 1e3 for g in gaps_ms],
-        "gaps_us": [float(g) * 1e3 for g in gaps_ms],
-        "step_us": step_ms * 1e3,
-        "anchored_on": f"validate: {row['strategy']}",
-    }
+    return decode_warmup_row(
+        [float(g) * 1e3 for g in gaps_ms], 1e6 / float(rate), anchored_on=f"validate: {row['strategy']}"
+    )
 
 
 def add_anchored(runs: list[Predicted], profile_path: str, folder: Path, workload: str) -> Path | None:
