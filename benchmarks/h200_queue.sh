@@ -41,7 +41,7 @@
 #   12. `agreement_whole` / `agreement_whole_qwen`: whole-model output agreement over hundreds of positions per
 #      workload (carry .device-data; the Qwen3.6 one .vendor/traces too);
 #   13. `router_topk`: the routers' one-launch top-k, its GPU tests and an A/B of the decode step;
-#       `topk_bench`: the kernel alone against torch.topk at each num_warps.
+#       `topk_tests`: its GPU tests alone; `topk_bench`: the kernel alone against torch.topk at each num_warps.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -261,14 +261,18 @@ part_profile_qwen() {
 # the Qwen3.6 llama.cpp shape all resident and at 50% with llama.cpp's placement, compiled and not; the
 # DeepSeek-V2-Lite shape all resident and at 25% (lfu).
 part_router_topk() {
-  step gputests_topk 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk_rows.py \
-    tests/runtime/test_router_topk.py
+  part_topk_tests
   step router_topk_qwen 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 \
     --capacities 100%,50% --policy static_layers --skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128 \
     --compile --router-topk-ab --rounds 2
   step router_topk_dsv2 600 python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml \
     --vocab 102400 --capacities 100%,25% --policy lfu --skip hf,eager,unmodified --prompt-tokens 512 \
     --new-tokens 128 --compile --router-topk-ab
+}
+
+part_topk_tests() {
+  step gputests_topk 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk_rows.py \
+    tests/runtime/test_router_topk.py
 }
 
 # The routers' top-k alone: torch.topk against the kernel at each num_warps, one captured graph of a decode
