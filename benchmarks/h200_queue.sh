@@ -42,6 +42,7 @@
 #      workload (carry .device-data; the Qwen3.6 one .vendor/traces too);
 #   13. `router_topk`: the routers' one-launch top-k, its GPU tests and an A/B of the decode step;
 #       `topk_tests`: its GPU tests alone; `topk_bench`: the kernel alone against torch.topk at each num_warps.
+#   14. `host_point`: the host point's Python around the CPU executor with the caches cold, this host's CPU.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -273,6 +274,13 @@ part_router_topk() {
 part_topk_tests() {
   step gputests_topk 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk_rows.py \
     tests/runtime/test_router_topk.py
+}
+
+# The host point's Python around the CPU executor, caches cold (benchmarks/bench_host_point.py: the CPU
+# stand-in, so this host's CPU; capacity 0 and 50% lfu).
+part_host_point() {
+  step host_point_0 120 python3 benchmarks/bench_host_point.py
+  step host_point_50 120 python3 benchmarks/bench_host_point.py --capacity 50% --policy lfu
 }
 
 # The routers' top-k alone: torch.topk against the kernel at each num_warps, one captured graph of a decode

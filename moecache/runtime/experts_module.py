@@ -87,6 +87,29 @@ def _gather_misses(base, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
     return m
 
 
+@nb.njit(cache=True, nogil=True)
+def route_misses(base, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
+    """The fast loop's host point in one compiled call: `hit_TK[t, k]` (bool, written) is whether expert
+    `ids_TK[t, k]` is in the mapping row `row_E` (int32 [E], -1: not resident), and the misses are
+    gathered as `_gather_misses` does (keys `base` + id). Returns their count m, or -1 if an id is outside
+    0..E-1 (what was written is then meaningless)."""
+    E = row_E.shape[0]
+    m = 0
+    for t in range(ids_TK.shape[0]):
+        for k in range(ids_TK.shape[1]):
+            e = ids_TK[t, k]
+            if e < 0 or e >= E:
+                return -1
+            hit = row_E[e] >= 0
+            hit_TK[t, k] = hit
+            if not hit:
+                keys_M[m] = base + e
+                token_M[m] = t
+                weight_M[m] = w_TK[t, k]
+                m += 1
+    return m
+
+
 class ExpertsRuntime:
     """What every layer's experts module shares: the manager (its store and slot pool), the CPU executor
     and the counters; the pieces of one layer visit (module docstring), public so that both drivers run
@@ -281,10 +304,18 @@ class ExpertsRuntime:
         m = _gather_misses(
             layer * self.num_experts, ids_host_TK, w_host_TK, hit_TK, call.keys_M, call.token_M, call.weight_M
         )
+        return self.cpu_half_gathered(
+            call, m, hit_TK.shape[0], started, place=place, round_product=round_product
+        )
+
+    def cpu_half_gathered(self, call, m: int, tokens: int, started_ns: int, *, place, round_product: bool):
+        """`cpu_half_bound` once its `m` misses are in the call's arrays (gathered by the caller, e.g. with
+        `route_misses`, since `started_ns`, a perf_counter_ns): the call, `place`, the counters. Returns
+        (place's result, the host ns since `started_ns`)."""
         y_TH = place(call(m, round_product))
-        spent_ns = time.perf_counter_ns() - started
+        spent_ns = time.perf_counter_ns() - started_ns
         self.counters.cpu_exec_ns += call.last_ns
-        self._count_cpu_call(hit_TK.shape[0], call.keys_M[:m], spent_ns)
+        self._count_cpu_call(tokens, call.keys_M[:m], spent_ns)
         return y_TH, spent_ns
 
     def _count_cpu_call(self, tokens: int, keys_M, spent_ns: int) -> None:

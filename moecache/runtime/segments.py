@@ -73,6 +73,7 @@ import torch
 from moecache_kernels import rounds_product
 
 from moecache.errors import MoecacheError
+from moecache.runtime.experts_module import route_misses
 
 # Host-side spins on the read-back counter before `_wait_readback` falls back to synchronizing the compute
 # stream (a device busy with other work): ~100 us of polling on the H200 host, far above a read-back's
@@ -184,8 +185,11 @@ class ExpertsTaps:
 
         self.ids_TK, self.weights_TK, self.x_TH = views(self.tap_B)
         self.host_ids_TK, self.host_weights_TK, self.host_x_TH = views(self.host_B)
-        # The routing the host point hands the manager and the CPU path: the read-back's, or forced rows.
-        self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
+        # The routing the host point hands the manager and the CPU path: the read-back's, or forced rows
+        # (`_use_routing`: the tensors and their numpy views, made once per buffer, not per host point).
+        self._host_np = (self.host_ids_TK.numpy(), self.host_weights_TK.numpy())
+        self._use_routing(self.host_ids_TK, self.host_weights_TK, self._host_np)
+        self._hit_TK = np.zeros((T, K), np.bool_)  # the deferred visit's hit mask (`_defer_visit`), reused
         # The parts of a layer's output, float32 (each part's sums unrounded; module docstring): the
         # resident experts' (into which the others are added), the CPU misses', on_miss="split": the waited
         wide = torch.float32
@@ -220,6 +224,7 @@ class ExpertsTaps:
             (buf[:ids_bytes].view(torch.int64).view(T, K), buf[w_at:].view(torch.float32).view(T, K))
             for buf in self._forced_B
         ]
+        self._forced_np = [(ids.numpy(), w.numpy()) for ids, w in self._forced_views]
         self._forced_turn = 0
         # on_miss="split" on CUDA: per MoE layer, the wait call (operator over the layer's wait row, added
         # into y_TH) as a CUDA graph of its own pool (capture_waits), replayed instead of launched eagerly
@@ -345,7 +350,7 @@ class ExpertsTaps:
         resident experts. With waits the visit runs here: B(l) reads the row that visit sets."""
         copied = self.flush()
         self._expected += 1  # A(l), just run, bumped the device counter
-        self._ids_src_TK, self._weights_src_TK = self.host_ids_TK, self.host_weights_TK
+        self._use_routing(self.host_ids_TK, self.host_weights_TK, self._host_np)
         if self.forced is not None:
             self._substitute(layer)
         if self.manager.on_miss != "wait":
@@ -385,7 +390,7 @@ class ExpertsTaps:
         or a deferred visit's copy of it)."""
         if ids_TK is None:
             self._wait_readback()
-            ids_TK = self._ids_src_TK.numpy()
+            ids_TK = self._ids_np_TK
         self._visit_result = self.runtime.visit(layer, ids_TK)  # the read-back waited for A
 
     def _substitute(self, layer: int) -> None:
@@ -404,7 +409,13 @@ class ExpertsTaps:
         dtype = self._weights_dtype_L.get(layer, torch.float32)
         forced_w_TK.copy_(torch.as_tensor(np.array(w_TK)).to(dtype))
         self.tap_B[: self._routing_bytes].copy_(self._forced_B[turn], non_blocking=self.is_cuda)
-        self._ids_src_TK, self._weights_src_TK = forced_ids_TK, forced_w_TK
+        self._use_routing(forced_ids_TK, forced_w_TK, self._forced_np[turn])
+
+    def _use_routing(self, ids_TK: torch.Tensor, w_TK: torch.Tensor, views: tuple) -> None:
+        """The routing this host point hands on: host tensors (ids int64, weights float32 [T, K]) and
+        `views`, their numpy views."""
+        self._ids_src_TK, self._weights_src_TK = ids_TK, w_TK
+        self._ids_np_TK, self._w_np_TK = views
 
     def _combine(self, layer: int) -> None:
         """Segment B is enqueued: the CPU misses (computed while B runs) into `cpu_TH`, added into B's
@@ -412,7 +423,7 @@ class ExpertsTaps:
         (`_defer_visit`), or run first where they cannot be (on_miss="split" with misses, "wait")."""
         if self.manager.prepared == layer:  # `_route` left the visit to here
             self._wait_readback()
-            ids_TK = self._ids_src_TK.numpy()
+            ids_TK = self._ids_np_TK
             if self._defer_visit(layer, ids_TK):
                 return
             self._visit(layer, ids_TK)
@@ -421,7 +432,7 @@ class ExpertsTaps:
             self._run_waited(visit)
         self.runtime.commit()
         if not visit.hit_TK.all():
-            visit.cpu_duration_ns = self._cpu_half(layer, self._ids_src_TK.numpy(), visit.hit_TK)
+            visit.cpu_duration_ns = self._cpu_half(layer, self._ids_np_TK, visit.hit_TK)
         self._visit_result = None
 
     def _defer_visit(self, layer: int, ids_TK: np.ndarray) -> bool:
@@ -432,27 +443,49 @@ class ExpertsTaps:
         With on_miss="cpu" always; with "split" (the visit decides which copies to wait for) only where
         every entry hits. False: the visit runs now (an id outside 0..E-1 too: it refuses it)."""
         manager = self.manager
-        hit_TK = manager.prepared_hits(layer, ids_TK)
-        if hit_TK is None or (manager.on_miss != "cpu" and not hit_TK.all()):
+        started = time.perf_counter_ns()
+        call = self._bound_call(ids_TK.size)
+        # the prepared row's hit mask (`manager.prepared_hits`) and the misses gathered, in one compiled call
+        m = route_misses(
+            layer * self.runtime.num_experts, manager.published_LE[layer], ids_TK, self._w_np_TK, self._hit_TK,
+            call.keys_M, call.token_M, call.weight_M,
+        )  # fmt: skip
+        if m < 0 or (m and manager.on_miss != "cpu"):
             return False
         cpu_ns = None
-        if not hit_TK.all():
-            cpu_ns = self._cpu_half(layer, ids_TK, hit_TK)
+        if m:
+            _, cpu_ns = self.runtime.cpu_half_gathered(
+                call,
+                m,
+                ids_TK.shape[0],
+                started,
+                place=self._place_of(layer),
+                round_product=self._rounds(layer),
+            )
         self._deferred = (layer, ids_TK.copy(), cpu_ns)  # a copy: the next read-back rewrites the buffer
         return True
+
+    def _bound_call(self, max_entries: int):
+        """The CPU executor bound to the host copy of x and the float32 staging buffer (`cpu_TH` on the
+        stand-in), `CpuExperts.bind`: once, again if the runtime's executor changed."""
+        call = self._cpu_call
+        if call is None or call.executor is not self.runtime.cpu:
+            out_TH = self._staging_TH if self.is_cuda else self.cpu_TH
+            call = self._cpu_call = self.runtime.cpu.bind(self.host_x_TH, out_TH, max_entries)
+        return call
+
+    def _place_of(self, layer: int):
+        """Where the layer's CPU half goes: alone (no slots, or a "cpu" layer) or added into y_TH."""
+        alone = self.num_slots == 0 or self.kind_L.get(layer) == "cpu"
+        return self._place_cpu_alone if alone else self._place_cpu_sum
 
     def _cpu_half(self, layer: int, ids_TK: np.ndarray, hit_TK: np.ndarray) -> int:
         """The layer's entries outside `hit_TK` on the CPU, from the host copy of x into the float32
         staging buffer (`cpu_TH` on the stand-in), placed by `_place_cpu_sum`; returns its host ns. The
         executor is bound to those buffers once (`CpuExperts.bind`), again if the runtime's changed."""
-        call = self._cpu_call
-        if call is None or call.executor is not self.runtime.cpu:
-            out_TH = self._staging_TH if self.is_cuda else self.cpu_TH
-            call = self._cpu_call = self.runtime.cpu.bind(self.host_x_TH, out_TH, ids_TK.size)
-        alone = self.num_slots == 0 or self.kind_L.get(layer) == "cpu"
         _, spent_ns = self.runtime.cpu_half_bound(
-            layer, call, ids_TK, self._weights_src_TK.numpy(), hit_TK,
-            place=self._place_cpu_alone if alone else self._place_cpu_sum, round_product=self._rounds(layer),
+            layer, self._bound_call(ids_TK.size), ids_TK, self._w_np_TK, hit_TK,
+            place=self._place_of(layer), round_product=self._rounds(layer),
         )  # fmt: skip
         return spent_ns
 

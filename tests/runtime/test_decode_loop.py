@@ -751,11 +751,18 @@ def test_a_layers_visit_follows_its_cpu_half_at_the_next_host_point():
 
         return logged
 
-    # the prefill's whole visits run `cpu_half`, the host points its bound form
+    # the prefill's whole visits run `cpu_half`, the host points its gathered form
     runtime.cpu_half, runtime.cpu_half_bound = (
         spy("cpu", runtime.cpu_half),
         spy("cpu", runtime.cpu_half_bound),
     )
+    gathered = runtime.cpu_half_gathered
+
+    def cpu_half_gathered(call, *args, **kwargs):  # its layer: the first miss's key // E
+        order.append(("cpu", int(call.keys_M[0]) // manager.shape.num_experts))
+        return gathered(call, *args, **kwargs)
+
+    runtime.cpu_half_gathered = cpu_half_gathered
     manager.visit = spy("visit", manager.visit)
     decoder = FastDecoder(model, max_cache_len=len(PROMPT_T) + 4)
     decoder.generate(torch.tensor([PROMPT_T]), 4)  # the prefill's token, then 3 decode steps

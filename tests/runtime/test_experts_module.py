@@ -8,7 +8,7 @@ import torch
 from moecache_kernels import slot_moe_reference
 
 import moecache
-from moecache.runtime.experts_module import OffloadedExperts, miss_entries
+from moecache.runtime.experts_module import OffloadedExperts, miss_entries, route_misses
 from tests.runtime.helpers import tiny
 
 
@@ -26,6 +26,30 @@ def test_miss_entries_are_the_missed_entries_in_token_then_k_order():
         assert torch.equal(weight_M, w_TK.float()[torch.from_numpy(t_M), torch.from_numpy(k_M)])
     none = miss_entries(0, 8, np.zeros((2, 2), np.int64), torch.ones(2, 2), np.ones((2, 2), np.bool_))
     assert [len(x) for x in none] == [0, 0, 0]
+
+
+def test_route_misses_is_the_rows_hit_mask_and_miss_entries_in_one_call():
+    rng = np.random.default_rng(5)
+    for T, K, E in ((1, 6, 64), (5, 8, 256), (16, 2, 8)):
+        row_E = np.where(rng.random(E) < 0.5, rng.integers(0, 99, E), -1).astype(np.int32)
+        ids_TK = rng.integers(0, E, (T, K)).astype(np.int64)
+        w_TK = rng.random((T, K)).astype(np.float32)
+        hit_TK = np.zeros((T, K), np.bool_)
+        keys_M, token_M, weight_M = (
+            np.zeros(T * K, np.int64),
+            np.zeros(T * K, np.int64),
+            np.zeros(T * K, np.float32),
+        )
+        m = route_misses(2 * E, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M)
+        assert hit_TK.tolist() == (row_E[ids_TK] >= 0).tolist()
+        want = miss_entries(2, E, ids_TK, torch.from_numpy(w_TK), row_E[ids_TK] >= 0)
+        assert m == len(want[0]) and 0 < m < T * K
+        assert [keys_M[:m].tolist(), token_M[:m].tolist(), weight_M[:m].tolist()] == [
+            x.tolist() for x in want
+        ]
+    for bad in (E, -1):  # an id outside 0..E-1: -1, as `CacheManager.prepared_hits` gives None
+        ids_TK[-1, -1] = bad
+        assert route_misses(0, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M) == -1
 
 
 def _half_ulp_bf16(v: torch.Tensor) -> torch.Tensor:
