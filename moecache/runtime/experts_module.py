@@ -55,7 +55,8 @@ from moecache.runtime.manager import CacheManager
 def miss_entries(layer: int, num_experts: int, ids_host_TK: np.ndarray, weights_TK: torch.Tensor, hit_TK):
     """The (token, k) entries a visit runs on the CPU, as the CPU executor's triples: (global keys int64
     [M], tokens int64 [M], weights float32 [M]), in token then k order. Both decode loops (here and
-    moecache/runtime/segments.py) gather them this way: one compiled pass (`_gather_misses`)."""
+    moecache/runtime/segments.py) gather them this way: one compiled pass (`_gather_misses`; at the fast
+    loop's deferred host point `route_misses`, which looks the hit mask up in the same pass)."""
     ids_TK = np.ascontiguousarray(ids_host_TK, np.int64)
     w_TK = weights_TK.detach().to("cpu", torch.float32).contiguous().numpy()
     n = ids_TK.size

@@ -185,10 +185,10 @@ class ExpertsTaps:
 
         self.ids_TK, self.weights_TK, self.x_TH = views(self.tap_B)
         self.host_ids_TK, self.host_weights_TK, self.host_x_TH = views(self.host_B)
-        # The routing the host point hands the manager and the CPU path: the read-back's, or forced rows
-        # (`_use_routing`: the tensors and their numpy views, made once per buffer, not per host point).
+        # The routing the host point hands the manager and the CPU path, as numpy views (made once per
+        # buffer, not per host point): the read-back's, or forced rows (`_substitute`).
         self._host_np = (self.host_ids_TK.numpy(), self.host_weights_TK.numpy())
-        self._use_routing(self.host_ids_TK, self.host_weights_TK, self._host_np)
+        self._ids_np_TK, self._w_np_TK = self._host_np
         self._hit_TK = np.zeros((T, K), np.bool_)  # the deferred visit's hit mask (`_defer_visit`), reused
         # The parts of a layer's output, float32 (each part's sums unrounded; module docstring): the
         # resident experts' (into which the others are added), the CPU misses', on_miss="split": the waited
@@ -350,7 +350,7 @@ class ExpertsTaps:
         resident experts. With waits the visit runs here: B(l) reads the row that visit sets."""
         copied = self.flush()
         self._expected += 1  # A(l), just run, bumped the device counter
-        self._use_routing(self.host_ids_TK, self.host_weights_TK, self._host_np)
+        self._ids_np_TK, self._w_np_TK = self._host_np  # the read-back's, unless forced rows replace it
         if self.forced is not None:
             self._substitute(layer)
         if self.manager.on_miss != "wait":
@@ -409,13 +409,7 @@ class ExpertsTaps:
         dtype = self._weights_dtype_L.get(layer, torch.float32)
         forced_w_TK.copy_(torch.as_tensor(np.array(w_TK)).to(dtype))
         self.tap_B[: self._routing_bytes].copy_(self._forced_B[turn], non_blocking=self.is_cuda)
-        self._use_routing(forced_ids_TK, forced_w_TK, self._forced_np[turn])
-
-    def _use_routing(self, ids_TK: torch.Tensor, w_TK: torch.Tensor, views: tuple) -> None:
-        """The routing this host point hands on: host tensors (ids int64, weights float32 [T, K]) and
-        `views`, their numpy views."""
-        self._ids_src_TK, self._weights_src_TK = ids_TK, w_TK
-        self._ids_np_TK, self._w_np_TK = views
+        self._ids_np_TK, self._w_np_TK = self._forced_np[turn]
 
     def _combine(self, layer: int) -> None:
         """Segment B is enqueued: the CPU misses (computed while B runs) into `cpu_TH`, added into B's
