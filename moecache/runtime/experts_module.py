@@ -89,11 +89,11 @@ def _gather_misses(base, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
 
 
 @nb.njit(cache=True, nogil=True)
-def route_misses(base, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
+def route_misses(base, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M, ids_copy_TK):
     """The fast loop's host point in one compiled call: `hit_TK[t, k]` (bool, written) is whether expert
-    `ids_TK[t, k]` is in the mapping row `row_E` (int32 [E], -1: not resident), and the misses are
-    gathered as `_gather_misses` does (keys `base` + id). Returns their count m, or -1 if an id is outside
-    0..E-1 (what was written is then meaningless)."""
+    `ids_TK[t, k]` is in the mapping row `row_E` (int32 [E], -1: not resident), the misses are gathered
+    as `_gather_misses` does (keys `base` + id), and `ids_copy_TK` receives a copy of `ids_TK`. Returns
+    the misses' count m, or -1 if an id is outside 0..E-1 (what was written is then meaningless)."""
     E = row_E.shape[0]
     m = 0
     for t in range(ids_TK.shape[0]):
@@ -101,6 +101,7 @@ def route_misses(base, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M):
             e = ids_TK[t, k]
             if e < 0 or e >= E:
                 return -1
+            ids_copy_TK[t, k] = e
             hit = row_E[e] >= 0
             hit_TK[t, k] = hit
             if not hit:
@@ -309,15 +310,25 @@ class ExpertsRuntime:
             call, m, hit_TK.shape[0], started, place=place, round_product=round_product
         )
 
-    def cpu_half_gathered(self, call, m: int, tokens: int, started_ns: int, *, place, round_product: bool):
+    def cpu_half_gathered(
+        self, call, m: int, tokens: int, started_ns: int, *, place, round_product: bool, count: bool = True
+    ):
         """`cpu_half_bound` once its `m` misses are in the call's arrays (gathered by the caller, e.g. with
-        `route_misses`, since `started_ns`, a perf_counter_ns): the call, `place`, the counters. Returns
-        (place's result, the host ns since `started_ns`)."""
+        `route_misses`, since `started_ns`, a perf_counter_ns): the call, `place`, then the counters
+        (`count_cpu_half`), unless `count` is False: the caller then counts it before the bound call runs
+        again (the fast loop's deferred visit: off the step's critical path). Returns (place's result,
+        the host ns since `started_ns`)."""
         y_TH = place(call(m, round_product))
         spent_ns = time.perf_counter_ns() - started_ns
+        if count:
+            self.count_cpu_half(call, m, tokens, spent_ns)
+        return y_TH, spent_ns
+
+    def count_cpu_half(self, call, m: int, tokens: int, spent_ns: int) -> None:
+        """Count the bound call's last run, `m` entries of `tokens` tokens in `spent_ns` host ns: the
+        counters and the CPU-path log (its keys and executor time are read from the call)."""
         self.counters.cpu_exec_ns += call.last_ns
         self._count_cpu_call(tokens, call.keys_M[:m], spent_ns)
-        return y_TH, spent_ns
 
     def _count_cpu_call(self, tokens: int, keys_M, spent_ns: int) -> None:
         counters = self.counters

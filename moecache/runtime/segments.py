@@ -190,6 +190,10 @@ class ExpertsTaps:
         self._host_np = (self.host_ids_TK.numpy(), self.host_weights_TK.numpy())
         self._ids_np_TK, self._w_np_TK = self._host_np
         self._hit_TK = np.zeros((T, K), np.bool_)  # the deferred visit's hit mask (`_defer_visit`), reused
+        # The deferred visit's copy of its routing (`_defer_visit`: the next read-back rewrites the host
+        # buffer); rewritten at the next deferral, after `flush` has run the visit that read it (the
+        # manager keeps no reference to a visit's routing).
+        self._deferred_ids_TK = np.zeros((T, K), np.int64)
         # The parts of a layer's output, float32 (each part's sums unrounded; module docstring): the
         # resident experts' (into which the others are added), the CPU misses', on_miss="split": the waited
         wide = torch.float32
@@ -199,9 +203,9 @@ class ExpertsTaps:
         self._staging_TH = self.device.host_buffer((T, H), wide) if self.is_cuda else None
         self._cpu_call = None  # the CPU path bound to host_x_TH and the staging buffer (`_cpu_half`)
         self._visit_result = None
-        # (layer, its routing, its CPU half's ns or None) whose visit `_combine` left to the next host
-        # point: the routing copied out, since the next segment's read-back rewrites the host buffer
-        self._deferred: tuple[int, np.ndarray, int | None] | None = None
+        # (layer, its routing, its CPU half's ns or None, that CPU half's uncounted run or None) whose
+        # visit `_combine` left to the next host point: the routing copied out (`_deferred_ids_TK`)
+        self._deferred: tuple | None = None
         if self.is_cuda:  # the read-back's step counter: bumped on the device, copied after the routing
             self._count_dev = torch.zeros(1, dtype=torch.int64, device=where)
             self._count_host = self.device.host_buffer(1, torch.int64)
@@ -367,8 +371,12 @@ class ExpertsTaps:
 
     def abandon(self) -> None:
         """Forget a visit left half done by a step that did not finish (an error between the host points):
-        the manager's pending prepare and a deferred visit. After a complete step (flushed) a no-op."""
-        self._deferred = self._visit_result = None
+        the manager's pending prepare and a deferred visit (its CPU half, which ran, is counted). After a
+        complete step (flushed) a no-op."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and deferred[3] is not None:
+            self.runtime.count_cpu_half(*deferred[3])
+        self._visit_result = None
         self.manager.cancel_prepare()
 
     def flush(self) -> bool:
@@ -377,7 +385,9 @@ class ExpertsTaps:
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return False
-        layer, ids_TK, cpu_ns = deferred
+        layer, ids_TK, cpu_ns, uncounted = deferred
+        if uncounted is not None:  # the CPU half's counters, left by `_defer_visit` to here
+            self.runtime.count_cpu_half(*uncounted)
         self._visit(layer, ids_TK)
         visit = self._visit_result
         visit.cpu_duration_ns = cpu_ns  # its CPU half ran at `_combine`
@@ -439,24 +449,23 @@ class ExpertsTaps:
         manager = self.manager
         started = time.perf_counter_ns()
         call = self._bound_call(ids_TK.size)
-        # the prepared row's hit mask (`manager.prepared_hits`) and the misses gathered, in one compiled call
+        ids_copy_TK = self._deferred_ids_TK
+        # the prepared row's hit mask (`manager.prepared_hits`), the misses gathered and the routing
+        # copied out, in one compiled call
         m = route_misses(
             layer * self.runtime.num_experts, manager.published_LE[layer], ids_TK, self._w_np_TK, self._hit_TK,
-            call.keys_M, call.token_M, call.weight_M,
+            call.keys_M, call.token_M, call.weight_M, ids_copy_TK,
         )  # fmt: skip
         if m < 0 or (m and manager.on_miss != "cpu"):
             return False
-        cpu_ns = None
-        if m:
+        cpu_ns = uncounted = None
+        if m:  # counted at `flush`, while the GPU computes the next segment
+            T, place, rounds = ids_TK.shape[0], self._place_of(layer), self._rounds(layer)
             _, cpu_ns = self.runtime.cpu_half_gathered(
-                call,
-                m,
-                ids_TK.shape[0],
-                started,
-                place=self._place_of(layer),
-                round_product=self._rounds(layer),
+                call, m, T, started, place=place, round_product=rounds, count=False
             )
-        self._deferred = (layer, ids_TK.copy(), cpu_ns)  # a copy: the next read-back rewrites the buffer
+            uncounted = (call, m, T, cpu_ns)
+        self._deferred = (layer, ids_copy_TK, cpu_ns, uncounted)
         return True
 
     def _bound_call(self, max_entries: int):

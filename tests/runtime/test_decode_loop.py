@@ -770,3 +770,24 @@ def test_a_layers_visit_follows_its_cpu_half_at_the_next_host_point():
     assert order[:2] == [("visit", 0), ("cpu", 0)]
     assert decode == [(what, layer) for _ in range(3) for layer in range(L) for what in ("cpu", "visit")]
     assert decoder._taps._deferred is None  # the last step's visit ran before generate returned
+
+
+def test_every_cpu_half_is_counted_by_the_time_generate_returns():
+    # a deferred visit's CPU half is counted at the next host point's flush (off the critical path), the
+    # last step's before generate returns; an abandoned step's too
+    plain = tiny("qwen3_5_moe")
+    L = adapter_for(plain).num_layers
+    model = moecache.offload(plain, capacity=0, policy="lru")
+    runtime = model.moecache.runtime
+    K, P = model.moecache.manager.shape.top_k, len(PROMPT_T)
+    runtime.cpu_log = []
+    decoder = FastDecoder(model, max_cache_len=P + 4)
+    decoder.generate(torch.tensor([PROMPT_T]), 4)  # the prefill's whole visits, then 3 decode steps
+    c = runtime.counters
+    assert c.cpu_calls == 4 * L and c.cpu_entries == (P + 3) * L * K and c.cpu_exec_ns > 0
+    assert [row[:2] for row in runtime.cpu_log] == [(P, P * K)] * L + [(1, K)] * 3 * L
+    taps = decoder._taps
+    taps._route_and_combine(0)  # a host point whose step then fails: its CPU half ran, its visit is dropped
+    assert taps._deferred is not None and c.cpu_calls == 4 * L
+    taps.abandon()
+    assert taps._deferred is None and c.cpu_calls == 4 * L + 1

@@ -28,7 +28,7 @@ def test_miss_entries_are_the_missed_entries_in_token_then_k_order():
     assert [len(x) for x in none] == [0, 0, 0]
 
 
-def test_route_misses_is_the_rows_hit_mask_and_miss_entries_in_one_call():
+def test_route_misses_is_the_rows_hit_mask_miss_entries_and_a_copy_of_the_routing_in_one_call():
     rng = np.random.default_rng(5)
     for T, K, E in ((1, 6, 64), (5, 8, 256), (16, 2, 8)):
         row_E = np.where(rng.random(E) < 0.5, rng.integers(0, 99, E), -1).astype(np.int32)
@@ -40,8 +40,9 @@ def test_route_misses_is_the_rows_hit_mask_and_miss_entries_in_one_call():
             np.zeros(T * K, np.int64),
             np.zeros(T * K, np.float32),
         )
-        m = route_misses(2 * E, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M)
-        assert hit_TK.tolist() == (row_E[ids_TK] >= 0).tolist()
+        copy_TK = np.full((T, K), -7, np.int64)
+        m = route_misses(2 * E, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M, copy_TK)
+        assert hit_TK.tolist() == (row_E[ids_TK] >= 0).tolist() and copy_TK.tolist() == ids_TK.tolist()
         want = miss_entries(2, E, ids_TK, torch.from_numpy(w_TK), row_E[ids_TK] >= 0)
         assert m == len(want[0]) and 0 < m < T * K
         assert [keys_M[:m].tolist(), token_M[:m].tolist(), weight_M[:m].tolist()] == [
@@ -49,7 +50,7 @@ def test_route_misses_is_the_rows_hit_mask_and_miss_entries_in_one_call():
         ]
     for bad in (E, -1):  # an id outside 0..E-1: -1, as `CacheManager.prepared_hits` gives None
         ids_TK[-1, -1] = bad
-        assert route_misses(0, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M) == -1
+        assert route_misses(0, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M, copy_TK) == -1
 
 
 def _half_ulp_bf16(v: torch.Tensor) -> torch.Tensor:
