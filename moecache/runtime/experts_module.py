@@ -306,23 +306,17 @@ class ExpertsRuntime:
         m = _gather_misses(
             layer * self.num_experts, ids_host_TK, w_host_TK, hit_TK, call.keys_M, call.token_M, call.weight_M
         )
-        return self.cpu_half_gathered(
-            call, m, hit_TK.shape[0], started, place=place, round_product=round_product
-        )
-
-    def cpu_half_gathered(
-        self, call, m: int, tokens: int, started_ns: int, *, place, round_product: bool, count: bool = True
-    ):
-        """`cpu_half_bound` once its `m` misses are in the call's arrays (gathered by the caller, e.g. with
-        `route_misses`, since `started_ns`, a perf_counter_ns): the call, `place`, then the counters
-        (`count_cpu_half`), unless `count` is False: the caller then counts it before the bound call runs
-        again (the fast loop's deferred visit: off the step's critical path). Returns (place's result,
-        the host ns since `started_ns`)."""
-        y_TH = place(call(m, round_product))
-        spent_ns = time.perf_counter_ns() - started_ns
-        if count:
-            self.count_cpu_half(call, m, tokens, spent_ns)
+        y_TH, spent_ns = self.cpu_half_gathered(call, m, started, place=place, round_product=round_product)
+        self.count_cpu_half(call, m, hit_TK.shape[0], spent_ns)
         return y_TH, spent_ns
+
+    def cpu_half_gathered(self, call, m: int, started_ns: int, *, place, round_product: bool):
+        """The call and `place` once `m` misses are in the call's arrays (gathered by the caller since
+        `started_ns`, a perf_counter_ns: `cpu_half_bound`, or the fast loop's `route_misses`). Not counted:
+        the caller runs `count_cpu_half` before the bound call runs again (the fast loop's deferred visit,
+        off the step's critical path). Returns (place's result, the host ns since `started_ns`)."""
+        y_TH = place(call(m, round_product))
+        return y_TH, time.perf_counter_ns() - started_ns
 
     def count_cpu_half(self, call, m: int, tokens: int, spent_ns: int) -> None:
         """Count the bound call's last run, `m` entries of `tokens` tokens in `spent_ns` host ns: the

@@ -461,9 +461,7 @@ class ExpertsTaps:
         cpu_ns = uncounted = None
         if m:  # counted at `flush`, while the GPU computes the next segment
             T, place, rounds = ids_TK.shape[0], self._place_of(layer), self._rounds(layer)
-            _, cpu_ns = self.runtime.cpu_half_gathered(
-                call, m, T, started, place=place, round_product=rounds, count=False
-            )
+            _, cpu_ns = self.runtime.cpu_half_gathered(call, m, started, place=place, round_product=rounds)
             uncounted = (call, m, T, cpu_ns)
         self._deferred = (layer, ids_copy_TK, cpu_ns, uncounted)
         return True

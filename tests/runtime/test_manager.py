@@ -15,6 +15,7 @@ import torch
 
 from moecache.errors import MoecacheError
 from moecache.runtime.device import StandinDevice
+from moecache.runtime.experts_module import route_misses
 from moecache.runtime.manager import CacheManager
 from moecache.sim.policy import make_policy
 from moecache.sim.replay import replay_instant
@@ -596,6 +597,11 @@ def test_prepared_hits_are_the_following_visits_hit_mask():
     routing = ids(2, 3)
     want = m.prepared_hits(0, routing)
     assert m.prepared_hits(0, ids(1, 8)) is None and m.prepared_hits(0, ids(-1, 2)) is None
+    # the fast loop's compiled host point computes the same mask (segments.py `_defer_visit`)
+    got, n = np.zeros(routing.shape, np.bool_), routing.size
+    scratch = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float32), np.zeros_like(routing))
+    assert route_misses(0, m.published_LE[0], routing, np.ones(routing.shape, np.float32), got, *scratch) == 1
+    assert np.array_equal(got, want)
     assert np.array_equal(m.visit(0, routing).hit_TK, want) and want.tolist() == [[True, False]]
 
 
