@@ -17,7 +17,8 @@ tests/runtime/test_cpu_experts.py with its tolerances; a wrong result stops the 
 is not timed.
 
     python benchmarks/bench_cpu_experts.py [--backends cpp,torch,kt --dtypes bfloat16 --shapes qwen3.6
-        --tokens 1,2,4,8,16 --threads 1,4,8,16 --experts 1,8 --modes cold,warm --gap-us 0,300 --repeats 50]
+        --tokens 1,2,4,8,16 --threads 1,4,8,16 --experts 1,8 --modes cold,warm --gap-us 0,300 --pages huge,base
+        --repeats 50]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from moecache.calibration import (
     pool_experts,
     summarize,
 )
+from moecache.models.host_pages import PAGE_KINDS, huge_pages_of
 from moecache.runtime.cpu_experts import CpuExperts, cpp_unavailable_reason
 
 SHAPES = {"qwen3.6": ExpertShape(2048, 512), "dsv2-lite": ExpertShape(2048, 1408)}
@@ -173,8 +175,26 @@ def bench_pool(
     if free is not None:
         max_pool = min(max_pool, free // 2)
     pool_size = max(pool_experts(expert_bytes, cache_bytes, max_pool), max(args.experts) + 1)
-    w13_P2IH, w2_PHI = make_pool(shape, pool_size, dtype)
     check = check_cases(shape, dtype, args.tokens)
+    rows = []
+    for pages in args.pages:
+        w13_P2IH, w2_PHI = make_pool(shape, pool_size, dtype, pages=pages)
+        rows += bench_backends(
+            args, shape_name, dtype_name, backends, threads, check, w13_P2IH, w2_PHI, pages
+        )
+        del w13_P2IH, w2_PHI
+    return rows
+
+
+def bench_backends(
+    args, shape_name, dtype_name, backends, threads, check, w13_P2IH, w2_PHI, pages
+) -> list[dict]:
+    """Every backend, thread count, expert count, token count and mode on one pool (`pages`: its pages)."""
+    shape, dtype = SHAPES[shape_name], dtype_of(dtype_name)
+    expert_bytes, pool_size = shape.bytes(dtype), w13_P2IH.shape[0]
+    huge = huge_pages_of(w13_P2IH)  # what the kernel gave the pool's gate_up half
+    print(f"{pages} pages: gate_up pool {w13_P2IH.numel() * w13_P2IH.element_size() / MiB:.0f} MiB, "
+          f"{'unknown' if huge is None else f'{huge / MiB:.0f} MiB'} of it in huge pages")  # fmt: skip
     rows = []
     for backend in backends:
         for nthreads in threads:
@@ -192,6 +212,7 @@ def bench_pool(
                         rows.append(
                             {
                                 "backend": backend,
+                                "pages": pages,
                                 "shape": shape_name,
                                 "dtype": dtype_name,
                                 "threads": nthreads,
@@ -205,6 +226,7 @@ def bench_pool(
                                 "per_expert_us": timing.median_us / experts,
                                 "gbps": expert_bytes * experts / (timing.median_us * 1e3),
                                 "pool_experts": pool_size,
+                                "pool_huge_page_bytes": huge,
                                 "repeats": timing.repeats,
                             }
                         )
@@ -214,7 +236,7 @@ def bench_pool(
 
 
 HEADER = (
-    f"{'backend':<6} | {'shape':<9} | {'dtype':<8} | {'thr':>3} | {'exp':>3} | {'tok':>3} | {'mode':<4} | "
+    f"{'backend':<6} | {'pages':<5} | {'shape':<9} | {'dtype':<8} | {'thr':>3} | {'exp':>3} | {'tok':>3} | {'mode':<4} | "
     f"{'gap us':>6} | "
     f"{'call us':>8} | {'p10':>8} | {'p90':>8} | {'us/expert':>9} | {'GB/s':>6}"
 )
@@ -222,7 +244,7 @@ HEADER = (
 
 def print_row(r: dict) -> None:
     print(
-        f"{r['backend']:<6} | {r['shape']:<9} | {r['dtype']:<8} | {r['threads']:>3} | {r['experts']:>3} | "
+        f"{r['backend']:<6} | {r['pages']:<5} | {r['shape']:<9} | {r['dtype']:<8} | {r['threads']:>3} | {r['experts']:>3} | "
         f"{r['tokens']:>3} | {r['mode']:<4} | {r['gap_us']:>6} | {r['call_median_us']:8.1f} | "
         f"{r['call_p10_us']:8.1f} | {r['call_p90_us']:8.1f} | {r['per_expert_us']:9.1f} | {r['gbps']:6.1f}",
         flush=True,
@@ -246,6 +268,12 @@ def main() -> None:
         default=[0],
         help="the caller spins this long before each call (a decode step's GPU segment between layers)",
     )
+    ap.add_argument(
+        "--pages",
+        type=str_list,
+        default=["huge"],
+        help="the cold pool's host pages: huge (the expert store's, moecache/models/host_pages.py) and/or base",
+    )
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-pool-mib", type=int, default=8192, help="cap on the cold pool's bytes")
@@ -256,6 +284,9 @@ def main() -> None:
     for name in args.shapes:
         if name not in SHAPES:
             ap.error(f"--shapes: '{name}' is not one of {', '.join(SHAPES)}")
+    for pages in args.pages:
+        if pages not in PAGE_KINDS:
+            ap.error(f"--pages: '{pages}' is not one of {', '.join(PAGE_KINDS)}")
     for mode in args.modes:
         if mode not in ("cold", "warm"):
             ap.error(f"--modes: '{mode}' is not cold or warm")

@@ -43,6 +43,7 @@
 #   13. `router_topk`: the routers' one-launch top-k, its GPU tests and an A/B of the decode step;
 #       `topk_tests`: its GPU tests alone; `topk_bench`: the kernel alone against torch.topk at each num_warps.
 #   14. `host_point`: the host point's Python around the CPU executor with the caches cold, this host's CPU.
+#   15. `pages`: the CPU path's cold call with its weights in huge pages and in base pages.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MC=${MC:-/tmp/mc}                 # the queue's own copy of the repository
@@ -281,6 +282,14 @@ part_topk_tests() {
 part_host_point() {
   step host_point_0 120 python3 benchmarks/bench_host_point.py
   step host_point_50 120 python3 benchmarks/bench_host_point.py --capacity 50% --policy lfu
+}
+
+# The CPU path's weights in huge pages against base pages (moecache/models/host_pages.py), this host:
+# the kernel's THP mode, then bench_cpu_experts.py's cold 8-expert call at 15 threads on a pool of each.
+part_pages() {
+  step pages 300 bash -c 'cat /sys/kernel/mm/transparent_hugepage/enabled; python3 benchmarks/bench_cpu_experts.py \
+    --backends cpp --dtypes bfloat16 --shapes qwen3.6,dsv2-lite --threads 15 --tokens 1 --experts 8 --modes cold \
+    --pages base,huge,base,huge --repeats 50'
 }
 
 # The routers' top-k alone: torch.topk against the kernel at each num_warps, one captured graph of a decode

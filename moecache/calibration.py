@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from moecache.generation import fast_generate, transformers_generate
+from moecache.models.host_pages import huge_page_bytes
 from moecache.token_clock import TokenStamps
 
 MiB = 1 << 20
@@ -182,19 +183,27 @@ def make_pool(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    pages: str = "huge",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct memory for `num_experts` experts: gate_up (P, 2I, H) and down (P, H, I).
 
     One random expert is drawn and copied into every slot: the values do not change the timing, the
-    distinct memory does, and a copy fills gigabytes much faster than a random generator.
+    distinct memory does, and a copy fills gigabytes much faster than a random generator. On the CPU
+    the pool is in the pages the expert store uses (`pages`: moecache/models/host_pages.py).
     """
     gen = torch.Generator().manual_seed(seed)
     h, i = shape.hidden_size, shape.moe_intermediate_size
     gate_up_2IH = (torch.randn(2 * i, h, generator=gen) * h**-0.5).to(device=device, dtype=dtype)
     down_HI = (torch.randn(h, i, generator=gen) * i**-0.5).to(device=device, dtype=dtype)
-    gate_up_P2IH = gate_up_2IH.expand(num_experts, 2 * i, h).clone()
-    down_PHI = down_HI.expand(num_experts, h, i).clone()
-    return gate_up_P2IH, down_PHI
+    if torch.device(device).type != "cpu":
+        return gate_up_2IH.expand(num_experts, 2 * i, h).clone(), down_HI.expand(num_experts, h, i).clone()
+
+    def filled(one_XY):
+        nbytes = num_experts * one_XY.numel() * one_XY.element_size()
+        pool_PXY = huge_page_bytes(nbytes, pages).view(dtype).view(num_experts, *one_XY.shape)
+        return pool_PXY.copy_(one_XY.expand_as(pool_PXY))
+
+    return filled(gate_up_2IH), filled(down_HI)
 
 
 def _input(tokens: int, hidden: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -184,6 +184,7 @@ environment() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>/dev/null || echo "no nvidia-smi"
     lscpu | grep -E 'Model name|^CPU\(s\)|Thread|L3' || true
     grep -E 'MemTotal|MemAvailable' /proc/meminfo
+    echo "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo unknown)"
     df -h "$WORK" "$CKPT_ROOT"
     "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
   } 2>&1 | tee "$OUT/env.txt"

@@ -7,6 +7,9 @@ views of the same bytes. These are the canonical CPU weights: the CPU fallback r
 transfer engine copies rows from them into GPU slots, and nothing ever frees, moves or writes them
 after loading (eviction only forgets a slot).
 
+Pages: the allocation asks for 2 MiB pages before it is filled (moecache/models/host_pages.py): the
+CPU path streams experts picked at random from all of it.
+
 Pinning: one `cudaHostRegister` of the whole allocation (its exact size), never per-expert
 `pin_memory()`, which rounds every allocation up to a power of two (pytorch #95823). `pin="auto"`
 warns in one line and keeps pageable memory where registration is impossible (no CUDA, or the call
@@ -28,6 +31,7 @@ import weakref
 import torch
 
 from moecache.errors import MoecacheError
+from moecache.models.host_pages import huge_page_bytes
 
 PIN_MODES = ("auto", "strict", "off")
 
@@ -95,12 +99,20 @@ class ExpertStore:
 
     @classmethod
     def allocate(
-        cls, num_layers: int, num_experts: int, hidden: int, inter: int, dtype=torch.bfloat16
+        cls,
+        num_layers: int,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        dtype=torch.bfloat16,
+        pages: str = "huge",
     ) -> ExpertStore:
-        """An unfilled, unpinned store (fill it, then call `pin`)."""
+        """An unfilled, unpinned store (fill it, then call `pin`), in huge pages where the kernel offers
+        them (`pages`: moecache/models/host_pages.py)."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         expert_bytes = (3 * inter * hidden) * itemsize
-        flat_GB = torch.empty((num_layers * num_experts, expert_bytes), dtype=torch.uint8)
+        G = num_layers * num_experts
+        flat_GB = huge_page_bytes(G * expert_bytes, pages).view(G, expert_bytes)
         return cls(flat_GB, num_layers, num_experts, hidden, inter, dtype)
 
     @classmethod

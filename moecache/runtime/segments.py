@@ -31,7 +31,9 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
   where every entry is in the prepared row (then it is deferred as above); a visit that waits
   for some copies (VisitResult.waited) gets one more operator call at `_combine` over its wait row (a
   graph of its own once the step is captured, `capture_waits`), behind the compute stream's wait on
-  those copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty and both host points are one. On the CPU
+  those copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty and both host points are one; the CPU half, then the
+  layer's whole output, stays in pinned memory until the next segment's first copy takes it (captured with
+  that segment: after the executor returns, the host only replays). On the CPU
   (the stand-in device) there is no read-back (the tap buffer is host memory) and the manager uploads
   rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
@@ -250,6 +252,8 @@ class ExpertsTaps:
         self._enqueue_readback()
         if self.num_slots == 0 or kind == "cpu":  # nothing resident: the CPU computes every entry
             self.segments.cut(lambda: self._route_and_combine(layer))
+            if self.is_cuda:  # the host point left the CPU half's sum in pinned memory: copied in here
+                self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
             return self.cpu_TH.to(x_TH.dtype, copy=True)
         self.segments.cut(lambda: self._route(layer))
         manager = self.manager
@@ -476,9 +480,12 @@ class ExpertsTaps:
         return call
 
     def _place_of(self, layer: int):
-        """Where the layer's CPU half goes: alone (no slots, or a "cpu" layer) or added into y_TH."""
+        """Where the layer's CPU half goes: added into y_TH, or, where it is the layer's whole output (no
+        slots, or a "cpu" layer), left where the executor wrote it: the next segment's first copy takes
+        it from the pinned staging buffer (`__call__`; captured with that segment, so the host point
+        enqueues nothing after the executor returns)."""
         alone = self.num_slots == 0 or self.kind_L.get(layer) == "cpu"
-        return self._place_cpu_alone if alone else self._place_cpu_sum
+        return _left_in_place if alone else self._place_cpu_sum
 
     def _cpu_half(self, layer: int, ids_TK: np.ndarray, hit_TK: np.ndarray) -> int:
         """The layer's entries outside `hit_TK` on the CPU, from the host copy of x into the float32
@@ -491,15 +498,11 @@ class ExpertsTaps:
         return spent_ns
 
     def _place_cpu_sum(self, y_host_TH: torch.Tensor) -> None:
-        """The CPU half's float32 sum into `cpu_TH` and added into y_TH on the compute stream, after B(l)."""
-        self._place_cpu_alone(y_host_TH)
-        self.y_TH.add_(self.cpu_TH)
-
-    def _place_cpu_alone(self, y_host_TH: torch.Tensor) -> None:
-        """The CPU half's float32 sum into `cpu_TH` (on CUDA from its pinned staging buffer): the layer's
-        result where it has no resident half (no slots, or a "cpu" layer)."""
+        """The CPU half's float32 sum into `cpu_TH` (on CUDA from its pinned staging buffer) and added into
+        y_TH on the compute stream, after B(l)."""
         if y_host_TH is not self.cpu_TH:
             self.cpu_TH.copy_(y_host_TH, non_blocking=True)
+        self.y_TH.add_(self.cpu_TH)
 
     def _run_waited(self, visit) -> None:
         """on_miss="split": the experts whose copies the compute stream waits for, one more operator call
@@ -541,6 +544,10 @@ class ExpertsTaps:
     def _route_and_combine(self, layer: int) -> None:
         self._route(layer)
         self._combine(layer)
+
+
+def _left_in_place(y_host_TH: torch.Tensor) -> None:
+    """A CPU half's placement where the next segment reads it from where the executor wrote it."""
 
 
 def _one_line(exc: BaseException) -> str:
