@@ -17,8 +17,8 @@ tests/runtime/test_cpu_experts.py with its tolerances; a wrong result stops the 
 is not timed.
 
     python benchmarks/bench_cpu_experts.py [--backends cpp,torch,kt --dtypes bfloat16 --shapes qwen3.6
-        --tokens 1,2,4,8,16 --threads 1,4,8,16 --experts 1,8 --modes cold,warm --gap-us 0,300 --pages huge,base
-        --repeats 50]
+        --tokens 1,2,4,8,16 --threads 1,4,8,16 --experts 1,8 --modes cold,warm --gap-us 0,300
+        --pages huge,base --repeats 50]
 """
 
 from __future__ import annotations
@@ -236,15 +236,16 @@ def bench_backends(
 
 
 HEADER = (
-    f"{'backend':<6} | {'pages':<5} | {'shape':<9} | {'dtype':<8} | {'thr':>3} | {'exp':>3} | {'tok':>3} | {'mode':<4} | "
-    f"{'gap us':>6} | "
+    f"{'backend':<6} | {'pages':<5} | {'shape':<9} | {'dtype':<8} | {'thr':>3} | {'exp':>3} | {'tok':>3} | "
+    f"{'mode':<4} | {'gap us':>6} | "
     f"{'call us':>8} | {'p10':>8} | {'p90':>8} | {'us/expert':>9} | {'GB/s':>6}"
 )
 
 
 def print_row(r: dict) -> None:
     print(
-        f"{r['backend']:<6} | {r['pages']:<5} | {r['shape']:<9} | {r['dtype']:<8} | {r['threads']:>3} | {r['experts']:>3} | "
+        f"{r['backend']:<6} | {r['pages']:<5} | {r['shape']:<9} | {r['dtype']:<8} | {r['threads']:>3} | "
+        f"{r['experts']:>3} | "
         f"{r['tokens']:>3} | {r['mode']:<4} | {r['gap_us']:>6} | {r['call_median_us']:8.1f} | "
         f"{r['call_p10_us']:8.1f} | {r['call_p90_us']:8.1f} | {r['per_expert_us']:9.1f} | {r['gbps']:6.1f}",
         flush=True,
@@ -272,7 +273,7 @@ def main() -> None:
         "--pages",
         type=str_list,
         default=["huge"],
-        help="the cold pool's host pages: huge (the expert store's, moecache/models/host_pages.py) and/or base",
+        help="the cold pool's host pages: huge (the expert store's: moecache/models/host_pages.py), base",
     )
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)

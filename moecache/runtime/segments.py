@@ -31,11 +31,11 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
   where every entry is in the prepared row (then it is deferred as above); a visit that waits
   for some copies (VisitResult.waited) gets one more operator call at `_combine` over its wait row (a
   graph of its own once the step is captured, `capture_waits`), behind the compute stream's wait on
-  those copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty and both host points are one; the CPU half, then the
-  layer's whole output, stays in pinned memory until the next segment's first copy takes it (captured with
-  that segment: after the executor returns, the host only replays). On the CPU
-  (the stand-in device) there is no read-back (the tap buffer is host memory) and the manager uploads
-  rows itself.
+  those copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty
+  and both host points are one; the CPU half, then the layer's whole output, stays in pinned memory until
+  the next segment's first copy takes it (captured with that segment: after the executor returns, the
+  host only replays). On the CPU (the stand-in device) there is no read-back (the tap buffer is host
+  memory) and the manager uploads rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
 - split under a fixed placement (`Policy.fixed_placement`: the residents never change, the step being `static_step`; `layer_kinds`):

@@ -1,5 +1,5 @@
 """benchmarks/bench_cpu_experts.py: one row per (mode, gap) with the gap it ran with; a negative gap is
-refused."""
+refused; each --pages kind a pool of its own."""
 
 from __future__ import annotations
 
@@ -36,3 +36,16 @@ def test_a_negative_gap_is_refused(monkeypatch, capsys):
         run(monkeypatch, capsys, "--gap-us", "0,-5")
     assert exc.value.code == 2
     assert "--gap-us" in capsys.readouterr().err
+
+
+def test_each_page_kind_is_a_pool_of_its_own(monkeypatch, capsys):
+    result = run(monkeypatch, capsys, "--modes", "cold", "--pages", "base,huge")
+    assert [r["pages"] for r in result["rows"]] == ["base", "huge"]
+    assert all(r["call_median_us"] > 0 for r in result["rows"])
+
+
+def test_a_bad_page_kind_is_refused(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run(monkeypatch, capsys, "--pages", "huge,tiny")
+    assert exc.value.code == 2
+    assert "--pages: 'tiny'" in capsys.readouterr().err
