@@ -13,13 +13,15 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
           static buffers, slot_of_LE[l], pool)                            |  resident experts
       host point `_combine(l)`: wait for the read-back (a spin on the counter's host copy: no CUDA
           call); the CPU misses (the entries outside the prepared row, which is the visit's snapshot)
-          computed (float32 sums) while B(l) runs, copied into a static buffer and added into y_TH in
-          float32 (both on the compute stream, after B(l); nothing when the layer had no miss)
-      return y_TH rounded to x's dtype                                    | the next segment
+          computed (float32 sums) while B(l) runs, into pinned memory (zeros when the layer had no
+          miss); the host enqueues nothing after them
+      (CUDA) that sum copied into a static buffer; y_TH += it (float32)   | the next segment
+      return y_TH rounded to x's dtype                                    |
       `manager.visit(l)` (the policy, copies) and `commit()`: at the next host point (`flush`), while
           the GPU computes the next segment
   The layer's output is rounded once, from the float32 sum of both halves (docs/runtime.md, "One
-  rounding"); the rounding is the first kernel of the next segment (one small kernel per MoE layer).
+  rounding"); the CPU half's copy, its add and the rounding are the first kernels of the next segment
+  (captured with it: after the CPU half the host only replays).
   So B(l) is replayed right behind A(l): the GPU computes the resident experts while the host reads the
   routing back and runs the CPU half. With on_miss="cpu" the visit never changes what layer l computes
   (its hits are the prepared row's), so it runs at the next host point, on a copy of its routing, after
@@ -31,11 +33,10 @@ experts modules of an offloaded model (`OffloadedExperts.tap`) are switched to o
   where every entry is in the prepared row (then it is deferred as above); a visit that waits
   for some copies (VisitResult.waited) gets one more operator call at `_combine` over its wait row (a
   graph of its own once the step is captured, `capture_waits`), behind the compute stream's wait on
-  those copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty
-  and both host points are one; the CPU half, then the layer's whole output, stays in pinned memory until
-  the next segment's first copy takes it (captured with that segment: after the executor returns, the
-  host only replays). On the CPU (the stand-in device) there is no read-back (the tap buffer is host
-  memory) and the manager uploads rows itself.
+  those copies, added into y_TH before the CPU misses are. With no slots (capacity 0) segment B is empty,
+  both host points are one and the CPU half, copied in by the next segment, is the layer's output. On
+  the CPU (the stand-in device) there is no read-back (the tap buffer is host memory), the executor
+  writes `cpu_TH` itself and the manager uploads rows itself.
 - "fused" (every expert resident and the mapping frozen: capacity = all experts, all published): the
   experts call is `slot_moe` on the fixed mapping, no host point at all, so a step is one segment.
 - split under a fixed placement (`Policy.fixed_placement`: the residents never change, the step being `static_step`; `layer_kinds`):
@@ -203,6 +204,11 @@ class ExpertsTaps:
         self.cpu_TH = torch.zeros((T, H), dtype=wide, device=where)
         self.wait_TH = torch.zeros((T, H), dtype=wide, device=where)
         self._staging_TH = self.device.host_buffer((T, H), wide) if self.is_cuda else None
+        # Where the executor writes the CPU half (the staging buffer; `cpu_TH` itself on the stand-in), as
+        # numpy, and whether it holds a CPU half since it was last zeroed: the next segment adds it into
+        # y_TH whatever the layer ran, so a layer with no CPU half zeroes it (`_no_cpu_half`).
+        self._cpu_out_np = (self._staging_TH if self.is_cuda else self.cpu_TH).numpy()
+        self._cpu_out_written = True
         self._cpu_call = None  # the CPU path bound to host_x_TH and the staging buffer (`_cpu_half`)
         self._visit_result = None
         # (layer, its routing, its CPU half's ns or None, that CPU half's uncounted run or None) whose
@@ -252,8 +258,7 @@ class ExpertsTaps:
         self._enqueue_readback()
         if self.num_slots == 0 or kind == "cpu":  # nothing resident: the CPU computes every entry
             self.segments.cut(lambda: self._route_and_combine(layer))
-            if self.is_cuda:  # the host point left the CPU half's sum in pinned memory: copied in here
-                self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
+            self._take_cpu_half()
             return self.cpu_TH.to(x_TH.dtype, copy=True)
         self.segments.cut(lambda: self._route(layer))
         manager = self.manager
@@ -263,8 +268,10 @@ class ExpertsTaps:
             *self._operands(manager.slot_of_LE[layer]), out_TH=self.y_TH, round_product=self._rounds(layer)
         )
         self.segments.cut(lambda: self._combine(layer))
-        # the CPU misses were added into y_TH at `_combine` (when there were any); the one rounding, in the
-        # next segment (a float32 model gets the static buffer itself)
+        # the CPU misses' sum (zeros where the layer had none) added into y_TH, then the one rounding, in
+        # the next segment (a float32 model gets the static buffer itself)
+        self._take_cpu_half()
+        self.y_TH.add_(self.cpu_TH)
         return self.y_TH.to(x_TH.dtype)
 
     def frozen(self) -> bool:
@@ -426,9 +433,10 @@ class ExpertsTaps:
         self._ids_np_TK, self._w_np_TK = self._forced_np[turn]
 
     def _combine(self, layer: int) -> None:
-        """Segment B is enqueued: the CPU misses (computed while B runs) into `cpu_TH`, added into B's
-        `y_TH` on the compute stream (with slots); the visit and commit deferred to the next host point
-        (`_defer_visit`), or run first where they cannot be (on_miss="split" with misses, "wait")."""
+        """Segment B is enqueued: the CPU misses (computed while B runs) into the staging buffer (zeros
+        without a miss), which the next segment adds into B's `y_TH`; the visit and commit deferred to the
+        next host point (`_defer_visit`), or run first where they cannot be (on_miss="split" with misses,
+        "wait")."""
         if self.manager.prepared == layer:  # `_route` left the visit to here
             self._wait_readback()
             ids_TK = self._ids_np_TK
@@ -439,7 +447,9 @@ class ExpertsTaps:
         if visit.waited:  # before commit: the visit reads those slots until then
             self._run_waited(visit)
         self.runtime.commit()
-        if not visit.hit_TK.all():
+        if visit.hit_TK.all():
+            self._no_cpu_half()
+        else:
             visit.cpu_duration_ns = self._cpu_half(layer, self._ids_np_TK, visit.hit_TK)
         self._visit_result = None
 
@@ -464,9 +474,14 @@ class ExpertsTaps:
             return False
         cpu_ns = uncounted = None
         if m:  # counted at `flush`, while the GPU computes the next segment
-            T, place, rounds = ids_TK.shape[0], self._place_of(layer), self._rounds(layer)
-            _, cpu_ns = self.runtime.cpu_half_gathered(call, m, started, place=place, round_product=rounds)
+            T, rounds = ids_TK.shape[0], self._rounds(layer)
+            self._cpu_out_written = True
+            _, cpu_ns = self.runtime.cpu_half_gathered(
+                call, m, started, place=_left_in_place, round_product=rounds
+            )
             uncounted = (call, m, T, cpu_ns)
+        else:
+            self._no_cpu_half()
         self._deferred = (layer, ids_copy_TK, cpu_ns, uncounted)
         return True
 
@@ -479,30 +494,29 @@ class ExpertsTaps:
             call = self._cpu_call = self.runtime.cpu.bind(self.host_x_TH, out_TH, max_entries)
         return call
 
-    def _place_of(self, layer: int):
-        """Where the layer's CPU half goes: added into y_TH, or, where it is the layer's whole output (no
-        slots, or a "cpu" layer), left where the executor wrote it: the next segment's first copy takes
-        it from the pinned staging buffer (`__call__`; captured with that segment, so the host point
-        enqueues nothing after the executor returns)."""
-        alone = self.num_slots == 0 or self.kind_L.get(layer) == "cpu"
-        return _left_in_place if alone else self._place_cpu_sum
-
     def _cpu_half(self, layer: int, ids_TK: np.ndarray, hit_TK: np.ndarray) -> int:
         """The layer's entries outside `hit_TK` on the CPU, from the host copy of x into the float32
-        staging buffer (`cpu_TH` on the stand-in), placed by `_place_cpu_sum`; returns its host ns. The
-        executor is bound to those buffers once (`CpuExperts.bind`), again if the runtime's changed."""
+        staging buffer (`cpu_TH` on the stand-in), where the next segment takes it (`_take_cpu_half`);
+        returns its host ns. The executor is bound to those buffers once (`CpuExperts.bind`), again if
+        the runtime's changed."""
+        self._cpu_out_written = True
         _, spent_ns = self.runtime.cpu_half_bound(
             layer, self._bound_call(ids_TK.size), ids_TK, self._w_np_TK, hit_TK,
-            place=self._place_of(layer), round_product=self._rounds(layer),
+            place=_left_in_place, round_product=self._rounds(layer),
         )  # fmt: skip
         return spent_ns
 
-    def _place_cpu_sum(self, y_host_TH: torch.Tensor) -> None:
-        """The CPU half's float32 sum into `cpu_TH` (on CUDA from its pinned staging buffer) and added into
-        y_TH on the compute stream, after B(l)."""
-        if y_host_TH is not self.cpu_TH:
-            self.cpu_TH.copy_(y_host_TH, non_blocking=True)
-        self.y_TH.add_(self.cpu_TH)
+    def _no_cpu_half(self) -> None:
+        """A layer with no CPU half: its sum is zeros (the next segment adds it all the same)."""
+        if self._cpu_out_written:
+            self._cpu_out_np.fill(0.0)
+            self._cpu_out_written = False
+
+    def _take_cpu_half(self) -> None:
+        """In the segment after the host point (captured with it): on CUDA the CPU half's sum copied from
+        the pinned staging buffer into `cpu_TH`; after the executor returns the host only replays."""
+        if self.is_cuda:
+            self.cpu_TH.copy_(self._staging_TH, non_blocking=True)
 
     def _run_waited(self, visit) -> None:
         """on_miss="split": the experts whose copies the compute stream waits for, one more operator call
