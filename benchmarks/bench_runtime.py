@@ -96,9 +96,7 @@ def bench_cpu_call(device, args) -> dict:
         "eager": lambda n: runtime.cpu_half(
             n % L, x_TH, ids_NTK[n], torch.from_numpy(w_TK), hit_TK, out_TH, place=lambda y: y
         ),
-        "bound": lambda n: runtime.cpu_half_bound(
-            n % L, call, ids_NTK[n], w_TK, hit_TK, place=lambda y: y, round_product=False
-        ),
+        "bound": lambda n: runtime.cpu_half_bound(n % L, call, ids_NTK[n], w_TK, hit_TK, round_product=False),
     }
     out = {"sweep_mib": args.sweep_mib}
     for name, run in forms.items():

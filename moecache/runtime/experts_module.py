@@ -294,28 +294,27 @@ class ExpertsRuntime:
         w_host_TK: np.ndarray,
         hit_TK,
         *,
-        place,
         round_product: bool,
     ):
         """`cpu_half` through `call`, a `CpuExperts.bind` on the caller's fixed host buffers (x in, the
-        float32 sum out: the fast loop's host points): the misses gathered straight into the call's
-        arrays (`ids_host_TK` int64, `w_host_TK` float32, contiguous: widened router weights, so the
-        caller says whether products round), nothing allocated or checked again per call. Returns
-        (place's result, the host ns of it all)."""
+        float32 sum out, where the caller takes it: the fast loop's host points): the misses gathered
+        straight into the call's arrays (`ids_host_TK` int64, `w_host_TK` float32, contiguous: widened
+        router weights, so the caller says whether products round), nothing allocated or checked again
+        per call. Returns (the call's output buffer, the host ns of it all)."""
         started = time.perf_counter_ns()
         m = _gather_misses(
             layer * self.num_experts, ids_host_TK, w_host_TK, hit_TK, call.keys_M, call.token_M, call.weight_M
         )
-        y_TH, spent_ns = self.cpu_half_gathered(call, m, started, place=place, round_product=round_product)
+        y_TH, spent_ns = self.cpu_half_gathered(call, m, started, round_product=round_product)
         self.count_cpu_half(call, m, hit_TK.shape[0], spent_ns)
         return y_TH, spent_ns
 
-    def cpu_half_gathered(self, call, m: int, started_ns: int, *, place, round_product: bool):
-        """The call and `place` once `m` misses are in the call's arrays (gathered by the caller since
-        `started_ns`, a perf_counter_ns: `cpu_half_bound`, or the fast loop's `route_misses`). Not counted:
-        the caller runs `count_cpu_half` before the bound call runs again (the fast loop's deferred visit,
-        off the step's critical path). Returns (place's result, the host ns since `started_ns`)."""
-        y_TH = place(call(m, round_product))
+    def cpu_half_gathered(self, call, m: int, started_ns: int, *, round_product: bool):
+        """The call once `m` misses are in the call's arrays (gathered by the caller since `started_ns`, a
+        perf_counter_ns: `cpu_half_bound`, or the fast loop's `route_misses`). Not counted: the caller
+        runs `count_cpu_half` before the bound call runs again (the fast loop's deferred visit, off the
+        step's critical path). Returns (the call's output buffer, the host ns since `started_ns`)."""
+        y_TH = call(m, round_product)
         return y_TH, time.perf_counter_ns() - started_ns
 
     def count_cpu_half(self, call, m: int, tokens: int, spent_ns: int) -> None:

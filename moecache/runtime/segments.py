@@ -205,10 +205,9 @@ class ExpertsTaps:
         self.wait_TH = torch.zeros((T, H), dtype=wide, device=where)
         self._staging_TH = self.device.host_buffer((T, H), wide) if self.is_cuda else None
         # Where the executor writes the CPU half (the staging buffer; `cpu_TH` itself on the stand-in), as
-        # numpy, and whether it holds a CPU half since it was last zeroed: the next segment adds it into
-        # y_TH whatever the layer ran, so a layer with no CPU half zeroes it (`_no_cpu_half`).
+        # numpy: the next segment adds it into y_TH whatever the layer ran, so a layer with no CPU half
+        # zeroes it (`_no_cpu_half`).
         self._cpu_out_np = (self._staging_TH if self.is_cuda else self.cpu_TH).numpy()
-        self._cpu_out_written = True
         self._cpu_call = None  # the CPU path bound to host_x_TH and the staging buffer (`_cpu_half`)
         self._visit_result = None
         # (layer, its routing, its CPU half's ns or None, that CPU half's uncounted run or None) whose
@@ -475,10 +474,7 @@ class ExpertsTaps:
         cpu_ns = uncounted = None
         if m:  # counted at `flush`, while the GPU computes the next segment
             T, rounds = ids_TK.shape[0], self._rounds(layer)
-            self._cpu_out_written = True
-            _, cpu_ns = self.runtime.cpu_half_gathered(
-                call, m, started, place=_left_in_place, round_product=rounds
-            )
+            _, cpu_ns = self.runtime.cpu_half_gathered(call, m, started, round_product=rounds)
             uncounted = (call, m, T, cpu_ns)
         else:
             self._no_cpu_half()
@@ -499,18 +495,15 @@ class ExpertsTaps:
         staging buffer (`cpu_TH` on the stand-in), where the next segment takes it (`_take_cpu_half`);
         returns its host ns. The executor is bound to those buffers once (`CpuExperts.bind`), again if
         the runtime's changed."""
-        self._cpu_out_written = True
         _, spent_ns = self.runtime.cpu_half_bound(
-            layer, self._bound_call(ids_TK.size), ids_TK, self._w_np_TK, hit_TK,
-            place=_left_in_place, round_product=self._rounds(layer),
+            layer, self._bound_call(ids_TK.size), ids_TK, self._w_np_TK, hit_TK, round_product=self._rounds(layer)
         )  # fmt: skip
         return spent_ns
 
     def _no_cpu_half(self) -> None:
-        """A layer with no CPU half: its sum is zeros (the next segment adds it all the same)."""
-        if self._cpu_out_written:
-            self._cpu_out_np.fill(0.0)
-            self._cpu_out_written = False
+        """A layer with no CPU half: its sum is zeros (the next segment adds it all the same; T x H
+        float32, 8 KiB on Qwen3.6)."""
+        self._cpu_out_np.fill(0.0)
 
     def _take_cpu_half(self) -> None:
         """In the segment after the host point (captured with it): on CUDA the CPU half's sum copied from
@@ -558,10 +551,6 @@ class ExpertsTaps:
     def _route_and_combine(self, layer: int) -> None:
         self._route(layer)
         self._combine(layer)
-
-
-def _left_in_place(y_host_TH: torch.Tensor) -> None:
-    """A CPU half's placement where the next segment reads it from where the executor wrote it."""
 
 
 def _one_line(exc: BaseException) -> str:
