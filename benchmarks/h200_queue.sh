@@ -28,6 +28,9 @@
 #      moecache compiled too);
 #   6a. `llama_qwen_static`: the same, llama.cpp and moecache compiled with static_layers only;
 #   6b. `llama_dsv2`: 1, 3 and 4 without the loader and the GPU tests (carry .vendor/traces for the forced rows);
+#   6c. `llama_lfu`: both shapes beside llama.cpp, moecache compiled with its default policy (lfu) only;
+#   6d. `stream_dsv2`: the streamed prompt misses' GPU test, then DeepSeek-V2-Lite beside llama.cpp with them
+#       streamed and not;
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
 #      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
@@ -231,6 +234,37 @@ part_llama_qwen_static() {
   step bench_llama_qwen 600 env SIDE=llama "${q[@]}" bench qwen
   step bench_static_compiled_qwen 900 env SIDE=moecache_compiled POLICY=static_layers "${q[@]}" bench qwen
   step report_qwen 60 "${VS_RUN[@]}" report qwen
+}
+
+# Both shapes beside llama.cpp with moecache's default policy (lfu) compiled, one machine: DeepSeek-V2-Lite
+# (its checkpoint on the disk; llama-bench's build while the GGUF converts; the forced rows where
+# .vendor/traces holds the trace), then, its files removed, the Qwen3.6 shape (checkpoint in /dev/shm).
+part_llama_lfu() {
+  local q=(env CKPT_ROOT=/dev/shm/ck "${VS_RUN[@]}")
+  write_dsv2
+  step prepare_dsv2 1500 "${VS_RUN[@]}" prepare dsv2
+  step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
+  step bench_moecache_compiled 900 env SIDE=moecache_compiled "${VS_RUN[@]}" bench dsv2
+  step report 60 "${VS_RUN[@]}" report dsv2
+  step clean_dsv2 120 "${VS_RUN[@]}" clean dsv2
+  step prepare_qwen 1500 "${q[@]}" prepare qwen
+  step bench_llama_qwen 600 env SIDE=llama "${q[@]}" bench qwen
+  step bench_moecache_compiled_qwen 900 env SIDE=moecache_compiled "${q[@]}" bench qwen
+  step report_qwen 60 "${VS_RUN[@]}" report dsv2 qwen
+}
+
+# A prompt's misses streamed to the device (runtime.stream_min_tokens, moecache/runtime/streamed_misses.py):
+# its GPU test, then DeepSeek-V2-Lite beside llama.cpp with the prompt's experts used by at least
+# STREAM_MIN_TOKENS (default 32: llama.cpp's own batch for moving a CPU op to the GPU, GGML_OP_OFFLOAD_MIN_BATCH)
+# of a visit's entries streamed, and without (generate's default), on one machine.
+part_stream_dsv2() {
+  step gputests_stream 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_streamed_misses.py
+  write_dsv2
+  step prepare_dsv2 1500 "${VS_RUN[@]}" prepare dsv2
+  step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
+  step bench_moecache_stream 900 env SIDE=moecache STREAM_MIN_TOKENS="${STREAM_MIN_TOKENS:-32}" "${VS_RUN[@]}" bench dsv2
+  step bench_moecache 900 env SIDE=moecache "${VS_RUN[@]}" bench dsv2
+  step report 60 "${VS_RUN[@]}" report dsv2
 }
 
 # The Qwen3.6 shape's linear-attention layers through flash-linear-attention (transformers uses its Triton

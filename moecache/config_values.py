@@ -252,6 +252,8 @@ RULES: dict[str, dict[str, Check]] = {
         "runtime.device": one_of("auto", "cuda", "standin"),
         "runtime.compile": boolean,
         "runtime.headroom": _memory_size,
+        "runtime.stream_min_tokens": integer(0),
+        "runtime.stream_chunk": integer(1),
         "runtime.init": optional(string),
         "runtime.save_state": optional(string),
     },

@@ -39,6 +39,7 @@ from torch import nn
 
 from moecache.capacity import capacity_spec, parse_capacity
 from moecache.errors import MoecacheError
+from moecache.runtime.streamed_misses import check_settings as check_stream_settings
 
 DEFAULT_POLICY = "lfu"  # moecache simulate's default (moecache/stages/simulate.py)
 SWIGLU_ACTS = ("silu", "swish")  # the activation the slot-pool operator and the CPU path compute
@@ -66,7 +67,8 @@ class OffloadSession:
         visit (the simulator's unit); `hits` ran from the slot pool, `misses` on the CPU. `copies` and
         `copy_bytes` count the copies the policy asked for (a static policy's initial residents are
         loaded before the counters start); `fallback_entries` the (token, k) entries computed on the
-        CPU; `residents_per_layer` the experts each layer's published mapping holds now."""
+        CPU, `streamed_entries` those run on the device from staging slots (`stream_min_tokens`), of
+        `streamed_experts` copies; `residents_per_layer` the experts each layer's published mapping holds now."""
         self._check_live("stats")
         now, base = self.manager.stats, self._baseline
         delta = {f.name: getattr(now, f.name) - getattr(base, f.name) for f in dataclasses.fields(now)}
@@ -91,6 +93,8 @@ class OffloadSession:
             "waited_copies": delta["waited_copies"],
             "fallback_entries": counters.cpu_entries,
             "gpu_entries": counters.gpu_entries,
+            "streamed_experts": counters.streamed_experts,
+            "streamed_entries": counters.streamed_entries,
             "residents_per_layer": (self.manager.published_LE >= 0).sum(axis=1).astype(np.int64).tolist(),
         }
 
@@ -150,6 +154,7 @@ class OffloadSession:
         cost = runtime_cost(cost_profile, on_miss, made, store.expert_bytes, who)
         modules = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
         cpu, top_k, old_device = self.runtime.cpu, old.shape.top_k, old.device
+        streaming = self.runtime.stream_settings
         is_cuda = old_device.is_cuda
         new_device = CudaDevice(old_device.torch_device.index) if is_cuda else StandinDevice(old_device.mode)
         # Release the old cache before the new pool exists (at 100% two pools may not fit).
@@ -165,6 +170,7 @@ class OffloadSession:
             torch.cuda.empty_cache()
         manager = CacheManager(store, new_device, slots, made, top_k=top_k, on_miss=on_miss, cost=cost)
         runtime = ExpertsRuntime(manager, cpu)
+        runtime.stream_misses(*streaming)
         for module in modules:
             module._runtime = runtime
         session = OffloadSession(manager, runtime, slots, self.architecture, model=model)
@@ -205,6 +211,8 @@ def offload(
     headroom: str = "3GiB",
     init: str | Path | None = None,
     router_kernel: bool = True,
+    stream_min_tokens: int = 0,
+    stream_chunk: int = 16,
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
     local checkpoint folder (streamed through moecache/models/loading.py, `dtype` as model.dtype there;
@@ -215,7 +223,11 @@ def offload(
     or "split" (the misses whose copies land before the CPU would finish wait for them, the others run on
     the CPU, weighed with `cost_profile`, a profile of moecache calibrate; moecache/runtime/manager.py).
     `router_kernel`: on CUDA, the routers' top-k through moecache's one-launch kernel where a probe shows
-    their outputs unchanged (moecache/runtime/router_topk.py; `model.moecache.router_topk` says where)."""
+    their outputs unchanged (moecache/runtime/router_topk.py; `model.moecache.router_topk` says where).
+    `stream_min_tokens` (0: off): a visit's missed expert that at least that many of its entries use runs
+    on the device, copied through staging pools of `stream_chunk` slots (two; taken from the headroom),
+    instead of on the CPU (moecache/runtime/streamed_misses.py: a prompt's visits)."""
+    check_stream_settings(stream_min_tokens, stream_chunk)  # before anything is loaded
     if isinstance(model_or_path, str | Path):
         from moecache.models.loading import OffloadRequest, load_model
         from moecache.models.memory_fit import AUTO, headroom_bytes
@@ -237,7 +249,8 @@ def offload(
             loaded.model, capacity=loaded.fit.slots, policy=policy, params=params, decision=decision,
             device=str(target), store=loaded.store, standin_mode=standin_mode,
             cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss, cost_profile=cost_profile,
-            init=init, router_kernel=router_kernel,
+            init=init, router_kernel=router_kernel, stream_min_tokens=stream_min_tokens,
+            stream_chunk=stream_chunk,
         )  # fmt: skip
     capacity_spec(capacity, key="capacity")
     if not isinstance(model_or_path, nn.Module):
@@ -248,7 +261,8 @@ def offload(
     return offload_model(
         model_or_path, capacity=capacity, policy=policy, params=params, decision=decision, device=device,
         standin_mode=standin_mode, cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss,
-        cost_profile=cost_profile, init=init, router_kernel=router_kernel,
+        cost_profile=cost_profile, init=init, router_kernel=router_kernel, stream_min_tokens=stream_min_tokens,
+        stream_chunk=stream_chunk,
     )  # fmt: skip
 
 
@@ -268,6 +282,8 @@ def offload_model(
     cost_profile: str | Path | None = None,
     init: str | Path | None = None,
     router_kernel: bool = True,
+    stream_min_tokens: int = 0,
+    stream_chunk: int = 16,
 ) -> nn.Module:
     """`offload` of a model in memory; with `store` (an ExpertStore that `load_model(..., offload=...)`
     filled, the model's routed experts left on the meta device) that store is used and the model's
@@ -284,6 +300,7 @@ def offload_model(
     made = _policy_of(policy, params, decision, "moecache.offload")
     if on_miss not in ON_MISS:
         raise MoecacheError(f"moecache.offload: on_miss={on_miss!r}: expected one of {list(ON_MISS)}")
+    check_stream_settings(stream_min_tokens, stream_chunk)
     target = _target_device(device)
     runtime_device = CudaDevice(target.index) if target.type == "cuda" else StandinDevice(standin_mode)
     _check_activation(model)
@@ -323,6 +340,7 @@ def offload_model(
 
         init_manager(manager, init)
     runtime = ExpertsRuntime(manager, cpu)
+    runtime.stream_misses(stream_min_tokens, stream_chunk)
     for layer_id, block in enumerate(blocks):
         block.experts = OffloadedExperts(layer_id, runtime)
     model.moecache = OffloadSession(manager, runtime, slots, architecture, model=model)

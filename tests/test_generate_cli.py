@@ -43,6 +43,15 @@ def test_generate_streams_the_text_and_prints_the_statistics(root):
     assert "runtime: disabled" in plain.stderr and "hit_rate" not in plain.stderr
 
 
+def test_a_streamed_prompt_generates_the_same_text(root):
+    res = generate(root, "capacity=25%", "policy=lru", "runtime.stream_min_tokens=1")
+    assert res.exit_code == 0, res.output
+    plain = generate(root, "runtime.enabled=false")
+    assert res.stdout == plain.stdout
+    stats = stats_of(res.stderr)
+    assert int(stats["streamed_entries"]) > 0 and int(stats["streamed_experts"]) > 0
+
+
 def test_capacity_zero_runs_every_expert_on_the_cpu(root):
     res = generate(root, "capacity=0")
     assert res.exit_code == 0, res.output
@@ -66,6 +75,8 @@ def test_capacity_zero_runs_every_expert_on_the_cpu(root):
         (["capacity=4", "policy=impact"], "policy impact weighs measured costs: give runtime.cost_profile"),
         (["capacity=4", "runtime.on_miss=split"], "runtime.on_miss=split weighs measured costs"),
         (["capacity=4", "runtime.on_miss=later"], "runtime.on_miss='later'"),
+        (["capacity=4", "runtime.stream_min_tokens=-1"], "runtime.stream_min_tokens=-1"),
+        (["capacity=4", "runtime.stream_chunk=0"], "runtime.stream_chunk=0"),
         (
             ["capacity=4", "runtime.cost_profile=p.json"],
             "runtime.cost_profile=p.json is read only with runtime.on_miss=split or a policy that weighs costs",

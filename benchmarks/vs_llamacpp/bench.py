@@ -424,12 +424,13 @@ def time_test(model, requests, new: int, forced=None, compile: bool = False) -> 
     tg = [r.timed_steps / r.decode_s for r in results if r.timed_steps and r.decode_s > 0]
     out = {
         "pp_samples_ts": pp, "tg_samples_ts": tg, "timed_steps": [r.timed_steps for r in results],
-        "modes": sorted({r.mode for r in results}), "hit_rate": None, "copies": None,
+        "modes": sorted({r.mode for r in results}), "hit_rate": None, "copies": None, "streamed_experts": None,
     }  # fmt: skip
     if session is not None:
         after = session.stats()
         hits, accesses = after["hits"] - before["hits"], after["accesses"] - before["accesses"]
-        out.update(hit_rate=hits / accesses if accesses else None, copies=after["copies"] - before["copies"])
+        out.update(hit_rate=hits / accesses if accesses else None, copies=after["copies"] - before["copies"],
+                   streamed_experts=after["streamed_experts"] - before["streamed_experts"])  # fmt: skip
         out["host"] = host_points(results)
     return out
 
@@ -503,7 +504,7 @@ def measure_point(model, point: Point, args, vocab: int, forced_sets, compile: b
 def summarize_moecache(pp: dict, tg: dict) -> dict:
     return {
         "pp": {"median_ts": statistics.median(pp["pp_samples_ts"]), "samples_ts": pp["pp_samples_ts"],
-               "hit_rate": pp["hit_rate"], "copies": pp["copies"]},
+               "hit_rate": pp["hit_rate"], "copies": pp["copies"], "streamed_experts": pp["streamed_experts"]},
         "tg": {"median_ts": statistics.median(tg["tg_samples_ts"]) if tg["tg_samples_ts"] else None,
                "samples_ts": tg["tg_samples_ts"], "timed_steps": tg["timed_steps"], "modes": tg["modes"],
                "hit_rate": tg["hit_rate"], "copies": tg["copies"], "host": tg.get("host")},
@@ -550,7 +551,8 @@ def moecache_side(args) -> dict:
             f"experts; the plan has {blocks} of {expert_bytes(config)}"
         )
     model = offload_model(loaded.model, capacity=points[0].capacity, policy=args.policy, device=args.device,
-                          store=loaded.store, cpu_threads=args.threads)  # fmt: skip
+                          store=loaded.store, cpu_threads=args.threads, stream_min_tokens=args.stream_min_tokens,
+                          stream_chunk=args.stream_chunk)  # fmt: skip
     vocab = int(model.get_output_embeddings().weight.shape[0])
     forced_sets, forced_about = None, None
     if args.forced_trace is not None:
@@ -586,11 +588,15 @@ def moecache_side(args) -> dict:
         "gpu": torch.cuda.get_device_name() if on_cuda else None, "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "load_s": load_s,
         "policy": model.moecache.stats()["policy"], "cpu_threads": args.threads, "forced": forced_about,
-        "compile": compile,
+        "compile": compile, "stream_min_tokens": args.stream_min_tokens, "stream_chunk": args.stream_chunk,
         "model": {k: described[k] for k in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_bytes")},
         "points": rows, "unmodified": unmodified,
     }  # fmt: skip
-    save(args.results / f"{args.shape}-{moecache_results(compile, args.policy)}.json", result)
+    save(
+        args.results
+        / f"{args.shape}-{moecache_results(compile, args.policy, args.stream_min_tokens > 0)}.json",
+        result,
+    )
     return result
 
 
@@ -598,10 +604,14 @@ def moecache_side(args) -> dict:
 SPLIT_POLICY = "static_layers"
 
 
-def moecache_results(compile: bool, policy: str | None = None) -> str:
+def moecache_results(compile: bool, policy: str | None = None, streamed: bool = False) -> str:
     """The moecache side's results name: the fast loop as generate runs it by default, or compiled; with
-    its default policy, or `policy` (`bench.py moecache --policy`)."""
-    return "moecache" + (f"-{policy}" if policy else "") + ("-compiled" if compile else "")
+    its default policy, or `policy` (`bench.py moecache --policy`); a prompt's misses streamed to the
+    device (`--stream-min-tokens`) or not."""
+    return (
+        "moecache" + (f"-{policy}" if policy else "") + ("-stream" if streamed else "")
+        + ("-compiled" if compile else "")
+    )  # fmt: skip
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -635,7 +645,7 @@ def build_summary(llama_result: dict | None) -> dict | None:
 
 # Each moecache column of a report row against llama.cpp's of the same test (`ratios`)
 RATIO_COLUMNS = {
-    "llama_pp": ("moecache_pp", "forced_pp"),
+    "llama_pp": ("moecache_pp", "forced_pp", "streamed_pp", "streamed_forced_pp"),
     "llama_tg": ("moecache_tg", "forced_tg", "compiled_tg", "compiled_forced_tg", f"{SPLIT_POLICY}_tg",
                  f"{SPLIT_POLICY}_compiled_tg"),
 }  # fmt: skip
@@ -653,9 +663,9 @@ def ratios(row: dict) -> dict:
 def report(results: Path, shapes: list[str]) -> dict:
     """One table over every shape's saved results, and the JSON summary it prints last."""
     header = ("| shape | point | experts on GPU | llama-bench | moecache capacity | llama.cpp pp | moecache pp "
-              "| forced pp | llama.cpp tg | moecache tg | forced tg | compiled tg | compiled forced tg "
-              f"| {SPLIT_POLICY} tg | {SPLIT_POLICY} compiled tg |")  # fmt: skip
-    lines = [header, "|" + " --- |" * 15]
+              "| forced pp | streamed pp | streamed forced pp | llama.cpp tg | moecache tg | forced tg | compiled tg "
+              f"| compiled forced tg | {SPLIT_POLICY} tg | {SPLIT_POLICY} compiled tg |")  # fmt: skip
+    lines = [header, "|" + " --- |" * 17]
     summary = {"shapes": {}}
     for shape in shapes:
         sides = {}
@@ -668,6 +678,8 @@ def report(results: Path, shapes: list[str]) -> dict:
             f = results / f"{shape}-{moecache_results(c, SPLIT_POLICY)}.json"
             runs = json.loads(f.read_text())["points"] if f.is_file() else []
             split_by[c] = {p["label"]: ((p.get("own") or {}).get("tg") or {}).get("median_ts") for p in runs}
+        f = results / f"{shape}-{moecache_results(False, streamed=True)}.json"  # its prefill: own, forced
+        streamed_by = {p["label"]: p for p in (json.loads(f.read_text())["points"] if f.is_file() else [])}
         if not any(sides.values()):
             raise BadInput(f"{results}: no results of {shape} ({shape}-llama.json, {shape}-moecache.json)")
         points = (sides["llama"] or sides["moecache"])["points"]
@@ -680,6 +692,8 @@ def report(results: Path, shapes: list[str]) -> dict:
             own, forced = mp.get("own", {}), mp.get("forced") or {}
             cp = compiled_by.get(p["label"], {})
             c_own, c_forced = cp.get("own", {}), cp.get("forced") or {}
+            sp = streamed_by.get(p["label"], {})
+            s_own, s_forced = sp.get("own", {}), sp.get("forced") or {}
             row = {
                 "point": p["label"], "gpu_fraction": p["gpu_fraction"], "gpu_expert_bytes": p["gpu_expert_bytes"],
                 "n_cpu_moe": p["n_cpu_moe"], "capacity": p["capacity"], "slots": p["slots"],
@@ -687,6 +701,8 @@ def report(results: Path, shapes: list[str]) -> dict:
                 "moecache_pp": (own.get("pp") or {}).get("median_ts"),
                 "moecache_tg": (own.get("tg") or {}).get("median_ts"),
                 "forced_pp": (forced.get("pp") or {}).get("median_ts"),
+                "streamed_pp": (s_own.get("pp") or {}).get("median_ts"),
+                "streamed_forced_pp": (s_forced.get("pp") or {}).get("median_ts"),
                 "forced_tg": (forced.get("tg") or {}).get("median_ts"),
                 "compiled_tg": (c_own.get("tg") or {}).get("median_ts"),
                 "compiled_forced_tg": (c_forced.get("tg") or {}).get("median_ts"),
@@ -701,7 +717,8 @@ def report(results: Path, shapes: list[str]) -> dict:
             lines.append(
                 f"| {shape} | {p['label']} | {100 * p['gpu_fraction']:.1f}% ({gib:.2f} GiB) | -ngl 99 -ncmoe "
                 f"{p['n_cpu_moe']} | {p['capacity']} ({p['slots']} slots) | {fmt(row['llama_pp'])} | "
-                f"{fmt(row['moecache_pp'])} | {fmt(row['forced_pp'])} | {fmt(row['llama_tg'])} | "
+                f"{fmt(row['moecache_pp'])} | {fmt(row['forced_pp'])} | {fmt(row['streamed_pp'])} | "
+                f"{fmt(row['streamed_forced_pp'])} | {fmt(row['llama_tg'])} | "
                 f"{fmt(row['moecache_tg'])} | {fmt(row['forced_tg'])} | {fmt(row['compiled_tg'])} | "
                 f"{fmt(row['compiled_forced_tg'])} | {fmt(row[f'{SPLIT_POLICY}_tg'])} | "
                 f"{fmt(row[f'{SPLIT_POLICY}_compiled_tg'])} |"
@@ -714,7 +731,7 @@ def report(results: Path, shapes: list[str]) -> dict:
             utg = unmodified["tg"]["median_ts"] if unmodified else None
             ctg = c_unmodified["tg"]["median_ts"] if c_unmodified else None
             lines.append(f"| {shape} | unmodified model (moecache's loop, no offloading) | 100% | - | - | - | "
-                         f"{fmt(upp)} | - | - | {fmt(utg)} | - | {fmt(ctg)} | - | - | - |")  # fmt: skip
+                         f"{fmt(upp)} | - | - | - | - | {fmt(utg)} | - | {fmt(ctg)} | - | - | - |")  # fmt: skip
         settings = {side: r.get("settings") for side, r in sides.items() if r}
         if len({json.dumps(v, sort_keys=True) for v in settings.values()}) > 1:
             print(f"{shape}: the two sides ran with different settings: {settings}", file=sys.stderr)
@@ -742,7 +759,8 @@ def report(results: Path, shapes: list[str]) -> dict:
         "pp / tg: tokens/s, medians; 'forced': moecache with the routing of real DeepSeek-V2-Lite traces "
         "(that routing shape only); 'compiled': moecache with runtime.compile=true (`bench.py moecache --compile`); "
         f"'{SPLIT_POLICY}': moecache with llama.cpp's placement, whole layers (`bench.py moecache --policy "
-        f"{SPLIT_POLICY}`)."
+        f"{SPLIT_POLICY}`); 'streamed': a prompt's misses copied to the device and run there "
+        "(`bench.py moecache --stream-min-tokens N`, runtime.stream_min_tokens)."
     )
     print(json.dumps(summary))
     return summary
@@ -802,6 +820,14 @@ def main(argv: list[str] | None = None) -> int:
         help="runtime.compile=true (generate's option): the decode step through torch.compile; results "
         "saved apart (<shape>-moecache-compiled.json) and reported in columns of their own",
     )  # fmt: skip
+    mc.add_argument(
+        "--stream-min-tokens", type=int, default=0,
+        help="runtime.stream_min_tokens (generate's option; 0: off): a prompt visit's missed expert used by at "
+        "least N entries runs on the device; results saved apart (<shape>-moecache-stream.json)",
+    )  # fmt: skip
+    mc.add_argument(
+        "--stream-chunk", type=int, default=16, help="runtime.stream_chunk: staging slots per pool"
+    )
     rp = sub.add_parser("report", help="the table and one JSON line from saved results")
     rp.add_argument("--results", type=Path, default=Path("/tmp/vs_llamacpp/results"))
     rp.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
@@ -811,6 +837,11 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, key, 1)
             if value < 1:
                 raise BadInput(f"--{key} {value}: expected an integer >= 1")
+        if args.command == "moecache" and (args.stream_min_tokens < 0 or args.stream_chunk < 1):
+            raise BadInput(
+                f"--stream-min-tokens {args.stream_min_tokens} --stream-chunk {args.stream_chunk}: expected "
+                "an integer >= 0 and one >= 1"
+            )
         if getattr(args, "tg", 2) < 2 and args.command == "moecache":
             raise BadInput(f"--tg {args.tg}: the decode test times at least 2 steps")
         run(args)

@@ -9,7 +9,9 @@
 #   run.sh prepare SHAPE          write, then build (unless built) while converting
 #   run.sh bench SHAPE            llama-bench, then moecache, at every point (SIDE=llama or SIDE=moecache: one;
 #                                 SIDE=moecache_compiled: moecache with runtime.compile=true, saved apart;
-#                                 POLICY=static_layers: moecache with that placement policy, saved apart)
+#                                 POLICY=static_layers: moecache with that placement policy, saved apart;
+#                                 STREAM_MIN_TOKENS=N [STREAM_CHUNK=C]: a prompt's misses streamed to the
+#                                 device, runtime.stream_min_tokens, saved apart)
 #   run.sh clean SHAPE            remove SHAPE's checkpoint and GGUF (room for the other shape)
 #   run.sh report SHAPE...        the table of every SHAPE's saved results and one JSON line
 #   run.sh all SHAPE...           prepare and bench each SHAPE, then report (a machine without time limits)
@@ -156,6 +158,11 @@ bench() {
                 --reps "${REPS:-3}" --results "$RESULTS")
   local policy=()  # POLICY: moecache's placement policy instead of generate's default (e.g. static_layers)
   [ -z "${POLICY:-}" ] || policy=(--policy "$POLICY")
+  # STREAM_MIN_TOKENS: a prompt's misses streamed to the device (runtime.stream_min_tokens; results apart)
+  local stream=() tag=${POLICY:+-$POLICY}
+  if [ "${STREAM_MIN_TOKENS:-0}" != 0 ]; then
+    stream=(--stream-min-tokens "$STREAM_MIN_TOKENS" --stream-chunk "${STREAM_CHUNK:-16}"); tag="$tag-stream"
+  fi
   for side in ${SIDE:-llama moecache}; do
     case "$side" in
       llama)
@@ -166,12 +173,12 @@ bench() {
           --llama-src "$LLAMA_SRC" --llama-args ${LLAMA_ARGS:-} 2>&1 | tee "$RESULTS/$shape-llama.txt" ;;
       moecache)
         [ -f "$dir/config.json" ] || die "no checkpoint at $dir: run.sh write $shape first"
-        "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" "${policy[@]}" 2>&1 \
-          | tee "$RESULTS/$shape-moecache${POLICY:+-$POLICY}.txt" ;;
+        "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" "${policy[@]}" \
+          "${stream[@]}" 2>&1 | tee "$RESULTS/$shape-moecache$tag.txt" ;;
       moecache_compiled)
         [ -f "$dir/config.json" ] || die "no checkpoint at $dir: run.sh write $shape first"
         "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" "${policy[@]}" \
-          --compile 2>&1 | tee "$RESULTS/$shape-moecache${POLICY:+-$POLICY}-compiled.txt" ;;
+          "${stream[@]}" --compile 2>&1 | tee "$RESULTS/$shape-moecache$tag-compiled.txt" ;;
       *) die "SIDE=$side: expected llama, moecache and/or moecache_compiled" ;;
     esac
   done

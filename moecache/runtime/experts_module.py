@@ -15,7 +15,10 @@ One call is one layer visit of the cache manager (docs/runtime.md):
 3. the hits run from the slot pool on the compute device (`slot_moe` on CUDA, its torch reference on the
    CPU stand-in), reading the mapping `slot_of_E` of this very visit; with on_miss="split", the
    experts whose copies the visit waits for by one more call over its wait row; then `manager.commit()`;
-4. the misses run on the CPU from the store (`CpuExperts.run`, keys = layer * E + expert) and are added.
+4. the misses run on the CPU from the store (`CpuExperts.run`, keys = layer * E + expert) and are added;
+   with `stream_misses` on, a many-token visit's experts that enough of its misses use are enqueued on
+   the device first instead (copied into staging slots: moecache/runtime/streamed_misses.py), and the
+   CPU runs the rest while they fly.
 Both halves sum only their own entries, so y = GPU part + CPU part is every entry's weighted sum.
 
 Each step is a public method of `ExpertsRuntime` (`visit`, `resident`, `waited`, `commit`, `cpu_half`;
@@ -50,6 +53,7 @@ from moecache.errors import MoecacheError
 from moecache.runtime.cpu_experts import CpuExperts
 from moecache.runtime.layer_counters import LayerCounters
 from moecache.runtime.manager import CacheManager
+from moecache.runtime.streamed_misses import StreamedMisses, check_settings
 
 
 def miss_entries(layer: int, num_experts: int, ids_host_TK: np.ndarray, weights_TK: torch.Tensor, hit_TK):
@@ -137,6 +141,22 @@ class ExpertsRuntime:
             from moecache_kernels import slot_moe_reference
 
             self.kernel = slot_moe_reference
+        # many-token visits' missed experts on the device (`stream_misses`); None: every miss on the CPU
+        self.streamed: StreamedMisses | None = None
+        self.stream_settings = (0, 16)  # (min_tokens, chunk) as last given to `stream_misses`
+
+    def stream_misses(self, min_tokens: int, chunk: int) -> None:
+        """From the next visit on, run on the compute device every missed expert that at least
+        `min_tokens` of a visit's entries use, staged through two pools of `chunk` slots
+        (moecache/runtime/streamed_misses.py); `min_tokens` 0: none (every miss on the CPU)."""
+        check_settings(min_tokens, chunk)
+        self.streamed = None
+        if min_tokens:
+            self.streamed = StreamedMisses(
+                self.device, self.manager.store, self.manager.compute, self.kernel, min_tokens=min_tokens,
+                chunk=chunk,
+            )  # fmt: skip
+        self.stream_settings = (min_tokens, chunk)
 
     # ---- the eager driver ------------------------------------------------------------------------
 
@@ -146,7 +166,14 @@ class ExpertsRuntime:
         rounds = rounds_product(x_TH.dtype, weights_TK.dtype)
         visit = self.visit(layer, ids_host_TK)
         hit_TK = visit.hit_TK  # with waited copies (on_miss="split"): their entries too
-        cpu_part = not hit_TK.all()
+        streamed_U, cpu_skip_TK = None, hit_TK  # experts run from the staging pools; what the CPU skips
+        if self.streamed is not None and not hit_TK.all():
+            streamed_U = self.streamed.select(ids_host_TK, ~hit_TK)
+            if streamed_U.size:
+                cpu_skip_TK = hit_TK | np.isin(ids_host_TK, streamed_U)
+            else:
+                streamed_U = None
+        cpu_part = not cpu_skip_TK.all()
         x_host_TH, w_host_TK = None, weights_TK
         if cpu_part and x_TH.is_cuda:
             # the CPU half's inputs read now, before the GPU half is enqueued: read after it, they would
@@ -155,7 +182,7 @@ class ExpertsRuntime:
             w_host_TK = weights_TK.detach().to("cpu", torch.float32)
         cache_hits = bool((visit.cache_hit_TK if visit.waited else hit_TK).any())
         # more than one part: each writes float32, summed in float32, rounded once (module docstring)
-        wide = cache_hits + bool(visit.waited) + cpu_part > 1
+        wide = cache_hits + bool(visit.waited) + (streamed_U is not None) + cpu_part > 1
 
         def out_TH(device):
             return torch.empty(x_TH.shape, dtype=torch.float32, device=device) if wide else None
@@ -174,11 +201,16 @@ class ExpertsRuntime:
             )
             y_TH = y_wait_TH if y_TH is None else y_TH.add_(y_wait_TH)
         self.commit()  # the GPU half is enqueued: this visit is the last reader of its slots
+        if streamed_U is not None:  # enqueued before the CPU half, which runs while its copies fly
+            y_str_TH = self.streamed.run(layer, x_TH, ids_TK, weights_TK, streamed_U, round_product=rounds)
+            y_TH = y_str_TH if y_TH is None else y_TH.add_(y_str_TH)
+            self.counters.streamed_experts += int(streamed_U.size)
+            self.counters.streamed_entries += int((cpu_skip_TK & ~hit_TK).sum())
         if cpu_part:
             if x_host_TH is None:
                 x_host_TH = x_TH.detach().to("cpu")
             cpu_TH, visit.cpu_duration_ns = self.cpu_half(
-                layer, x_host_TH, ids_host_TK, w_host_TK, hit_TK, out_TH("cpu"),
+                layer, x_host_TH, ids_host_TK, w_host_TK, cpu_skip_TK, out_TH("cpu"),
                 place=lambda y_host_TH: y_host_TH.to(x_TH.device, non_blocking=False), round_product=rounds,
             )  # fmt: skip
             y_TH = cpu_TH if y_TH is None else y_TH.add_(cpu_TH)

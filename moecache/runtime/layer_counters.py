@@ -18,6 +18,10 @@ class LayerCounters:
     gpu_entries: int = 0  # (token, k) entries computed from the slot pool (hits and waited copies)
     cpu_entries: int = 0  # (token, k) entries computed on the CPU (fallbacks)
     cpu_calls: int = 0  # visits with CPU entries (CPU-half calls)
+    # many-token visits' missed experts run on the device (moecache/runtime/streamed_misses.py): experts
+    # copied into the staging pools, and their (token, k) entries
+    streamed_experts: int = 0
+    streamed_entries: int = 0
     manager_ns: int = 0  # host ns in the manager's calls: prepare, visit, commit, a split's waits
     readback_wait_ns: int = 0  # host ns waiting for a routing read-back to land (the fast loop on CUDA)
     cpu_ns: int = 0  # host ns of the CPU half: gather, CpuExperts.run, the sum placed on the device

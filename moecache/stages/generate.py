@@ -266,7 +266,8 @@ def run(cfg: DictConfig, out=None, err=None) -> dict | None:
         model = offload_model(
             model, capacity=loaded.fit.slots, policy=policy.get("name"), params=policy.get("params"),
             decision=runtime["decision"], device=device, store=loaded.store, on_miss=runtime["on_miss"],
-            cost_profile=profile, init=runtime["init"],
+            cost_profile=profile, init=runtime["init"], stream_min_tokens=runtime["stream_min_tokens"],
+            stream_chunk=runtime["stream_chunk"],
         )  # fmt: skip
         if model.moecache.router_topk is not None:
             print(model.moecache.router_topk.describe(), file=err)

@@ -150,6 +150,8 @@ def test_parse_llama_bench_refuses_other_text(bench):
         (["llama", "--shape", "dsv2", "--checkpoint", "/nonexistent", "--gguf", "x", "--llama-bench", "y"],
          "config.json"),
         (["moecache", "--shape", "dsv2", "--checkpoint", "/nonexistent", "--reps", "0"], "--reps 0"),
+        (["moecache", "--shape", "dsv2", "--checkpoint", "/nonexistent", "--stream-min-tokens", "-1"],
+         "--stream-min-tokens -1"),
         (["report", "--results", "/nonexistent", "--shapes", "qwen"], "no results of qwen"),
     ],
 )  # fmt: skip
@@ -180,6 +182,7 @@ def test_the_moecache_side_default_compiled_and_static_layers_in_one_report(
         assert bench.main(["moecache", *common]) == 0
         assert bench.main(["moecache", *common, "--compile", "--no-unmodified"]) == 0
         assert bench.main(["moecache", *common, "--policy", "static_layers", "--no-unmodified"]) == 0
+        assert bench.main(["moecache", *common, "--stream-min-tokens", "1", "--no-unmodified"]) == 0
     finally:
         torch._dynamo.reset()
     default = json.loads((results / "dsv2-moecache.json").read_text())
@@ -193,15 +196,26 @@ def test_the_moecache_side_default_compiled_and_static_layers_in_one_report(
     assert host["cpu_path_us_per_call"] > host["cpu_exec_us_per_call"] > 0
     split = json.loads((results / "dsv2-moecache-static_layers.json").read_text())
     assert split["policy"] == "static_layers" and default["policy"] != "static_layers"
+    streamed = json.loads((results / "dsv2-moecache-stream.json").read_text())
+    assert streamed["stream_min_tokens"] == 1 and default["stream_min_tokens"] == 0
+    assert streamed["points"][-1]["own"]["pp"]["streamed_experts"] > 0  # every expert in host memory
+    assert default["points"][-1]["own"]["pp"]["streamed_experts"] == 0
     capsys.readouterr()
     summary = bench.report(results, ["dsv2"])["shapes"]["dsv2"]
     table = capsys.readouterr().out
     assert "| compiled tg | compiled forced tg | static_layers tg | static_layers compiled tg |" in table
+    assert "| forced pp | streamed pp | streamed forced pp | llama.cpp tg |" in table
     assert [p["point"] for p in summary["points"]] == [p["label"] for p in default["points"]]
-    for row, d, c, s in zip(
-        summary["points"], default["points"], compiled["points"], split["points"], strict=True
+    for row, d, c, s, st in zip(
+        summary["points"],
+        default["points"],
+        compiled["points"],
+        split["points"],
+        streamed["points"],
+        strict=True,
     ):
         assert row["moecache_tg"] == d["own"]["tg"]["median_ts"] > 0
+        assert row["streamed_pp"] == st["own"]["pp"]["median_ts"] > 0
         assert row["compiled_tg"] == c["own"]["tg"]["median_ts"] > 0
         assert row["static_layers_tg"] == s["own"]["tg"]["median_ts"] > 0
         assert row["static_layers_compiled_tg"] is None
@@ -214,9 +228,9 @@ def test_each_moecache_column_is_set_against_llamacpps(bench):
     either side did not run."""
     row = {"llama_pp": 200.0, "llama_tg": 50.0, "moecache_pp": 300.0, "forced_pp": None, "moecache_tg": 40.0,
            "forced_tg": 60.0, "compiled_tg": 50.0, "compiled_forced_tg": None, "static_layers_tg": None,
-           "static_layers_compiled_tg": 55.0}  # fmt: skip
+           "static_layers_compiled_tg": 55.0, "streamed_pp": 500.0, "streamed_forced_pp": None}  # fmt: skip
     assert bench.ratios(row) == {
-        "moecache_pp": 1.5, "forced_pp": None, "moecache_tg": 0.8, "forced_tg": 1.2, "compiled_tg": 1.0,
+        "moecache_pp": 1.5, "forced_pp": None, "streamed_pp": 2.5, "streamed_forced_pp": None, "moecache_tg": 0.8, "forced_tg": 1.2, "compiled_tg": 1.0,
         "compiled_forced_tg": None, "static_layers_tg": None, "static_layers_compiled_tg": 1.1,
     }  # fmt: skip
-    assert set(bench.ratios({**row, "llama_tg": None}).values()) == {1.5, None}
+    assert set(bench.ratios({**row, "llama_tg": None}).values()) == {1.5, 2.5, None}
