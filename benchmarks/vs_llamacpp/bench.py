@@ -660,6 +660,26 @@ def ratios(row: dict) -> dict:
     }
 
 
+# Where the host's speed moved by more than this between a shape's runs, the report says so
+HOST_DRIFT = 0.10
+
+
+def host_probes(results: Path, shape: str) -> dict:
+    """run.sh's host probes of `shape` (<shape>-<run>-host-<before|after>.json, bench_cpu_experts.py's JSON
+    line): {run: {"before": us, "after": us}}, the cold 8-expert call's median; a probe that did not
+    run or failed is absent."""
+    probes: dict = {}
+    for f in sorted(results.glob(f"{shape}-*-host-*.json")):
+        run, when = f.stem[len(shape) + 1 :].rsplit("-host-", 1)
+        try:
+            rows = json.loads(f.read_text()).get("rows") or []
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if when in ("before", "after") and rows:
+            probes.setdefault(run, {})[when] = rows[0]["call_median_us"]
+    return probes
+
+
 def report(results: Path, shapes: list[str]) -> dict:
     """One table over every shape's saved results, and the JSON summary it prints last."""
     header = ("| shape | point | experts on GPU | llama-bench | moecache capacity | llama.cpp pp | moecache pp "
@@ -735,7 +755,11 @@ def report(results: Path, shapes: list[str]) -> dict:
         settings = {side: r.get("settings") for side, r in sides.items() if r}
         if len({json.dumps(v, sort_keys=True) for v in settings.values()}) > 1:
             print(f"{shape}: the two sides ran with different settings: {settings}", file=sys.stderr)
+        probes = host_probes(results, shape)
+        calls = [us for p in probes.values() for us in p.values()]
+        drift = max(calls) / min(calls) - 1 if calls else None
         summary["shapes"][shape] = {
+            "host_probes_us": probes, "host_drift": drift,
             "settings": settings,
             "checkpoint": (sides["llama"] or meta).get("checkpoint"),
             "llama_cpp": build_summary(sides["llama"]), "flash_attn": (sides["llama"] or {}).get("flash_attn"),
@@ -747,6 +771,17 @@ def report(results: Path, shapes: list[str]) -> dict:
             "compiled": {k: (compiled or {}).get(k) for k in ("device", "gpu", "policy", "load_s")} if compiled else None,
         }  # fmt: skip
     print("\n".join(lines))
+    for shape, entry in summary["shapes"].items():
+        probes, drift = entry["host_probes_us"], entry["host_drift"]
+        if not probes:
+            continue
+        print(f"\n{shape}: the host's CPU executor, a cold 8-expert call (us) before / after each run:")
+        for run, p in probes.items():
+            print(f"  {run}: {fmt(p.get('before'))} / {fmt(p.get('after'))}")
+        if drift > HOST_DRIFT:
+            print(
+                f"  the host's speed moved by {100 * drift:.0f}% across these runs: compare only runs close in time"
+            )
     cols = [c for cs in RATIO_COLUMNS.values() for c in cs]
     print("\nmoecache / llama.cpp, each column against llama.cpp's pp or tg at the same point:\n")
     print("| shape | point | " + " | ".join(cols) + " |")

@@ -148,6 +148,19 @@ convert() {
   echo "converted $dir -> $gguf ($(du -h "$gguf" | cut -f1)) in $((SECONDS - start)) s"
 }
 
+# The host's CPU speed beside each side's run: the CPU executor's cold 8-expert call of SHAPE at one token
+# (benchmarks/bench_cpu_experts.py, THREADS threads), its JSON line into $RESULTS/SHAPE-NAME-host-WHEN.json;
+# `report` sets the probes of a shape side by side (a host whose speed moves between the two sides' runs
+# makes their ratio meaningless). HOST_PROBE=0: none.
+host_probe() {
+  local shape=$1 name=$2 when=$3 probe_shape=qwen3.6
+  [ "${HOST_PROBE:-1}" = 0 ] && return 0
+  [ "$shape" = dsv2 ] && probe_shape=dsv2-lite
+  "$PYTHON" benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 --shapes "$probe_shape" \
+    --threads "$THREADS" --tokens 1 --experts 8 --modes cold --repeats 30 --warmup 3 --max-pool-mib 1024 \
+    2>/dev/null | tail -1 >"$RESULTS/$shape-$name-host-$when.json" || echo "host probe of $name ($when) failed"
+}
+
 bench() {
   local shape=$1 dir gguf side forced=()
   dir=$(ckpt_of "$shape"); gguf=$(gguf_of "$shape")
@@ -164,6 +177,9 @@ bench() {
     stream=(--stream-min-tokens "$STREAM_MIN_TOKENS" --stream-chunk "${STREAM_CHUNK:-16}"); tag="$tag-stream"
   fi
   for side in ${SIDE:-llama moecache}; do
+    local name=$side
+    case "$side" in llama) ;; moecache) name="moecache$tag" ;; moecache_compiled) name="moecache$tag-compiled" ;; esac
+    host_probe "$shape" "$name" before
     case "$side" in
       llama)
         [ -x "$BUILD/bin/llama-bench" ] || die "no llama-bench in $BUILD: run.sh build first"
@@ -181,6 +197,7 @@ bench() {
           "${stream[@]}" --compile 2>&1 | tee "$RESULTS/$shape-moecache$tag-compiled.txt" ;;
       *) die "SIDE=$side: expected llama, moecache and/or moecache_compiled" ;;
     esac
+    host_probe "$shape" "$name" after
   done
   [ "$OUT" = "$RESULTS" ] || cp "$RESULTS/$shape"-*.json "$RESULTS/$shape"-*.txt "$RESULTS/$shape"-*.stderr "$OUT/" 2>/dev/null || true
 }

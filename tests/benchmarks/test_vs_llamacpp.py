@@ -234,3 +234,32 @@ def test_each_moecache_column_is_set_against_llamacpps(bench):
         "compiled_forced_tg": None, "static_layers_tg": None, "static_layers_compiled_tg": 1.1,
     }  # fmt: skip
     assert set(bench.ratios({**row, "llama_tg": None}).values()) == {1.5, 2.5, None}
+
+
+def test_the_report_sets_the_host_probes_side_by_side_and_says_when_the_host_drifted(bench, tmp_path, capsys):
+    """run.sh's probes (bench_cpu_experts.py's JSON line before and after each side's run) in the summary;
+    a spread above HOST_DRIFT is said in the table's text, one within it is not."""
+    results = tmp_path / "results"
+    results.mkdir()
+    point = {"label": "50%", "share": 0.5, "gpu_fraction": 0.5, "gpu_expert_bytes": 1, "n_cpu_moe": 1,
+             "capacity": "1B", "slots": 1, "pp": {"median_ts": 10.0}, "tg": {"median_ts": 5.0}}  # fmt: skip
+    (results / "dsv2-llama.json").write_text(json.dumps({"points": [point]}))
+
+    def probe(run: str, when: str, us: float) -> None:
+        line = {"bench": "cpu_experts", "rows": [{"call_median_us": us, "experts": 8, "tokens": 1}]}
+        (results / f"dsv2-{run}-host-{when}.json").write_text(json.dumps(line))
+
+    probe("llama", "before", 450.0)
+    probe("llama", "after", 460.0)
+    probe("moecache-compiled", "before", 470.0)
+    (results / "dsv2-moecache-compiled-host-after.json").write_text("")  # a probe that failed
+    summary = bench.report(results, ["dsv2"])["shapes"]["dsv2"]
+    out = capsys.readouterr().out
+    assert summary["host_probes_us"] == {"llama": {"before": 450.0, "after": 460.0},
+                                         "moecache-compiled": {"before": 470.0}}  # fmt: skip
+    assert summary["host_drift"] == pytest.approx(470 / 450 - 1)
+    assert "  moecache-compiled: 470.0 / -" in out and "moved" not in out
+    probe("moecache-compiled", "after", 650.0)
+    summary = bench.report(results, ["dsv2"])["shapes"]["dsv2"]
+    assert summary["host_drift"] == pytest.approx(650 / 450 - 1)
+    assert "the host's speed moved by 44% across these runs" in capsys.readouterr().out
