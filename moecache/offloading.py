@@ -39,6 +39,7 @@ from torch import nn
 
 from moecache.capacity import capacity_spec, parse_capacity
 from moecache.errors import MoecacheError
+from moecache.runtime.streamed_misses import DEFAULT_CHUNK as STREAM_CHUNK
 from moecache.runtime.streamed_misses import check_settings as check_stream_settings
 
 DEFAULT_POLICY = "lfu"  # moecache simulate's default (moecache/stages/simulate.py)
@@ -212,7 +213,7 @@ def offload(
     init: str | Path | None = None,
     router_kernel: bool = True,
     stream_min_tokens: int = 0,
-    stream_chunk: int = 16,
+    stream_chunk: int = STREAM_CHUNK,
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
     local checkpoint folder (streamed through moecache/models/loading.py, `dtype` as model.dtype there;
@@ -283,7 +284,7 @@ def offload_model(
     init: str | Path | None = None,
     router_kernel: bool = True,
     stream_min_tokens: int = 0,
-    stream_chunk: int = 16,
+    stream_chunk: int = STREAM_CHUNK,
 ) -> nn.Module:
     """`offload` of a model in memory; with `store` (an ExpertStore that `load_model(..., offload=...)`
     filled, the model's routed experts left on the meta device) that store is used and the model's

@@ -552,7 +552,7 @@ def moecache_side(args) -> dict:
         )
     model = offload_model(loaded.model, capacity=points[0].capacity, policy=args.policy, device=args.device,
                           store=loaded.store, cpu_threads=args.threads, stream_min_tokens=args.stream_min_tokens,
-                          stream_chunk=args.stream_chunk)  # fmt: skip
+                          **({} if args.stream_chunk is None else {"stream_chunk": args.stream_chunk}))  # fmt: skip
     vocab = int(model.get_output_embeddings().weight.shape[0])
     forced_sets, forced_about = None, None
     if args.forced_trace is not None:
@@ -588,7 +588,8 @@ def moecache_side(args) -> dict:
         "gpu": torch.cuda.get_device_name() if on_cuda else None, "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "load_s": load_s,
         "policy": model.moecache.stats()["policy"], "cpu_threads": args.threads, "forced": forced_about,
-        "compile": compile, "stream_min_tokens": args.stream_min_tokens, "stream_chunk": args.stream_chunk,
+        "compile": compile, "stream_min_tokens": args.stream_min_tokens,
+        "stream_chunk": model.moecache.runtime.stream_settings[1],
         "model": {k: described[k] for k in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_bytes")},
         "points": rows, "unmodified": unmodified,
     }  # fmt: skip
@@ -861,7 +862,10 @@ def main(argv: list[str] | None = None) -> int:
         "least N entries runs on the device; results saved apart (<shape>-moecache-stream.json)",
     )  # fmt: skip
     mc.add_argument(
-        "--stream-chunk", type=int, default=16, help="runtime.stream_chunk: staging slots per pool"
+        "--stream-chunk",
+        type=int,
+        default=None,
+        help="runtime.stream_chunk: staging slots per pool (its default)",
     )
     rp = sub.add_parser("report", help="the table and one JSON line from saved results")
     rp.add_argument("--results", type=Path, default=Path("/tmp/vs_llamacpp/results"))
@@ -872,7 +876,9 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, key, 1)
             if value < 1:
                 raise BadInput(f"--{key} {value}: expected an integer >= 1")
-        if args.command == "moecache" and (args.stream_min_tokens < 0 or args.stream_chunk < 1):
+        if args.command == "moecache" and (
+            args.stream_min_tokens < 0 or (args.stream_chunk is not None and args.stream_chunk < 1)
+        ):
             raise BadInput(
                 f"--stream-min-tokens {args.stream_min_tokens} --stream-chunk {args.stream_chunk}: expected "
                 "an integer >= 0 and one >= 1"

@@ -174,7 +174,7 @@ bench() {
   # STREAM_MIN_TOKENS: a prompt's misses streamed to the device (runtime.stream_min_tokens; results apart)
   local stream=() tag=${POLICY:+-$POLICY}
   if [ "${STREAM_MIN_TOKENS:-0}" != 0 ]; then
-    stream=(--stream-min-tokens "$STREAM_MIN_TOKENS" --stream-chunk "${STREAM_CHUNK:-16}"); tag="$tag-stream"
+    stream=(--stream-min-tokens "$STREAM_MIN_TOKENS" ${STREAM_CHUNK:+--stream-chunk "$STREAM_CHUNK"}); tag="$tag-stream"
   fi
   for side in ${SIDE:-llama moecache}; do
     local name=$side

@@ -53,7 +53,7 @@ from moecache.errors import MoecacheError
 from moecache.runtime.cpu_experts import CpuExperts
 from moecache.runtime.layer_counters import LayerCounters
 from moecache.runtime.manager import CacheManager
-from moecache.runtime.streamed_misses import StreamedMisses, check_settings
+from moecache.runtime.streamed_misses import DEFAULT_CHUNK, StreamedMisses, check_settings
 
 
 def miss_entries(layer: int, num_experts: int, ids_host_TK: np.ndarray, weights_TK: torch.Tensor, hit_TK):
@@ -143,7 +143,7 @@ class ExpertsRuntime:
             self.kernel = slot_moe_reference
         # many-token visits' missed experts on the device (`stream_misses`); None: every miss on the CPU
         self.streamed: StreamedMisses | None = None
-        self.stream_settings = (0, 16)  # (min_tokens, chunk) as last given to `stream_misses`
+        self.stream_settings = (0, DEFAULT_CHUNK)  # (min_tokens, chunk) as last given to `stream_misses`
 
     def stream_misses(self, min_tokens: int, chunk: int) -> None:
         """From the next visit on, run on the compute device every missed expert that at least

@@ -28,6 +28,8 @@ import torch
 from moecache.errors import MoecacheError
 from moecache.runtime.slot_pool import SlotPool
 
+DEFAULT_CHUNK = 16  # staging slots per pool (runtime.stream_chunk's default)
+
 
 def check_settings(min_tokens, chunk) -> None:
     """`min_tokens` an integer >= 0 (0: nothing streamed), `chunk` an integer >= 1; MoecacheError naming
@@ -51,10 +53,6 @@ class StreamedMisses:
         self._slot_rows = [list(pool.flat_SB.unbind(0)) for pool in self.pools]
         self._copied = [device.new_event(), device.new_event()]
         self._read: list = [None, None]  # per pool: recorded on the compute stream after its last kernel
-
-    @property
-    def nbytes(self) -> int:
-        return sum(pool.nbytes for pool in self.pools)
 
     def select(self, ids_host_TK: np.ndarray, miss_TK: np.ndarray) -> np.ndarray:
         """The experts (ascending ids) that at least `min_tokens` missed entries of the visit use."""
