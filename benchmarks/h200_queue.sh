@@ -31,6 +31,8 @@
 #   6c. `llama_lfu`: both shapes beside llama.cpp, moecache compiled with its default policy (lfu) only;
 #   6d. `stream_dsv2`: the streamed prompt misses' GPU test, then DeepSeek-V2-Lite beside llama.cpp with them
 #       streamed and not;
+#   6e. `llama_qwen_rounds`: the Qwen3.6 shape beside llama.cpp in rounds (llama.cpp, lfu and static_layers
+#       compiled back to back in each);
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
 #      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
@@ -251,6 +253,21 @@ part_llama_lfu() {
   step bench_llama_qwen 600 env SIDE=llama "${q[@]}" bench qwen
   step bench_moecache_compiled_qwen 900 env SIDE=moecache_compiled "${q[@]}" bench qwen
   step report_qwen 60 "${VS_RUN[@]}" report dsv2 qwen
+}
+
+# The Qwen3.6 shape beside llama.cpp in ROUNDS rounds (default 2), each round llama.cpp, lfu compiled and
+# static_layers compiled back to back (run.sh ROUND=r: results apart, with the host probes), so that each
+# round's ratios are of runs minutes apart on a host whose speed drifts.
+part_llama_qwen_rounds() {
+  local q=(env CKPT_ROOT=/dev/shm/ck "${VS_RUN[@]}") r
+  step prepare_qwen 1500 "${q[@]}" prepare qwen
+  for r in $(seq "${ROUNDS:-2}"); do
+    step "bench_llama_qwen_r$r" 600 env ROUND="$r" SIDE=llama "${q[@]}" bench qwen
+    step "bench_moecache_compiled_qwen_r$r" 900 env ROUND="$r" SIDE=moecache_compiled "${q[@]}" bench qwen
+    step "bench_static_compiled_qwen_r$r" 900 env ROUND="$r" SIDE=moecache_compiled POLICY=static_layers \
+      "${q[@]}" bench qwen
+    step "report_qwen_r$r" 60 env ROUND="$r" "${VS_RUN[@]}" report qwen
+  done
 }
 
 # A prompt's misses streamed to the device (runtime.stream_min_tokens, moecache/runtime/streamed_misses.py):

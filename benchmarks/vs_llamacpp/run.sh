@@ -32,6 +32,8 @@
 #   LLAMA_ARGS                more llama-bench arguments (default none: llama-bench's defaults)
 #   JOBS                      build jobs (default: nproc)
 #   OUT                       where results are copied (the device tool's $OUT; they are kept in $WORK/results)
+#   ROUND                     results in $WORK/results/roundROUND instead: the sides measured again, in turn,
+#                             a round each, so that each round's ratios are of runs close in time
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$REPO"
@@ -41,8 +43,8 @@ WORK=${WORK:-/tmp/vs_llamacpp}
 CKPT_ROOT=${CKPT_ROOT:-/dev/shm/vs_llamacpp}
 BUILD=${BUILD:-$WORK/build}
 LLAMA_SRC=${LLAMA_SRC:-$REPO/.vendor/llama.cpp}
-RESULTS=$WORK/results                       # every phase's results, kept on the machine between calls
-OUT=${OUT:-$RESULTS}
+RESULTS=$WORK/results${ROUND:+/round$ROUND}  # every phase's results, kept on the machine between calls
+OUT=${OUT:-$WORK/results}${ROUND:+/round$ROUND}
 JOBS=${JOBS:-$(nproc)}
 export THREADS=${THREADS:-$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))}
 export PYTHONUNBUFFERED=1 MOECACHE_OUTPUT_ROOT=${MOECACHE_OUTPUT_ROOT:-$WORK/moecache-outputs}
