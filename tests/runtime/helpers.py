@@ -1,5 +1,5 @@
 """Small builders for the runtime tests: a random expert store, a manager on the CPU stand-in device, a
-tiny random model of an adapter's architecture.
+tiny random model of an adapter's architecture; half a bf16 spacing (the bound of one rounding).
 
 Legend: L layers, E experts, H hidden, I intermediate, T tokens, K top-k.
 """
@@ -109,3 +109,9 @@ def split_cost(store, copy_us: float, cpu_us: float, overlap: str = "parallel", 
         split_profile(store, copy_us, cpu_us, overlap, wait_host_us), source="split_profile"
     )
     return CostModel.from_profile(profile, store.expert_bytes, 64)
+
+
+def half_ulp_bf16(v: torch.Tensor) -> torch.Tensor:
+    """Half the bf16 spacing at each value of v (float32): the most one round-to-nearest can move it."""
+    exponent = torch.frexp(v).exponent  # v = m * 2^e, 0.5 <= |m| < 1; bf16 keeps 8 significant bits
+    return torch.ldexp(torch.ones_like(v), exponent - 9)

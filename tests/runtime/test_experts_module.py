@@ -9,7 +9,7 @@ from moecache_kernels import slot_moe_reference
 
 import moecache
 from moecache.runtime.experts_module import OffloadedExperts, miss_entries, route_misses
-from tests.runtime.helpers import tiny
+from tests.runtime.helpers import half_ulp_bf16, tiny
 
 
 def test_miss_entries_are_the_missed_entries_in_token_then_k_order():
@@ -53,12 +53,6 @@ def test_route_misses_is_the_rows_hit_mask_miss_entries_and_a_copy_of_the_routin
         assert route_misses(0, row_E, ids_TK, w_TK, hit_TK, keys_M, token_M, weight_M, copy_TK) == -1
 
 
-def _half_ulp_bf16(v: torch.Tensor) -> torch.Tensor:
-    """Half the bf16 spacing at each value of v (float32): the most one round-to-nearest can move it."""
-    exponent = torch.frexp(v).exponent  # v = m * 2^e, 0.5 <= |m| < 1; bf16 keeps 8 significant bits
-    return torch.ldexp(torch.ones_like(v), exponent - 9)
-
-
 def test_a_mixed_visit_rounds_the_float32_sum_of_both_halves_once():
     """bf16, a layer visit whose entries run partly from the slot pool, partly on the CPU: the output is
     the float32 sum over all K entries rounded ONCE (within half a bf16 spacing of the float32 reference,
@@ -100,7 +94,7 @@ def test_a_mixed_visit_rounds_the_float32_sum_of_both_halves_once():
         )
 
     want_TH = part(torch.ones(T, K))
-    bound_TH = _half_ulp_bf16(want_TH) + 1e-5 * want_TH.abs()
+    bound_TH = half_ulp_bf16(want_TH) + 1e-5 * want_TH.abs()
     assert y_TH.dtype == torch.bfloat16
     assert ((y_TH.float() - want_TH).abs() <= bound_TH).all()
     halves_TH = part(hit_TK.float()).to(torch.bfloat16) + part((~hit_TK).float()).to(torch.bfloat16)

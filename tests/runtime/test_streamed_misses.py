@@ -12,8 +12,7 @@ from moecache_kernels import slot_moe_reference
 import moecache
 from moecache.errors import MoecacheError
 from moecache.runtime.experts_module import OffloadedExperts
-from tests.runtime.helpers import tiny
-from tests.runtime.test_experts_module import _half_ulp_bf16
+from tests.runtime.helpers import half_ulp_bf16, tiny
 
 
 def _offloaded(dtype, **kw):
@@ -62,7 +61,7 @@ def test_a_visit_with_streamed_resident_and_cpu_parts_rounds_their_float32_sum_o
     want_TH = slot_moe_reference(
         x_TH, ids_TK, w_TK.float(), torch.arange(E), w13, w2, out=torch.empty(T, H), round_product=True
     )
-    bound_TH = _half_ulp_bf16(want_TH) + 1e-5 * want_TH.abs()
+    bound_TH = half_ulp_bf16(want_TH) + 1e-5 * want_TH.abs()
     assert y_TH.dtype == torch.bfloat16 and ((y_TH.float() - want_TH).abs() <= bound_TH).all()
 
 
