@@ -143,7 +143,6 @@ class ExpertsRuntime:
             self.kernel = slot_moe_reference
         # many-token visits' missed experts on the device (`stream_misses`); None: every miss on the CPU
         self.streamed: StreamedMisses | None = None
-        self.stream_settings = (0, DEFAULT_CHUNK)  # (min_tokens, chunk) as last given to `stream_misses`
 
     def stream_misses(self, min_tokens: int, chunk: int) -> None:
         """From the next visit on, run on the compute device every missed expert that at least
@@ -156,7 +155,12 @@ class ExpertsRuntime:
                 self.device, self.manager.store, self.manager.compute, self.kernel, min_tokens=min_tokens,
                 chunk=chunk,
             )  # fmt: skip
-        self.stream_settings = (min_tokens, chunk)
+
+    @property
+    def stream_settings(self) -> tuple[int, int]:
+        """(min_tokens, chunk) as `stream_misses` takes them: the current ones; (0, the default) when off."""
+        s = self.streamed
+        return (0, DEFAULT_CHUNK) if s is None else (s.min_tokens, s.chunk)
 
     # ---- the eager driver ------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@ staging slot and run by the slot-pool kernel there, instead of on the CPU (`runt
 
 A prompt's visit reads every missed expert once either way. The CPU path streams its weights through the
 host's cores and computes each of its tokens there: its time grows with the expert's token count. The
-device copies its weights once over the host link and computes its tokens in a small part of that time.
-So an expert missed by at least `min_tokens` of the visit's tokens goes to the device, the others stay
+device copies its weights once over the host link, whatever its token count, and computes its tokens
+there. So an expert missed by at least `min_tokens` of the visit's tokens goes to the device, the others stay
 on the CPU, whose call runs while the copies fly (the two halves overlap; `ExpertsRuntime.run`). A
 one-token decode visit never reaches a `min_tokens` above 1.
 
@@ -41,9 +41,7 @@ def check_settings(min_tokens, chunk) -> None:
 
 class StreamedMisses:
     def __init__(self, device, store, compute, kernel, *, min_tokens: int, chunk: int):
-        check_settings(min_tokens, chunk)
-        if min_tokens < 1:
-            raise MoecacheError(f"streamed misses: min_tokens must be >= 1 (0 is off), got {min_tokens}")
+        """`min_tokens` >= 1, `chunk` >= 1 (`ExpertsRuntime.stream_misses` checks them)."""
         self.device, self.compute, self.kernel = device, compute, kernel
         self.min_tokens, self.chunk = min_tokens, chunk
         self.num_experts = store.num_experts
