@@ -273,15 +273,16 @@ part_llama_qwen_rounds() {
 # A prompt's misses streamed to the device (runtime.stream_min_tokens, moecache/runtime/streamed_misses.py):
 # its GPU test, then DeepSeek-V2-Lite beside llama.cpp with the prompt's experts used by at least
 # STREAM_MIN_TOKENS (default 32: llama.cpp's own batch for moving a CPU op to the GPU, GGML_OP_OFFLOAD_MIN_BATCH)
-# of a visit's entries streamed, and without, both compiled, on one machine.
+# of a visit's entries streamed, and without, both compiled, on one machine (the A/B first, then llama.cpp:
+# its build and conversion run after the timed runs).
 part_stream_dsv2() {
   step gputests_stream 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_streamed_misses.py
   write_dsv2
-  step prepare_dsv2 1500 "${VS_RUN[@]}" prepare dsv2
-  step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
   step bench_moecache_compiled_stream 900 env SIDE=moecache_compiled STREAM_MIN_TOKENS="${STREAM_MIN_TOKENS:-32}" \
     "${VS_RUN[@]}" bench dsv2
   step bench_moecache_compiled 900 env SIDE=moecache_compiled "${VS_RUN[@]}" bench dsv2
+  step prepare_dsv2 1500 "${VS_RUN[@]}" prepare dsv2
+  step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
   step report 60 "${VS_RUN[@]}" report dsv2
 }
 
