@@ -280,7 +280,7 @@ part_stream_dsv2() {
   write_dsv2
   step bench_moecache_compiled_stream 900 env SIDE=moecache_compiled STREAM_MIN_TOKENS="${STREAM_MIN_TOKENS:-32}" \
     "${VS_RUN[@]}" bench dsv2
-  step bench_moecache_compiled 900 env SIDE=moecache_compiled "${VS_RUN[@]}" bench dsv2
+  step bench_moecache_compiled_nostream 900 env SIDE=moecache_compiled STREAM_MIN_TOKENS=0 "${VS_RUN[@]}" bench dsv2
   step prepare_dsv2 1500 "${VS_RUN[@]}" prepare dsv2
   step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
   step report 60 "${VS_RUN[@]}" report dsv2

@@ -142,6 +142,11 @@ def _one_capacity(key: str, value) -> None:
         capacity_specs(value, key=key)
 
 
+def _stream_min_tokens(key: str, value) -> None:
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        _fail(key, value, "auto or an integer >= 0")
+
+
 def _memory_size(key: str, value) -> None:
     """A memory size in the capacity syntax's units ("3GiB", "512MiB")."""
     from moecache.capacity import capacity_spec
@@ -252,7 +257,7 @@ RULES: dict[str, dict[str, Check]] = {
         "runtime.device": one_of("auto", "cuda", "standin"),
         "runtime.compile": boolean,
         "runtime.headroom": _memory_size,
-        "runtime.stream_min_tokens": integer(0),
+        "runtime.stream_min_tokens": _stream_min_tokens,
         "runtime.stream_chunk": integer(1),
         "runtime.init": optional(string),
         "runtime.save_state": optional(string),

@@ -41,6 +41,7 @@ from moecache.capacity import capacity_spec, parse_capacity
 from moecache.errors import MoecacheError
 from moecache.runtime.streamed_misses import DEFAULT_CHUNK as STREAM_CHUNK
 from moecache.runtime.streamed_misses import check_settings as check_stream_settings
+from moecache.runtime.streamed_misses import resolve_min_tokens
 
 DEFAULT_POLICY = "lfu"  # moecache simulate's default (moecache/stages/simulate.py)
 SWIGLU_ACTS = ("silu", "swish")  # the activation the slot-pool operator and the CPU path compute
@@ -212,7 +213,7 @@ def offload(
     headroom: str = "3GiB",
     init: str | Path | None = None,
     router_kernel: bool = True,
-    stream_min_tokens: int = 0,
+    stream_min_tokens: int | str = "auto",
     stream_chunk: int = STREAM_CHUNK,
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
@@ -225,9 +226,10 @@ def offload(
     the CPU, weighed with `cost_profile`, a profile of moecache calibrate; moecache/runtime/manager.py).
     `router_kernel`: on CUDA, the routers' top-k through moecache's one-launch kernel where a probe shows
     their outputs unchanged (moecache/runtime/router_topk.py; `model.moecache.router_topk` says where).
-    `stream_min_tokens` (0: off): a visit's missed expert that at least that many of its entries use runs
-    on the device, copied through staging pools of `stream_chunk` slots (two; taken from the headroom),
-    instead of on the CPU (moecache/runtime/streamed_misses.py: a prompt's visits)."""
+    `stream_min_tokens` (0: off; "auto": 32 with the slots on CUDA, else off): a visit's missed expert that at
+    least that many of its entries use runs on the device, copied through staging pools of `stream_chunk`
+    slots (two; taken from the headroom), instead of on the CPU (moecache/runtime/streamed_misses.py: a
+    prompt's visits)."""
     check_stream_settings(stream_min_tokens, stream_chunk)  # before anything is loaded
     if isinstance(model_or_path, str | Path):
         from moecache.models.loading import OffloadRequest, load_model
@@ -283,7 +285,7 @@ def offload_model(
     cost_profile: str | Path | None = None,
     init: str | Path | None = None,
     router_kernel: bool = True,
-    stream_min_tokens: int = 0,
+    stream_min_tokens: int | str = "auto",
     stream_chunk: int = STREAM_CHUNK,
 ) -> nn.Module:
     """`offload` of a model in memory; with `store` (an ExpertStore that `load_model(..., offload=...)`
@@ -341,7 +343,9 @@ def offload_model(
 
         init_manager(manager, init)
     runtime = ExpertsRuntime(manager, cpu)
-    runtime.stream_misses(stream_min_tokens, stream_chunk)
+    runtime.stream_misses(
+        resolve_min_tokens(stream_min_tokens, isinstance(runtime_device, CudaDevice)), stream_chunk
+    )
     for layer_id, block in enumerate(blocks):
         block.experts = OffloadedExperts(layer_id, runtime)
     model.moecache = OffloadSession(manager, runtime, slots, architecture, model=model)

@@ -75,7 +75,14 @@ def test_capacity_zero_runs_every_expert_on_the_cpu(root):
         (["capacity=4", "policy=impact"], "policy impact weighs measured costs: give runtime.cost_profile"),
         (["capacity=4", "runtime.on_miss=split"], "runtime.on_miss=split weighs measured costs"),
         (["capacity=4", "runtime.on_miss=later"], "runtime.on_miss='later'"),
-        (["capacity=4", "runtime.stream_min_tokens=-1"], "runtime.stream_min_tokens=-1"),
+        (
+            ["capacity=4", "runtime.stream_min_tokens=-1"],
+            "runtime.stream_min_tokens=-1: expected auto or an integer >= 0",
+        ),
+        (
+            ["capacity=4", "runtime.stream_min_tokens=always"],
+            "runtime.stream_min_tokens='always': expected auto or",
+        ),
         (["capacity=4", "runtime.stream_chunk=0"], "runtime.stream_chunk=0"),
         (
             ["capacity=4", "runtime.cost_profile=p.json"],

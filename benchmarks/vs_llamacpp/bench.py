@@ -588,14 +588,14 @@ def moecache_side(args) -> dict:
         "gpu": torch.cuda.get_device_name() if on_cuda else None, "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "load_s": load_s,
         "policy": model.moecache.stats()["policy"], "cpu_threads": args.threads, "forced": forced_about,
-        "compile": compile, "stream_min_tokens": args.stream_min_tokens,
+        "compile": compile, "stream_option": args.stream_min_tokens,
+        "stream_min_tokens": model.moecache.runtime.stream_settings[0],
         "stream_chunk": model.moecache.runtime.stream_settings[1],
         "model": {k: described[k] for k in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_bytes")},
         "points": rows, "unmodified": unmodified,
     }  # fmt: skip
     save(
-        args.results
-        / f"{args.shape}-{moecache_results(compile, args.policy, args.stream_min_tokens > 0)}.json",
+        args.results / f"{args.shape}-{moecache_results(compile, args.policy, args.stream_min_tokens)}.json",
         result,
     )
     return result
@@ -605,14 +605,13 @@ def moecache_side(args) -> dict:
 SPLIT_POLICY = "static_layers"
 
 
-def moecache_results(compile: bool, policy: str | None = None, streamed: bool = False) -> str:
+def moecache_results(compile: bool, policy: str | None = None, stream: int | str = "auto") -> str:
     """The moecache side's results name: the fast loop as generate runs it by default, or compiled; with
     its default policy, or `policy` (`bench.py moecache --policy`); a prompt's misses streamed to the
-    device (`--stream-min-tokens`) or not."""
-    return (
-        "moecache" + (f"-{policy}" if policy else "") + ("-stream" if streamed else "")
-        + ("-compiled" if compile else "")
-    )  # fmt: skip
+    device as generate does by default (`--stream-min-tokens auto`), from a given count (-stream) or never
+    (0: -nostream)."""
+    tag = "" if stream == "auto" else "-stream" if stream else "-nostream"
+    return "moecache" + (f"-{policy}" if policy else "") + tag + ("-compiled" if compile else "")
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -646,7 +645,7 @@ def build_summary(llama_result: dict | None) -> dict | None:
 
 # Each moecache column of a report row against llama.cpp's of the same test (`ratios`)
 RATIO_COLUMNS = {
-    "llama_pp": ("moecache_pp", "forced_pp", "streamed_pp", "streamed_forced_pp"),
+    "llama_pp": ("moecache_pp", "forced_pp", "streamed_pp", "streamed_forced_pp", "compiled_pp", "compiled_streamed_pp"),
     "llama_tg": ("moecache_tg", "forced_tg", "compiled_tg", "compiled_forced_tg", f"{SPLIT_POLICY}_tg",
                  f"{SPLIT_POLICY}_compiled_tg"),
 }  # fmt: skip
@@ -684,9 +683,10 @@ def host_probes(results: Path, shape: str) -> dict:
 def report(results: Path, shapes: list[str]) -> dict:
     """One table over every shape's saved results, and the JSON summary it prints last."""
     header = ("| shape | point | experts on GPU | llama-bench | moecache capacity | llama.cpp pp | moecache pp "
-              "| forced pp | streamed pp | streamed forced pp | llama.cpp tg | moecache tg | forced tg | compiled tg "
+              "| forced pp | streamed pp | streamed forced pp | compiled pp | compiled streamed pp | llama.cpp tg "
+              "| moecache tg | forced tg | compiled tg "
               f"| compiled forced tg | {SPLIT_POLICY} tg | {SPLIT_POLICY} compiled tg |")  # fmt: skip
-    lines = [header, "|" + " --- |" * 17]
+    lines = [header, "|" + " --- |" * 19]
     summary = {"shapes": {}}
     for shape in shapes:
         sides = {}
@@ -694,16 +694,24 @@ def report(results: Path, shapes: list[str]) -> dict:
             f = results / f"{shape}-{side}.json"
             sides[side] = json.loads(f.read_text()) if f.is_file() else None
         compiled = sides.pop(moecache_results(True))
+        streamed = {}  # the streamed runs' prefill, uncompiled and compiled: {compiled: {label: point}}
+        for c in (False, True):
+            f = results / f"{shape}-{moecache_results(c, stream=1)}.json"
+            streamed[c] = {
+                p["label"]: p for p in (json.loads(f.read_text())["points"] if f.is_file() else [])
+            }
         split_by = {}  # the SPLIT_POLICY runs, uncompiled and compiled: {compiled: {label: tg}}
         for c in (False, True):
             f = results / f"{shape}-{moecache_results(c, SPLIT_POLICY)}.json"
             runs = json.loads(f.read_text())["points"] if f.is_file() else []
             split_by[c] = {p["label"]: ((p.get("own") or {}).get("tg") or {}).get("median_ts") for p in runs}
-        f = results / f"{shape}-{moecache_results(False, streamed=True)}.json"  # its prefill: own, forced
-        streamed_by = {p["label"]: p for p in (json.loads(f.read_text())["points"] if f.is_file() else [])}
-        if not any(sides.values()):
-            raise BadInput(f"{results}: no results of {shape} ({shape}-llama.json, {shape}-moecache.json)")
-        points = (sides["llama"] or sides["moecache"])["points"]
+        # the points: the first run saved (any side: a moecache variant may run before llama.cpp's)
+        points = next(
+            (r["points"] for r in (sides["llama"], sides["moecache"], compiled) if r),
+            list(streamed[False].values()) or list(streamed[True].values()),
+        )
+        if not points:
+            raise BadInput(f"{results}: no results of {shape} ({shape}-llama.json, {shape}-moecache*.json)")
         llama_by = {p["label"]: p for p in (sides["llama"] or {}).get("points", [])}
         moe_by = {p["label"]: p for p in (sides["moecache"] or {}).get("points", [])}
         compiled_by = {p["label"]: p for p in (compiled or {}).get("points", [])}
@@ -713,8 +721,9 @@ def report(results: Path, shapes: list[str]) -> dict:
             own, forced = mp.get("own", {}), mp.get("forced") or {}
             cp = compiled_by.get(p["label"], {})
             c_own, c_forced = cp.get("own", {}), cp.get("forced") or {}
-            sp = streamed_by.get(p["label"], {})
+            sp = streamed[False].get(p["label"], {})
             s_own, s_forced = sp.get("own", {}), sp.get("forced") or {}
+            cs_own = streamed[True].get(p["label"], {}).get("own", {})
             row = {
                 "point": p["label"], "gpu_fraction": p["gpu_fraction"], "gpu_expert_bytes": p["gpu_expert_bytes"],
                 "n_cpu_moe": p["n_cpu_moe"], "capacity": p["capacity"], "slots": p["slots"],
@@ -724,6 +733,8 @@ def report(results: Path, shapes: list[str]) -> dict:
                 "forced_pp": (forced.get("pp") or {}).get("median_ts"),
                 "streamed_pp": (s_own.get("pp") or {}).get("median_ts"),
                 "streamed_forced_pp": (s_forced.get("pp") or {}).get("median_ts"),
+                "compiled_pp": (c_own.get("pp") or {}).get("median_ts"),
+                "compiled_streamed_pp": (cs_own.get("pp") or {}).get("median_ts"),
                 "forced_tg": (forced.get("tg") or {}).get("median_ts"),
                 "compiled_tg": (c_own.get("tg") or {}).get("median_ts"),
                 "compiled_forced_tg": (c_forced.get("tg") or {}).get("median_ts"),
@@ -739,7 +750,8 @@ def report(results: Path, shapes: list[str]) -> dict:
                 f"| {shape} | {p['label']} | {100 * p['gpu_fraction']:.1f}% ({gib:.2f} GiB) | -ngl 99 -ncmoe "
                 f"{p['n_cpu_moe']} | {p['capacity']} ({p['slots']} slots) | {fmt(row['llama_pp'])} | "
                 f"{fmt(row['moecache_pp'])} | {fmt(row['forced_pp'])} | {fmt(row['streamed_pp'])} | "
-                f"{fmt(row['streamed_forced_pp'])} | {fmt(row['llama_tg'])} | "
+                f"{fmt(row['streamed_forced_pp'])} | {fmt(row['compiled_pp'])} | "
+                f"{fmt(row['compiled_streamed_pp'])} | {fmt(row['llama_tg'])} | "
                 f"{fmt(row['moecache_tg'])} | {fmt(row['forced_tg'])} | {fmt(row['compiled_tg'])} | "
                 f"{fmt(row['compiled_forced_tg'])} | {fmt(row[f'{SPLIT_POLICY}_tg'])} | "
                 f"{fmt(row[f'{SPLIT_POLICY}_compiled_tg'])} |"
@@ -750,9 +762,10 @@ def report(results: Path, shapes: list[str]) -> dict:
         if unmodified or c_unmodified:
             upp = unmodified["pp"]["median_ts"] if unmodified else None
             utg = unmodified["tg"]["median_ts"] if unmodified else None
+            cpp = c_unmodified["pp"]["median_ts"] if c_unmodified else None
             ctg = c_unmodified["tg"]["median_ts"] if c_unmodified else None
             lines.append(f"| {shape} | unmodified model (moecache's loop, no offloading) | 100% | - | - | - | "
-                         f"{fmt(upp)} | - | - | - | - | {fmt(utg)} | - | {fmt(ctg)} | - | - | - |")  # fmt: skip
+                         f"{fmt(upp)} | - | - | - | {fmt(cpp)} | - | - | {fmt(utg)} | - | {fmt(ctg)} | - | - | - |")  # fmt: skip
         settings = {side: r.get("settings") for side, r in sides.items() if r}
         if len({json.dumps(v, sort_keys=True) for v in settings.values()}) > 1:
             print(f"{shape}: the two sides ran with different settings: {settings}", file=sys.stderr)
@@ -795,8 +808,9 @@ def report(results: Path, shapes: list[str]) -> dict:
         "pp / tg: tokens/s, medians; 'forced': moecache with the routing of real DeepSeek-V2-Lite traces "
         "(that routing shape only); 'compiled': moecache with runtime.compile=true (`bench.py moecache --compile`); "
         f"'{SPLIT_POLICY}': moecache with llama.cpp's placement, whole layers (`bench.py moecache --policy "
-        f"{SPLIT_POLICY}`); 'streamed': a prompt's misses copied to the device and run there "
-        "(`bench.py moecache --stream-min-tokens N`, runtime.stream_min_tokens)."
+        f"{SPLIT_POLICY}`); 'streamed': a prompt's misses used by at least N of a visit's entries copied to "
+        "the device and run there (`bench.py moecache --stream-min-tokens N`; generate's default, auto, is "
+        "32 on CUDA: the plain moecache columns of a CUDA run)."
     )
     print(json.dumps(summary))
     return summary
@@ -857,9 +871,10 @@ def main(argv: list[str] | None = None) -> int:
         "saved apart (<shape>-moecache-compiled.json) and reported in columns of their own",
     )  # fmt: skip
     mc.add_argument(
-        "--stream-min-tokens", type=int, default=0,
-        help="runtime.stream_min_tokens (generate's option; 0: off): a prompt visit's missed expert used by at "
-        "least N entries runs on the device; results saved apart (<shape>-moecache-stream.json)",
+        "--stream-min-tokens", default="auto",
+        help="runtime.stream_min_tokens (generate's option, default auto: 32 on CUDA, 0 on the CPU stand-in): a "
+        "prompt visit's missed expert used by at least N entries runs on the device; a number's results saved "
+        "apart (<shape>-moecache-stream.json; 0: <shape>-moecache-nostream.json)",
     )  # fmt: skip
     mc.add_argument(
         "--stream-chunk",
@@ -876,13 +891,13 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, key, 1)
             if value < 1:
                 raise BadInput(f"--{key} {value}: expected an integer >= 1")
-        if args.command == "moecache" and (
-            args.stream_min_tokens < 0 or (args.stream_chunk is not None and args.stream_chunk < 1)
-        ):
-            raise BadInput(
-                f"--stream-min-tokens {args.stream_min_tokens} --stream-chunk {args.stream_chunk}: expected "
-                "an integer >= 0 and one >= 1"
-            )
+        if args.command == "moecache":
+            stream = args.stream_min_tokens
+            if stream != "auto" and not stream.isdigit():
+                raise BadInput(f"--stream-min-tokens {stream}: expected auto or an integer >= 0")
+            args.stream_min_tokens = stream if stream == "auto" else int(stream)
+            if args.stream_chunk is not None and args.stream_chunk < 1:
+                raise BadInput(f"--stream-chunk {args.stream_chunk}: expected an integer >= 1")
         if getattr(args, "tg", 2) < 2 and args.command == "moecache":
             raise BadInput(f"--tg {args.tg}: the decode test times at least 2 steps")
         run(args)

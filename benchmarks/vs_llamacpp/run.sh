@@ -11,7 +11,8 @@
 #                                 SIDE=moecache_compiled: moecache with runtime.compile=true, saved apart;
 #                                 POLICY=static_layers: moecache with that placement policy, saved apart;
 #                                 STREAM_MIN_TOKENS=N [STREAM_CHUNK=C]: a prompt's misses streamed to the
-#                                 device, runtime.stream_min_tokens, saved apart)
+#                                 device from N entries, runtime.stream_min_tokens, saved apart; 0: none;
+#                                 unset: generate's default, auto)
 #   run.sh clean SHAPE            remove SHAPE's checkpoint and GGUF (room for the other shape)
 #   run.sh report SHAPE...        the table of every SHAPE's saved results and one JSON line
 #   run.sh all SHAPE...           prepare and bench each SHAPE, then report (a machine without time limits)
@@ -173,10 +174,12 @@ bench() {
                 --reps "${REPS:-3}" --results "$RESULTS")
   local policy=()  # POLICY: moecache's placement policy instead of generate's default (e.g. static_layers)
   [ -z "${POLICY:-}" ] || policy=(--policy "$POLICY")
-  # STREAM_MIN_TOKENS: a prompt's misses streamed to the device (runtime.stream_min_tokens; results apart)
+  # STREAM_MIN_TOKENS=N: a prompt's misses used by N entries streamed to the device (runtime.stream_min_tokens;
+  # results apart, -stream; 0: none, -nostream); unset: generate's default (auto)
   local stream=() tag=${POLICY:+-$POLICY}
-  if [ "${STREAM_MIN_TOKENS:-0}" != 0 ]; then
-    stream=(--stream-min-tokens "$STREAM_MIN_TOKENS" ${STREAM_CHUNK:+--stream-chunk "$STREAM_CHUNK"}); tag="$tag-stream"
+  if [ -n "${STREAM_MIN_TOKENS:-}" ]; then
+    stream=(--stream-min-tokens "$STREAM_MIN_TOKENS" ${STREAM_CHUNK:+--stream-chunk "$STREAM_CHUNK"})
+    if [ "$STREAM_MIN_TOKENS" = 0 ]; then tag="$tag-nostream"; else tag="$tag-stream"; fi
   fi
   for side in ${SIDE:-llama moecache}; do
     local name=$side

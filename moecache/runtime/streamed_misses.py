@@ -29,14 +29,28 @@ from moecache.errors import MoecacheError
 from moecache.runtime.slot_pool import SlotPool
 
 DEFAULT_CHUNK = 16  # staging slots per pool (runtime.stream_chunk's default)
+# runtime.stream_min_tokens=auto: this many entries where the slot pool is on CUDA (llama.cpp's own batch for
+# moving a CPU op to the GPU, GGML_OP_OFFLOAD_MIN_BATCH; measured there: docs/benchmarks.md, "A prompt's
+# misses streamed"), none on the CPU stand-in, whose "copies" are host copies the CPU path does not need.
+AUTO_MIN_TOKENS = 32
 
 
 def check_settings(min_tokens, chunk) -> None:
-    """`min_tokens` an integer >= 0 (0: nothing streamed), `chunk` an integer >= 1; MoecacheError naming
-    the bad one."""
+    """`min_tokens` an integer >= 0 (0: nothing streamed) or "auto" (`resolve_min_tokens`), `chunk` an
+    integer >= 1; MoecacheError naming the bad one."""
+    if min_tokens == "auto":
+        min_tokens = 0
     for key, value, least in (("stream_min_tokens", min_tokens, 0), ("stream_chunk", chunk, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise MoecacheError(f"runtime.{key} must be an integer >= {least}, got {value!r}")
+            want = "auto or an integer >= 0" if key == "stream_min_tokens" else f"an integer >= {least}"
+            raise MoecacheError(f"runtime.{key} must be {want}, got {value!r}")
+
+
+def resolve_min_tokens(min_tokens, on_cuda: bool) -> int:
+    """A checked `min_tokens` as an integer: "auto" is AUTO_MIN_TOKENS with the slot pool on CUDA, else 0."""
+    if min_tokens == "auto":
+        return AUTO_MIN_TOKENS if on_cuda else 0
+    return min_tokens
 
 
 class StreamedMisses:

@@ -105,7 +105,7 @@ def _all_resident(model, device: str, rs: dict):
 
     offload_model(
         model, capacity=0, policy="static_cold", device=device, cpu_backend=rs["cpu_backend"],
-        cpu_threads=rs.get("cpu_threads"),
+        cpu_threads=rs.get("cpu_threads"), stream_min_tokens=0,
     )  # fmt: skip
     model.moecache.reconfigure(capacity="100%", policy="static_cold")
     return model

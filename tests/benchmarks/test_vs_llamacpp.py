@@ -152,6 +152,8 @@ def test_parse_llama_bench_refuses_other_text(bench):
         (["moecache", "--shape", "dsv2", "--checkpoint", "/nonexistent", "--reps", "0"], "--reps 0"),
         (["moecache", "--shape", "dsv2", "--checkpoint", "/nonexistent", "--stream-min-tokens", "-1"],
          "--stream-min-tokens -1"),
+        (["moecache", "--shape", "dsv2", "--checkpoint", "/nonexistent", "--stream-min-tokens", "some"],
+         "--stream-min-tokens some: expected auto or an integer >= 0"),
         (["report", "--results", "/nonexistent", "--shapes", "qwen"], "no results of qwen"),
     ],
 )  # fmt: skip
@@ -197,14 +199,19 @@ def test_the_moecache_side_default_compiled_and_static_layers_in_one_report(
     split = json.loads((results / "dsv2-moecache-static_layers.json").read_text())
     assert split["policy"] == "static_layers" and default["policy"] != "static_layers"
     streamed = json.loads((results / "dsv2-moecache-stream.json").read_text())
+    # generate's default (auto) streams nothing on the CPU stand-in
     assert streamed["stream_min_tokens"] == 1 and default["stream_min_tokens"] == 0
+    assert default["stream_option"] == "auto" and streamed["stream_option"] == 1
     assert streamed["points"][-1]["own"]["pp"]["streamed_experts"] > 0  # every expert in host memory
     assert default["points"][-1]["own"]["pp"]["streamed_experts"] == 0
     capsys.readouterr()
     summary = bench.report(results, ["dsv2"])["shapes"]["dsv2"]
     table = capsys.readouterr().out
     assert "| compiled tg | compiled forced tg | static_layers tg | static_layers compiled tg |" in table
-    assert "| forced pp | streamed pp | streamed forced pp | llama.cpp tg |" in table
+    assert (
+        "| forced pp | streamed pp | streamed forced pp | compiled pp | compiled streamed pp | llama.cpp tg |"
+        in table
+    )
     assert [p["point"] for p in summary["points"]] == [p["label"] for p in default["points"]]
     for row, d, c, s, st in zip(
         summary["points"],
@@ -217,10 +224,20 @@ def test_the_moecache_side_default_compiled_and_static_layers_in_one_report(
         assert row["moecache_tg"] == d["own"]["tg"]["median_ts"] > 0
         assert row["streamed_pp"] == st["own"]["pp"]["median_ts"] > 0
         assert row["compiled_tg"] == c["own"]["tg"]["median_ts"] > 0
+        assert row["compiled_pp"] == c["own"]["pp"]["median_ts"] > 0 and row["compiled_streamed_pp"] is None
         assert row["static_layers_tg"] == s["own"]["tg"]["median_ts"] > 0
         assert row["static_layers_compiled_tg"] is None
         assert row["compiled_forced_tg"] is None and row["llama_tg"] is None
     assert summary["unmodified"]["tg"] > 0 and summary["compiled_unmodified_tg"] is None
+    # a folder holding only a compiled streamed run (run before llama.cpp's): its points and prefill
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "dsv2-moecache-stream-compiled.json").write_text(json.dumps(streamed))
+    rows = bench.report(alone, ["dsv2"])["shapes"]["dsv2"]["points"]
+    assert [r["compiled_streamed_pp"] for r in rows] == [
+        p["own"]["pp"]["median_ts"] for p in streamed["points"]
+    ]
+    assert all(r["streamed_pp"] is None and r["llama_pp"] is None for r in rows)
 
 
 def test_each_moecache_column_is_set_against_llamacpps(bench):
@@ -228,12 +245,14 @@ def test_each_moecache_column_is_set_against_llamacpps(bench):
     either side did not run."""
     row = {"llama_pp": 200.0, "llama_tg": 50.0, "moecache_pp": 300.0, "forced_pp": None, "moecache_tg": 40.0,
            "forced_tg": 60.0, "compiled_tg": 50.0, "compiled_forced_tg": None, "static_layers_tg": None,
-           "static_layers_compiled_tg": 55.0, "streamed_pp": 500.0, "streamed_forced_pp": None}  # fmt: skip
+           "static_layers_compiled_tg": 55.0, "streamed_pp": 500.0, "streamed_forced_pp": None, "compiled_pp": 100.0,
+           "compiled_streamed_pp": None}  # fmt: skip
     assert bench.ratios(row) == {
-        "moecache_pp": 1.5, "forced_pp": None, "streamed_pp": 2.5, "streamed_forced_pp": None, "moecache_tg": 0.8, "forced_tg": 1.2, "compiled_tg": 1.0,
+        "moecache_pp": 1.5, "forced_pp": None, "streamed_pp": 2.5, "streamed_forced_pp": None, "compiled_pp": 0.5,
+        "compiled_streamed_pp": None, "moecache_tg": 0.8, "forced_tg": 1.2, "compiled_tg": 1.0,
         "compiled_forced_tg": None, "static_layers_tg": None, "static_layers_compiled_tg": 1.1,
     }  # fmt: skip
-    assert set(bench.ratios({**row, "llama_tg": None}).values()) == {1.5, 2.5, None}
+    assert set(bench.ratios({**row, "llama_tg": None}).values()) == {1.5, 2.5, 0.5, None}
 
 
 def test_the_report_sets_the_host_probes_side_by_side_and_says_when_the_host_drifted(bench, tmp_path, capsys):

@@ -84,6 +84,18 @@ def test_a_prompt_streamed_gives_the_logits_of_every_miss_on_the_cpu_and_decode_
     torch.testing.assert_close(logits[2], logits[0], rtol=1e-5, atol=1e-5)
 
 
+def test_auto_streams_with_the_slots_on_cuda_only():
+    """stream_min_tokens="auto" (offload's and generate's default): AUTO_MIN_TOKENS where the slot pool is
+    on CUDA, nothing on the CPU stand-in; an integer is taken as given on either."""
+    from moecache.runtime.streamed_misses import AUTO_MIN_TOKENS, resolve_min_tokens
+
+    assert resolve_min_tokens("auto", True) == AUTO_MIN_TOKENS and resolve_min_tokens("auto", False) == 0
+    assert resolve_min_tokens(5, False) == 5 and resolve_min_tokens(0, True) == 0
+    model = tiny("qwen3_moe")
+    moecache.offload(model, capacity="25%", policy="lru")  # the stand-in here
+    assert model.moecache.runtime.streamed is None
+
+
 def test_reconfigure_keeps_the_streaming_settings():
     model = _offloaded(torch.float32, stream_min_tokens=3, stream_chunk=5)
     session = model.moecache.reconfigure(capacity="50%", policy="lfu")
@@ -93,10 +105,11 @@ def test_reconfigure_keeps_the_streaming_settings():
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"stream_min_tokens": -1}, "runtime.stream_min_tokens must be an integer >= 0, got -1"),
-        ({"stream_min_tokens": True}, "runtime.stream_min_tokens must be an integer >= 0, got True"),
+        ({"stream_min_tokens": -1}, "runtime.stream_min_tokens must be auto or an integer >= 0, got -1"),
+        ({"stream_min_tokens": True}, "runtime.stream_min_tokens must be auto or an integer >= 0, got True"),
         ({"stream_min_tokens": 2, "stream_chunk": 0}, "runtime.stream_chunk must be an integer >= 1, got 0"),
-        ({"stream_min_tokens": 2.5}, "runtime.stream_min_tokens must be an integer >= 0, got 2.5"),
+        ({"stream_min_tokens": 2.5}, "runtime.stream_min_tokens must be auto or an integer >= 0, got 2.5"),
+        ({"stream_min_tokens": "32"}, "runtime.stream_min_tokens must be auto or an integer >= 0, got '32'"),
     ],
 )
 def test_bad_settings_are_refused_before_the_model_changes(kw, message):
