@@ -181,6 +181,7 @@ bench() {
     stream=(--stream-min-tokens "$STREAM_MIN_TOKENS" ${STREAM_CHUNK:+--stream-chunk "$STREAM_CHUNK"})
     if [ "$STREAM_MIN_TOKENS" = 0 ]; then tag="$tag-nostream"; else tag="$tag-stream"; fi
   fi
+  local rc=0  # a side's failure: the other sides still run and every saved result is still copied out
   for side in ${SIDE:-llama moecache}; do
     local name=$side
     case "$side" in llama) ;; moecache) name="moecache$tag" ;; moecache_compiled) name="moecache$tag-compiled" ;; esac
@@ -191,20 +192,21 @@ bench() {
         [ -f "$gguf" ] || die "no GGUF at $gguf: run.sh convert $shape first"
         # shellcheck disable=SC2086  # LLAMA_ARGS: words for llama-bench
         "$PYTHON" "$HERE/bench.py" llama "${common[@]}" --gguf "$gguf" --llama-bench "$BUILD/bin/llama-bench" \
-          --llama-src "$LLAMA_SRC" --llama-args ${LLAMA_ARGS:-} 2>&1 | tee "$RESULTS/$shape-llama.txt" ;;
+          --llama-src "$LLAMA_SRC" --llama-args ${LLAMA_ARGS:-} 2>&1 | tee "$RESULTS/$shape-llama.txt" || rc=$? ;;
       moecache)
         [ -f "$dir/config.json" ] || die "no checkpoint at $dir: run.sh write $shape first"
         "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" "${policy[@]}" \
-          "${stream[@]}" 2>&1 | tee "$RESULTS/$shape-moecache$tag.txt" ;;
+          "${stream[@]}" 2>&1 | tee "$RESULTS/$shape-moecache$tag.txt" || rc=$? ;;
       moecache_compiled)
         [ -f "$dir/config.json" ] || die "no checkpoint at $dir: run.sh write $shape first"
         "$PYTHON" "$HERE/bench.py" moecache "${common[@]}" --device "$device" "${forced[@]}" "${policy[@]}" \
-          "${stream[@]}" --compile 2>&1 | tee "$RESULTS/$shape-moecache$tag-compiled.txt" ;;
+          "${stream[@]}" --compile 2>&1 | tee "$RESULTS/$shape-moecache$tag-compiled.txt" || rc=$? ;;
       *) die "SIDE=$side: expected llama, moecache and/or moecache_compiled" ;;
     esac
     host_probe "$shape" "$name" after
   done
   [ "$OUT" = "$RESULTS" ] || cp "$RESULTS/$shape"-*.json "$RESULTS/$shape"-*.txt "$RESULTS/$shape"-*.stderr "$OUT/" 2>/dev/null || true
+  return "$rc"
 }
 
 # The machine, into $OUT/env.txt: GPU, CPU, memory, the free space where checkpoints and GGUF files go.
