@@ -694,12 +694,14 @@ def report(results: Path, shapes: list[str]) -> dict:
             f = results / f"{shape}-{side}.json"
             sides[side] = json.loads(f.read_text()) if f.is_file() else None
         compiled = sides.pop(moecache_results(True))
-        streamed = {}  # the streamed runs' prefill, uncompiled and compiled: {compiled: {label: point}}
+        streamed_runs, streamed = (
+            {},
+            {},
+        )  # the streamed runs, uncompiled and compiled; {compiled: {label: point}}
         for c in (False, True):
             f = results / f"{shape}-{moecache_results(c, stream=1)}.json"
-            streamed[c] = {
-                p["label"]: p for p in (json.loads(f.read_text())["points"] if f.is_file() else [])
-            }
+            streamed_runs[c] = json.loads(f.read_text()) if f.is_file() else None
+            streamed[c] = {p["label"]: p for p in (streamed_runs[c] or {}).get("points", [])}
         split_by = {}  # the SPLIT_POLICY runs, uncompiled and compiled: {compiled: {label: tg}}
         for c in (False, True):
             f = results / f"{shape}-{moecache_results(c, SPLIT_POLICY)}.json"
@@ -757,6 +759,8 @@ def report(results: Path, shapes: list[str]) -> dict:
                 f"{fmt(row[f'{SPLIT_POLICY}_compiled_tg'])} |"
             )
         meta = sides["moecache"] or {}
+        # what every moecache run shares (checkpoint, device, policy, load): from the first one saved
+        about = meta or compiled or streamed_runs[False] or streamed_runs[True] or {}
         unmodified = meta.get("unmodified")
         c_unmodified = (compiled or {}).get("unmodified")
         if unmodified or c_unmodified:
@@ -775,9 +779,9 @@ def report(results: Path, shapes: list[str]) -> dict:
         summary["shapes"][shape] = {
             "host_probes_us": probes, "host_drift": drift,
             "settings": settings,
-            "checkpoint": (sides["llama"] or meta).get("checkpoint"),
+            "checkpoint": (sides["llama"] or about).get("checkpoint"),
             "llama_cpp": build_summary(sides["llama"]), "flash_attn": (sides["llama"] or {}).get("flash_attn"),
-            "moecache": {k: meta.get(k) for k in ("device", "gpu", "policy", "cpu_threads", "load_s", "forced")},
+            "moecache": {k: about.get(k) for k in ("device", "gpu", "policy", "cpu_threads", "load_s", "forced")},
             "points": rows,
             "unmodified": {"pp": unmodified["pp"]["median_ts"], "tg": unmodified["tg"]["median_ts"]}
             if unmodified else None,

@@ -233,7 +233,9 @@ def test_the_moecache_side_default_compiled_and_static_layers_in_one_report(
     alone = tmp_path / "alone"
     alone.mkdir()
     (alone / "dsv2-moecache-stream-compiled.json").write_text(json.dumps(streamed))
-    rows = bench.report(alone, ["dsv2"])["shapes"]["dsv2"]["points"]
+    lone = bench.report(alone, ["dsv2"])["shapes"]["dsv2"]
+    rows = lone["points"]
+    assert lone["moecache"]["policy"] == streamed["policy"] and lone["checkpoint"] == streamed["checkpoint"]
     assert [r["compiled_streamed_pp"] for r in rows] == [
         p["own"]["pp"]["median_ts"] for p in streamed["points"]
     ]
