@@ -29,8 +29,8 @@
 #   6a. `llama_qwen_static`: the same, llama.cpp and moecache compiled with static_layers only;
 #   6b. `llama_dsv2`: 1, 3 and 4 without the loader and the GPU tests (carry .vendor/traces for the forced rows);
 #   6c. `llama_lfu`: both shapes beside llama.cpp, moecache compiled with its default policy (lfu) only;
-#   6d. `stream_dsv2`: the streamed prompt misses' GPU test, then DeepSeek-V2-Lite beside llama.cpp with them
-#       streamed and not;
+#   6d. `stream_dsv2`: the runtime's GPU tests, then DeepSeek-V2-Lite beside llama.cpp with a prompt's misses
+#       streamed (generate's default; NOSTREAM=1: and not); `clean_dsv2` frees its checkpoint and GGUF;
 #   6e. `llama_qwen_rounds`: the Qwen3.6 shape beside llama.cpp in rounds (llama.cpp, lfu and static_layers
 #       compiled back to back in each);
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
@@ -271,20 +271,23 @@ part_llama_qwen_rounds() {
 }
 
 # A prompt's misses streamed to the device (runtime.stream_min_tokens, moecache/runtime/streamed_misses.py):
-# its GPU test, then DeepSeek-V2-Lite beside llama.cpp with the prompt's experts used by at least
-# STREAM_MIN_TOKENS (default 32: llama.cpp's own batch for moving a CPU op to the GPU, GGML_OP_OFFLOAD_MIN_BATCH)
-# of a visit's entries streamed, and without, both compiled, on one machine (the A/B first, then llama.cpp:
-# its build and conversion run after the timed runs).
+# the runtime's GPU tests (streaming is generate's default where the slots are on CUDA), then DeepSeek-V2-Lite
+# beside llama.cpp on one machine, moecache compiled as generate runs by default (the prompt's experts used
+# by at least 32 of a visit's entries streamed), then llama.cpp (its build and conversion after the timed
+# run); NOSTREAM=1 adds the same run with streaming off (STREAM_MIN_TOKENS=0) for the A/B.
 part_stream_dsv2() {
-  step gputests_stream 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_streamed_misses.py
+  part_tests_runtime
   write_dsv2
-  step bench_moecache_compiled_stream 900 env SIDE=moecache_compiled STREAM_MIN_TOKENS="${STREAM_MIN_TOKENS:-32}" \
-    "${VS_RUN[@]}" bench dsv2
-  step bench_moecache_compiled_nostream 900 env SIDE=moecache_compiled STREAM_MIN_TOKENS=0 "${VS_RUN[@]}" bench dsv2
+  step bench_moecache_compiled 900 env SIDE=moecache_compiled "${VS_RUN[@]}" bench dsv2
   step prepare_dsv2 1500 "${VS_RUN[@]}" prepare dsv2
   step bench_llama 600 env SIDE=llama "${VS_RUN[@]}" bench dsv2
   step report 60 "${VS_RUN[@]}" report dsv2
+  [ "${NOSTREAM:-0}" = 1 ] || return 0
+  step bench_moecache_compiled_nostream 900 env SIDE=moecache_compiled STREAM_MIN_TOKENS=0 "${VS_RUN[@]}" bench dsv2
+  step report_nostream 60 "${VS_RUN[@]}" report dsv2
 }
+
+part_clean_dsv2() { step clean_dsv2 120 "${VS_RUN[@]}" clean dsv2; }
 
 # The Qwen3.6 shape's linear-attention layers through flash-linear-attention (transformers uses its Triton
 # kernels where the `fla` package imports; else its PyTorch reference) against without, one machine:
