@@ -31,6 +31,7 @@
 #   6c. `llama_lfu`: both shapes beside llama.cpp, moecache compiled with its default policy (lfu) only;
 #   6d. `stream_dsv2`: the runtime's GPU tests, then DeepSeek-V2-Lite beside llama.cpp with a prompt's misses
 #       streamed (generate's default; NOSTREAM=1: and not); `clean_dsv2` frees its checkpoint and GGUF;
+#   6f. `split_misses`: a decode visit's misses split between the CPU executor and copies over the host link;
 #   6e. `llama_qwen_rounds`: the Qwen3.6 shape beside llama.cpp in rounds (llama.cpp, lfu and static_layers
 #       compiled back to back in each);
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
@@ -285,6 +286,13 @@ part_stream_dsv2() {
   [ "${NOSTREAM:-0}" = 1 ] || return 0
   step bench_moecache_compiled_nostream 900 env SIDE=moecache_compiled STREAM_MIN_TOKENS=0 "${VS_RUN[@]}" bench dsv2
   step report_nostream 60 "${VS_RUN[@]}" report dsv2
+}
+
+# A decode visit's misses split between the CPU and the host link (benchmarks/bench_split_misses.py): do the
+# executor and the copies slow each other down? 6 and 4 misses a visit (lfu's at 25% and 50% on Qwen3.6).
+part_split_misses() {
+  step split_misses_6 300 python3 benchmarks/bench_split_misses.py --misses 6
+  step split_misses_4 300 python3 benchmarks/bench_split_misses.py --misses 4
 }
 
 part_clean_dsv2() { step clean_dsv2 120 "${VS_RUN[@]}" clean dsv2; }
