@@ -31,7 +31,9 @@
 #   6c. `llama_lfu`: both shapes beside llama.cpp, moecache compiled with its default policy (lfu) only;
 #   6d. `stream_dsv2`: the runtime's GPU tests, then DeepSeek-V2-Lite beside llama.cpp with a prompt's misses
 #       streamed (generate's default; NOSTREAM=1: and not); `clean_dsv2` frees its checkpoint and GGUF;
-#   6f. `split_misses`: a decode visit's misses split between the CPU executor and copies over the host link;
+#   6f. `llama_dsv2_rounds`: DeepSeek-V2-Lite beside llama.cpp in rounds (llama.cpp, then generate's default
+#       compiled, back to back in each);
+#   6g. `split_misses`: a decode visit's misses split between the CPU executor and copies over the host link;
 #   6e. `llama_qwen_rounds`: the Qwen3.6 shape beside llama.cpp in rounds (llama.cpp, lfu and static_layers
 #       compiled back to back in each);
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
@@ -268,6 +270,19 @@ part_llama_qwen_rounds() {
     step "bench_static_compiled_qwen_r$r" 900 env ROUND="$r" SIDE=moecache_compiled POLICY=static_layers \
       "${q[@]}" bench qwen
     step "report_qwen_r$r" 60 env ROUND="$r" "${VS_RUN[@]}" report qwen
+  done
+}
+
+# DeepSeek-V2-Lite beside llama.cpp in ROUNDS rounds (default 2), each llama.cpp then moecache compiled as
+# generate runs by default (lfu, a prompt's misses streamed) back to back, results per round (run.sh ROUND=r).
+part_llama_dsv2_rounds() {
+  local r
+  write_dsv2
+  step prepare_dsv2 1500 "${VS_RUN[@]}" prepare dsv2
+  for r in $(seq "${ROUNDS:-2}"); do
+    step "bench_llama_r$r" 600 env ROUND="$r" SIDE=llama "${VS_RUN[@]}" bench dsv2
+    step "bench_moecache_compiled_r$r" 900 env ROUND="$r" SIDE=moecache_compiled "${VS_RUN[@]}" bench dsv2
+    step "report_r$r" 60 env ROUND="$r" "${VS_RUN[@]}" report dsv2
   done
 }
 
