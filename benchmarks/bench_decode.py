@@ -24,6 +24,8 @@ OpenMP threads, the GPU-driving thread working among them or idle in them (CpuEx
 model's routers take moecache's one-launch top-k, moecache/runtime/router_topk.py), an A/B on one model.
 `--visit-first` runs each capacity below 100% again with every layer's visit before its CPU half (the
 host point's order before the visit moved to the next host point, moecache/runtime/segments.py).
+`--decode-stream-share S` runs each capacity below 100% again with that share of every decode visit's
+misses run on the device (runtime.decode_stream_share, moecache/runtime/decode_stream.py).
 The fast loop's time is the second `generate` call's (the first warms up and captures), decode steps
 only; (a) is (time of N new tokens - time of 1) / (N - 1). Prefill is reported apart.
 
@@ -221,8 +223,8 @@ def visit_first():
 
     deferred = ExpertsTaps._defer_visit
 
-    def covered_only(taps, layer, ids_TK):
-        return taps.is_cuda and taps.manager.covers(layer, ids_TK) and deferred(taps, layer, ids_TK)
+    def covered_only(taps, layer, ids_TK, *rest):
+        return taps.is_cuda and taps.manager.covers(layer, ids_TK) and deferred(taps, layer, ids_TK, *rest)
 
     ExpertsTaps._defer_visit = covered_only
     try:
@@ -555,6 +557,13 @@ def main() -> None:
         help="capacities below 100%%: each run again with the layer's visit before its CPU half (A/B)",
     )
     ap.add_argument(
+        "--decode-stream-share",
+        type=float,
+        default=None,
+        help="capacities below 100%%: each run again with runtime.decode_stream_share at this share (a decode "
+        "visit's misses partly run on the device, moecache/runtime/decode_stream.py), an A/B",
+    )
+    ap.add_argument(
         "--router-topk-ab",
         action="store_true",
         help="each offloaded run again with the routers' own torch.topk (moecache/runtime/router_topk.py "
@@ -570,6 +579,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.forced_trace and args.strategies is None:
         args.strategies = "all"
+    if args.decode_stream_share is not None:
+        from moecache.errors import MoecacheError
+        from moecache.runtime.decode_stream import check_share
+
+        try:
+            check_share(args.decode_stream_share)
+        except MoecacheError as exc:
+            ap.error(f"--decode-stream-share: {exc}")
     if args.strategies is not None and "," in args.policy:
         ap.error(f"--policy {args.policy}: one policy with --strategies (its 'policy' strategy)")
     if args.rounds < 1:
@@ -669,6 +686,10 @@ def main() -> None:
                 jobs = [(label, {})]
                 if args.visit_first and not full:
                     jobs.append((label + " visit-first", {"visit_first": True}))
+                if args.decode_stream_share and not full:
+                    jobs.append(
+                        (label + f" stream{args.decode_stream_share:g}", {"share": args.decode_stream_share})
+                    )
                 if args.split_all and not full:
                     jobs.append((label + " split", {"host_points": "always"}))
                 if full:
@@ -678,6 +699,7 @@ def main() -> None:
                 for g, compiled in variants:
                     for rnd, _, (name, how) in rounds(jobs, args.rounds):
                         model.moecache.reset()
+                        model.moecache.runtime.stream_decode(how.get("share", 0))  # the decoder takes it
                         with (
                             visit_first() if how.get("visit_first") else contextlib.nullcontext(),
                             model.moecache.router_topk.suspended()
@@ -691,6 +713,7 @@ def main() -> None:
                         if team is not None:
                             r["cpu_threads"], r["host_thread"] = team
                         r["round"] = rnd
+                        r["streamed_experts"] = model.moecache.stats()["streamed_experts"]
                         record(name, policy, r, hf_ref)
     result = {
         "bench": "decode",

@@ -31,11 +31,13 @@
 #   6c. `llama_lfu`: both shapes beside llama.cpp, moecache compiled with its default policy (lfu) only;
 #   6d. `stream_dsv2`: the runtime's GPU tests, then DeepSeek-V2-Lite beside llama.cpp with a prompt's misses
 #       streamed (generate's default; NOSTREAM=1: and not); `clean_dsv2` frees its checkpoint and GGUF;
+#   6e. `llama_qwen_rounds`: the Qwen3.6 shape beside llama.cpp in rounds (llama.cpp, lfu and static_layers
+#       compiled back to back in each);
 #   6f. `llama_dsv2_rounds`: DeepSeek-V2-Lite beside llama.cpp in rounds (llama.cpp, then generate's default
 #       compiled, back to back in each);
 #   6g. `split_misses`: a decode visit's misses split between the CPU executor and copies over the host link;
-#   6e. `llama_qwen_rounds`: the Qwen3.6 shape beside llama.cpp in rounds (llama.cpp, lfu and static_layers
-#       compiled back to back in each);
+#   6h. `decode_stream`: a share of each decode visit's misses on the device: its GPU tests and an A/B of the
+#       compiled decode step on both shapes;
 #   7. `decode_compiled`: DeepSeek-V2-Lite all resident and all on the CPU, compiled and not (bench_decode.py);
 #   8. `decode_qwen`: where an offloaded Qwen3.6 step's time goes: bench_decode.py on the 20 layers of the
 #      llama.cpp table, all resident and every expert on the CPU, compiled, with the host point's read-back
@@ -212,6 +214,19 @@ part_decode_qwen_policies() {
   step cpu_experts_calls 300 python3 benchmarks/bench_cpu_experts.py --backends cpp --dtypes bfloat16 \
     --shapes qwen3.6 --threads 14,15,16 --tokens 1 --experts 1,2,4,8 --modes cold --gap-us 0,300 \
     --repeats 30 --warmup 3 --max-pool-mib 1024
+}
+
+# A share of each decode visit's misses run on the device (runtime.decode_stream_share,
+# moecache/runtime/decode_stream.py): its GPU tests, then an A/B of the compiled decode step, lfu at 50% and 25%
+# (a third of the misses, rounded down: one of 3-5, two of 6-8), in rounds on both shapes.
+part_decode_stream() {
+  step gputests_decode_stream 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_decode_stream.py
+  local common=(--skip hf,eager,unmodified --prompt-tokens 512 --new-tokens 128 --capacities 50%,25% --policy lfu
+    --compile --decode-stream-share 0.34 --rounds 2)
+  step decode_stream_qwen 600 python3 benchmarks/bench_decode.py --model conf/model/qwen3_6_35b_a3b.yaml --layers 20 \
+    "${common[@]}"
+  step decode_stream_dsv2 600 python3 benchmarks/bench_decode.py --model conf/model/deepseek_v2_lite.yaml \
+    --vocab 102400 "${common[@]}"
 }
 
 # The Qwen3.6 shape beside llama.cpp (run.sh's LAYERS_QWEN layers): the dsv2 files make room first; its

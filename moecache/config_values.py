@@ -147,6 +147,11 @@ def _stream_min_tokens(key: str, value) -> None:
         _fail(key, value, "auto or an integer >= 0")
 
 
+def _share(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        _fail(key, value, "a number >= 0 and < 1")
+
+
 def _memory_size(key: str, value) -> None:
     """A memory size in the capacity syntax's units ("3GiB", "512MiB")."""
     from moecache.capacity import capacity_spec
@@ -259,6 +264,7 @@ RULES: dict[str, dict[str, Check]] = {
         "runtime.headroom": _memory_size,
         "runtime.stream_min_tokens": _stream_min_tokens,
         "runtime.stream_chunk": integer(1),
+        "runtime.decode_stream_share": _share,
         "runtime.init": optional(string),
         "runtime.save_state": optional(string),
     },

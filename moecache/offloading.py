@@ -39,6 +39,7 @@ from torch import nn
 
 from moecache.capacity import capacity_spec, parse_capacity
 from moecache.errors import MoecacheError
+from moecache.runtime.decode_stream import check_share
 from moecache.runtime.streamed_misses import DEFAULT_CHUNK as STREAM_CHUNK
 from moecache.runtime.streamed_misses import check_settings as check_stream_settings
 from moecache.runtime.streamed_misses import resolve_min_tokens
@@ -126,7 +127,8 @@ class OffloadSession:
         decision.json's `selected`; default lfu) with a new slot pool of `capacity` (the one syntax), on
         the SAME host store and CPU executor (nothing is copied from the model again), `on_miss` "cpu",
         "wait" or "split" (moecache/runtime/manager.py; "split" weighs copies against the CPU with
-        `cost_profile`, a profile of moecache calibrate). Every argument is checked first (one line, the session
+        `cost_profile`, a profile of moecache calibrate); the runtime's decode_stream_share carries over with
+        on_miss "cpu" and is off with the others. Every argument is checked first (one line, the session
         untouched); then this session's manager and slot pool are released (gc, and the CUDA caching
         allocator's free blocks returned) before the new pool is allocated, every `OffloadedExperts` of
         the model is pointed at the new runtime, and `model.moecache` is the returned new session, its
@@ -156,7 +158,7 @@ class OffloadSession:
         cost = runtime_cost(cost_profile, on_miss, made, store.expert_bytes, who)
         modules = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
         cpu, top_k, old_device = self.runtime.cpu, old.shape.top_k, old.device
-        streaming = self.runtime.stream_settings
+        streaming, decode_share = self.runtime.stream_settings, self.runtime.decode_share
         is_cuda = old_device.is_cuda
         new_device = CudaDevice(old_device.torch_device.index) if is_cuda else StandinDevice(old_device.mode)
         # Release the old cache before the new pool exists (at 100% two pools may not fit).
@@ -173,6 +175,8 @@ class OffloadSession:
         manager = CacheManager(store, new_device, slots, made, top_k=top_k, on_miss=on_miss, cost=cost)
         runtime = ExpertsRuntime(manager, cpu)
         runtime.stream_misses(*streaming)
+        if on_miss == "cpu":  # the decode share needs the visit deferred (on_miss="cpu"); else off
+            runtime.stream_decode(decode_share)
         for module in modules:
             module._runtime = runtime
         session = OffloadSession(manager, runtime, slots, self.architecture, model=model)
@@ -215,6 +219,7 @@ def offload(
     router_kernel: bool = True,
     stream_min_tokens: int | str = "auto",
     stream_chunk: int = STREAM_CHUNK,
+    decode_stream_share: float = 0.0,
 ) -> nn.Module:
     """The model, offloaded (module docstring); `model_or_path` is a loaded Hugging Face MoE model or a
     local checkpoint folder (streamed through moecache/models/loading.py, `dtype` as model.dtype there;
@@ -229,8 +234,11 @@ def offload(
     `stream_min_tokens` (0: off; "auto": 32 with the slots on CUDA, else off): a visit's missed expert that at
     least that many of its entries use runs on the device, copied through staging pools of `stream_chunk`
     slots (two; taken from the headroom), instead of on the CPU (moecache/runtime/streamed_misses.py: a
-    prompt's visits)."""
+    prompt's visits). `decode_stream_share` (0: off): the share of each fast-loop decode visit's missed
+    entries (rounded down, one left at least) copied to the device and run there while the CPU runs the
+    rest; with on_miss="cpu" (moecache/runtime/decode_stream.py)."""
     check_stream_settings(stream_min_tokens, stream_chunk)  # before anything is loaded
+    check_share(decode_stream_share, on_miss)
     if isinstance(model_or_path, str | Path):
         from moecache.models.loading import OffloadRequest, load_model
         from moecache.models.memory_fit import AUTO, headroom_bytes
@@ -253,7 +261,7 @@ def offload(
             device=str(target), store=loaded.store, standin_mode=standin_mode,
             cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss, cost_profile=cost_profile,
             init=init, router_kernel=router_kernel, stream_min_tokens=stream_min_tokens,
-            stream_chunk=stream_chunk,
+            stream_chunk=stream_chunk, decode_stream_share=decode_stream_share,
         )  # fmt: skip
     capacity_spec(capacity, key="capacity")
     if not isinstance(model_or_path, nn.Module):
@@ -265,7 +273,7 @@ def offload(
         model_or_path, capacity=capacity, policy=policy, params=params, decision=decision, device=device,
         standin_mode=standin_mode, cpu_backend=cpu_backend, cpu_threads=cpu_threads, on_miss=on_miss,
         cost_profile=cost_profile, init=init, router_kernel=router_kernel, stream_min_tokens=stream_min_tokens,
-        stream_chunk=stream_chunk,
+        stream_chunk=stream_chunk, decode_stream_share=decode_stream_share,
     )  # fmt: skip
 
 
@@ -287,6 +295,7 @@ def offload_model(
     router_kernel: bool = True,
     stream_min_tokens: int | str = "auto",
     stream_chunk: int = STREAM_CHUNK,
+    decode_stream_share: float = 0.0,
 ) -> nn.Module:
     """`offload` of a model in memory; with `store` (an ExpertStore that `load_model(..., offload=...)`
     filled, the model's routed experts left on the meta device) that store is used and the model's
@@ -304,6 +313,7 @@ def offload_model(
     if on_miss not in ON_MISS:
         raise MoecacheError(f"moecache.offload: on_miss={on_miss!r}: expected one of {list(ON_MISS)}")
     check_stream_settings(stream_min_tokens, stream_chunk)
+    check_share(decode_stream_share, on_miss)
     target = _target_device(device)
     runtime_device = CudaDevice(target.index) if target.type == "cuda" else StandinDevice(standin_mode)
     _check_activation(model)
@@ -346,6 +356,7 @@ def offload_model(
     runtime.stream_misses(
         resolve_min_tokens(stream_min_tokens, isinstance(runtime_device, CudaDevice)), stream_chunk
     )
+    runtime.stream_decode(decode_stream_share)
     for layer_id, block in enumerate(blocks):
         block.experts = OffloadedExperts(layer_id, runtime)
     model.moecache = OffloadSession(manager, runtime, slots, architecture, model=model)

@@ -319,6 +319,7 @@ class FastDecoder:
                 segments.capture(self._run_step)
                 if self._taps is not None:
                     self._taps.capture_waits()  # on_miss="split": each layer's wait call, a graph too
+                    self._taps.capture_streams()  # decode_stream_share: the streamed misses' call, too
                 segments.replay()
                 self._sync()
                 warmup_s += time.perf_counter() - t0

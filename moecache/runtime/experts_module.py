@@ -51,6 +51,7 @@ from torch import nn
 
 from moecache.errors import MoecacheError
 from moecache.runtime.cpu_experts import CpuExperts
+from moecache.runtime.decode_stream import check_share
 from moecache.runtime.layer_counters import LayerCounters
 from moecache.runtime.manager import CacheManager
 from moecache.runtime.streamed_misses import DEFAULT_CHUNK, StreamedMisses, check_settings
@@ -143,6 +144,16 @@ class ExpertsRuntime:
             self.kernel = slot_moe_reference
         # many-token visits' missed experts on the device (`stream_misses`); None: every miss on the CPU
         self.streamed: StreamedMisses | None = None
+        # the share of a fast-loop decode visit's misses run on the device (`stream_decode`); 0: none
+        self.decode_share = 0.0
+
+    def stream_decode(self, share) -> None:
+        """The fast decode loop's split layers run `share` of each visit's missed entries (rounded down,
+        at least one left to the CPU) on the device, copied while the CPU runs the rest
+        (moecache/runtime/decode_stream.py); 0: none. Taken by the loop's next taps (a new decode loop).
+        Needs on_miss="cpu" (the visit deferred past the CPU half)."""
+        check_share(share, self.manager.on_miss)
+        self.decode_share = float(share)
 
     def stream_misses(self, min_tokens: int, chunk: int) -> None:
         """From the next visit on, run on the compute device every missed expert that at least

@@ -76,6 +76,7 @@ import torch
 from moecache_kernels import rounds_product
 
 from moecache.errors import MoecacheError
+from moecache.runtime.decode_stream import DecodeStream
 from moecache.runtime.experts_module import route_misses
 
 # Host-side spins on the read-back counter before `_wait_readback` falls back to synchronizing the compute
@@ -203,6 +204,15 @@ class ExpertsTaps:
         self.y_TH = torch.zeros((T, H), dtype=wide, device=where)
         self.cpu_TH = torch.zeros((T, H), dtype=wide, device=where)
         self.wait_TH = torch.zeros((T, H), dtype=wide, device=where)
+        # runtime.decode_stream_share > 0: some of a split layer's misses run on the device
+        # (moecache/runtime/decode_stream.py), their sum in stream_TH, added into y_TH at `_combine`
+        self.decode_stream = None
+        if runtime.decode_share:
+            self.decode_stream = DecodeStream(
+                self.device, store, self.manager.compute, runtime.kernel, share=runtime.decode_share,
+                max_entries=T * K,
+            )  # fmt: skip
+            self.stream_TH = torch.zeros((T, H), dtype=wide, device=where)
         self._staging_TH = self.device.host_buffer((T, H), wide) if self.is_cuda else None
         # Where the executor writes the CPU half (the staging buffer; `cpu_TH` itself on the stand-in), as
         # numpy: the next segment adds it into y_TH whatever the layer ran, so a layer with no CPU half
@@ -431,7 +441,7 @@ class ExpertsTaps:
         self.tap_B[: self._routing_bytes].copy_(self._forced_B[turn], non_blocking=self.is_cuda)
         self._ids_np_TK, self._w_np_TK = self._forced_np[turn]
 
-    def _combine(self, layer: int) -> None:
+    def _combine(self, layer: int, resident_half: bool = True) -> None:
         """Segment B is enqueued: the CPU misses (computed while B runs) into the staging buffer (zeros
         without a miss), which the next segment adds into B's `y_TH`; the visit and commit deferred to the
         next host point (`_defer_visit`), or run first where they cannot be (on_miss="split" with misses,
@@ -439,7 +449,7 @@ class ExpertsTaps:
         if self.manager.prepared == layer:  # `_route` left the visit to here
             self._wait_readback()
             ids_TK = self._ids_np_TK
-            if self._defer_visit(layer, ids_TK):
+            if self._defer_visit(layer, ids_TK, resident_half):
                 return
             self._visit(layer, ids_TK)
         visit = self._visit_result
@@ -452,13 +462,15 @@ class ExpertsTaps:
             visit.cpu_duration_ns = self._cpu_half(layer, self._ids_np_TK, visit.hit_TK)
         self._visit_result = None
 
-    def _defer_visit(self, layer: int, ids_TK: np.ndarray) -> bool:
+    def _defer_visit(self, layer: int, ids_TK: np.ndarray, resident_half: bool = True) -> bool:
         """Leave the prepared visit to the next host point (`flush`), after the layer's CPU half (if
         any) has run on the prepared row's hit mask, which is the visit's own (it runs on that
         snapshot). The visit (policy, copies: ~30-60 us per layer with the caches cold from the CPU
         path's weights) then runs while the GPU computes the next segment, off the step's critical path.
         With on_miss="cpu" always; with "split" (the visit decides which copies to wait for) only where
-        every entry hits. False: the visit runs now (an id outside 0..E-1 too: it refuses it)."""
+        every entry hits. False: the visit runs now (an id outside 0..E-1 too: it refuses it). With a
+        decode stream and a resident half (`resident_half`: y_TH is the layer's sum), some misses leave
+        the CPU call for the device first (`_stream_some`)."""
         manager = self.manager
         started = time.perf_counter_ns()
         call = self._bound_call(ids_TK.size)
@@ -472,6 +484,8 @@ class ExpertsTaps:
         if m < 0 or (m and manager.on_miss != "cpu"):
             return False
         cpu_ns = uncounted = None
+        if m and resident_half and self.decode_stream is not None:
+            m = self._stream_some(layer, call, m)
         if m:  # counted at `flush`, while the GPU computes the next segment
             T, rounds = ids_TK.shape[0], self._rounds(layer)
             _, cpu_ns = self.runtime.cpu_half_gathered(call, m, started, round_product=rounds)
@@ -480,6 +494,30 @@ class ExpertsTaps:
             self._no_cpu_half()
         self._deferred = (layer, ids_copy_TK, cpu_ns, uncounted)
         return True
+
+    def _stream_some(self, layer: int, call, m: int) -> int:
+        """A share of the gathered misses to the device (moecache/runtime/decode_stream.py): their entries
+        leave the call's arrays, their experts' copies and kernel are enqueued (the kernel adds into y_TH
+        after B(l)) before the CPU call runs. Returns the entries left to the CPU."""
+        stream = self.decode_stream
+        left, experts_U, taken = stream.take(layer * self.runtime.num_experts, call.keys_M, call.token_M,
+                                             call.weight_M, m)  # fmt: skip
+        if experts_U.size:
+            stream.enqueue(layer, experts_U)
+            stream.run(self.x_TH, self.ids_TK, self.weights_TK, self.stream_TH, self.y_TH,
+                       round_product=self._rounds(layer))  # fmt: skip
+            counters = self.runtime.counters
+            counters.streamed_experts += int(experts_U.size)
+            counters.streamed_entries += taken
+        return left
+
+    def capture_streams(self) -> None:
+        """With a decode stream on CUDA, after the step's capture: its kernel and add as graphs, one per
+        rounding the step's MoE layers use (`DecodeStream.capture`)."""
+        if self.decode_stream is not None:
+            roundings = {self._rounds(layer) for layer in self._weights_dtype_L}
+            self.decode_stream.capture(self.x_TH, self.ids_TK, self.weights_TK, self.stream_TH, self.y_TH,
+                                       roundings)  # fmt: skip
 
     def _bound_call(self, max_entries: int):
         """The CPU executor bound to the host copy of x and the float32 staging buffer (`cpu_TH` on the
@@ -549,8 +587,9 @@ class ExpertsTaps:
         torch.cuda.current_stream().wait_stream(stream)
 
     def _route_and_combine(self, layer: int) -> None:
+        """A layer with no resident half: its CPU half is its output (nothing streamed into y_TH)."""
         self._route(layer)
-        self._combine(layer)
+        self._combine(layer, resident_half=False)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -71,6 +71,20 @@ def _check(c: dict, device: str) -> None:
         )
     if runtime.get("compile") and loop != "fast":
         raise MoecacheError("runtime.compile=true compiles the fast loop's step: it needs runtime.loop=fast")
+    share = runtime["decode_stream_share"]
+    if share and loop != "fast":
+        raise MoecacheError(
+            f"runtime.decode_stream_share={share} streams the fast loop's decode misses: it needs runtime.loop=fast"
+        )
+    if share and not runtime["enabled"]:
+        raise MoecacheError(
+            f"runtime.decode_stream_share={share} streams an offloaded model's misses: the unmodified model "
+            "(runtime.enabled=false) has none"
+        )
+    if share:
+        from moecache.runtime.decode_stream import check_share
+
+        check_share(share, runtime["on_miss"])  # the on_miss it needs, before the model loads
     if not runtime["enabled"]:
         for key in ("init", "save_state"):
             if runtime[key] is not None:
@@ -267,7 +281,7 @@ def run(cfg: DictConfig, out=None, err=None) -> dict | None:
             model, capacity=loaded.fit.slots, policy=policy.get("name"), params=policy.get("params"),
             decision=runtime["decision"], device=device, store=loaded.store, on_miss=runtime["on_miss"],
             cost_profile=profile, init=runtime["init"], stream_min_tokens=runtime["stream_min_tokens"],
-            stream_chunk=runtime["stream_chunk"],
+            stream_chunk=runtime["stream_chunk"], decode_stream_share=runtime["decode_stream_share"],
         )  # fmt: skip
         if model.moecache.router_topk is not None:
             print(model.moecache.router_topk.describe(), file=err)

@@ -67,6 +67,29 @@ def test_visit_first_reruns_each_capacity_below_100_and_restores_the_taps(monkey
     assert ExpertsTaps._defer_visit is deferred
 
 
+def test_a_decode_stream_share_reruns_each_capacity_below_100_with_its_misses_partly_streamed(
+    monkeypatch, capsys
+):
+    result = run(monkeypatch, capsys, *SMALL, "--capacities", "100%,25%", "--skip", "hf,unmodified",
+                 "--decode-stream-share", "0.34")  # fmt: skip
+    runs = {r["variant"]: r for r in result["runs"]}
+    assert set(runs) == {"100%", "100% split", "25%", "25% stream0.34"}
+    assert runs["25%"]["streamed_experts"] == 0 and runs["25% stream0.34"]["streamed_experts"] > 0
+    # the same misses (lru, the same routing): the streamed ones left the CPU's count (one entry an expert)
+    streamed = runs["25% stream0.34"]
+    assert runs["25%"]["fallback_entries"] == streamed["fallback_entries"] + streamed["streamed_experts"]
+    assert runs["25%"]["hit_rate"] == streamed["hit_rate"]
+
+
+def test_a_share_of_1_is_refused(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run(monkeypatch, capsys, *SMALL, "--decode-stream-share", "1")
+    assert (
+        exc.value.code == 2
+        and "--decode-stream-share: runtime.decode_stream_share must be" in capsys.readouterr().err
+    )
+
+
 def test_policies_each_split_everywhere_in_rounds_of_alternating_order(monkeypatch, capsys):
     """--policy a list (each capacity once per policy), --split-all (each run again with every layer
     split) and --rounds 2 (the second round in reverse order), with a median per run kind."""
