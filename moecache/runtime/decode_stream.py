@@ -73,13 +73,21 @@ class DecodeStream:
         self._set_E = np.zeros(0, np.int64)  # the experts the pinned row maps now
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
 
-    def take(self, base: int, keys_M: np.ndarray, token_M: np.ndarray, weight_M: np.ndarray, m: int):
+    def take(
+        self, base: int, keys_M: np.ndarray, token_M: np.ndarray, weight_M: np.ndarray, m: int, tokens: int
+    ):
         """Choose the streamed experts among a gathered CPU call's first `m` entries (global keys, `base`
-        = layer x E) and remove their entries from the arrays, in place. Returns (the entries left, the
-        streamed experts' ids [U], their entries)."""
+        = layer x E) of `tokens` tokens and remove their entries from the arrays, in place. Returns (the
+        entries left, the streamed experts' ids [U], their entries). One token (a decode step): its
+        entries' experts are distinct, the first k go; else the most used experts first."""
         k = streamed_count(m, self.share)
         if k == 0:
             return m, np.zeros(0, np.int64), 0
+        if tokens == 1:
+            experts_U = keys_M[:k] - base
+            for a in (keys_M, token_M, weight_M):
+                a[: m - k] = a[k:m].copy()
+            return m - k, experts_U, k
         keys, counts = np.unique(keys_M[:m], return_counts=True)
         order = np.argsort(-counts, kind="stable")  # the most used first; ties by key
         chosen_U, taken = [], 0
@@ -97,9 +105,9 @@ class DecodeStream:
         return left, np.asarray(chosen_U, np.int64) - base, taken
 
     def enqueue(self, layer: int, experts_U: np.ndarray) -> None:
-        """The experts' store rows into the pool's slots on the copy stream; the compute stream waits for
-        them and uploads the pool's mapping row (`run` or the graph then reads it). The previous visit's
-        copies are complete by now (module docstring): their events are reused."""
+        """The experts' store rows into the pool's slots on the copy stream, the compute stream's wait for
+        them, the pool's mapping row written in pinned memory (`run` or its graph uploads it). The previous
+        visit's copies are complete by now (module docstring): their events are reused."""
         engine = self.engine
         for copy in self._copies:
             engine.release(copy)
@@ -109,16 +117,17 @@ class DecodeStream:
         self._row_np[self._set_E] = -1
         self._row_np[experts_U] = np.arange(len(experts_U), dtype=np.int32)
         self._set_E = experts_U
-        self.device.copy(self.row_E, self.row_host_E, self.compute)
 
     def run(self, x_TH, ids_TK, weights_TK, out_TH, y_TH, *, round_product: bool) -> None:
-        """The streamed entries' float32 sums into `out_TH`, added into `y_TH`: the captured graph where
-        there is one for this rounding, else launched now (after the copies, on the stand-in too)."""
+        """The mapping row uploaded, the streamed entries' float32 sums into `out_TH`, added into `y_TH`: the
+        captured graph where there is one for this rounding, else launched now (after the copies, on the
+        stand-in too)."""
         graph = self._graphs.get(round_product)
         if graph is not None:
             graph.replay()
             return
         pool = self.pool
+        self.device.copy(self.row_E, self.row_host_E, self.compute)
         self.device.launch(
             self.compute,
             lambda: self.kernel(
@@ -130,8 +139,8 @@ class DecodeStream:
         y_TH.add_(out_TH)
 
     def capture(self, x_TH, ids_TK, weights_TK, out_TH, y_TH, roundings) -> None:
-        """CUDA: `run`'s kernel and add as one graph per rounding in `roundings` (a pool of its own: it
-        replays between the step's segments), reading the static buffers and the device row."""
+        """CUDA: `run`'s row upload, kernel and add as one graph per rounding in `roundings` (a pool of its
+        own: it replays between the step's segments), reading the static buffers and the pinned row."""
         if not self.device.is_cuda:
             return
         if any(r not in (True, False) for r in roundings):
@@ -143,6 +152,7 @@ class DecodeStream:
         for rounds in sorted(set(roundings)):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=handle, stream=stream):
+                self.row_E.copy_(self.row_host_E, non_blocking=True)
                 self.kernel(
                     x_TH, ids_TK, weights_TK, self.row_E, pool.w13_SIH, pool.w2_SHI, out=out_TH,
                     round_product=rounds,

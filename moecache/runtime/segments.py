@@ -501,7 +501,7 @@ class ExpertsTaps:
         after B(l)) before the CPU call runs. Returns the entries left to the CPU."""
         stream = self.decode_stream
         left, experts_U, taken = stream.take(layer * self.runtime.num_experts, call.keys_M, call.token_M,
-                                             call.weight_M, m)  # fmt: skip
+                                             call.weight_M, m, self.x_TH.shape[0])  # fmt: skip
         if experts_U.size:
             stream.enqueue(layer, experts_U)
             stream.run(self.x_TH, self.ids_TK, self.weights_TK, self.stream_TH, self.y_TH,

@@ -70,20 +70,29 @@ def test_take_moves_the_most_used_experts_out_of_the_call_in_place():
     keys_M = np.array([base + 3, base + 5, base + 3, base + 1, base + 5, base + 3, 0, 0], np.int64)
     token_M = np.array([0, 0, 1, 1, 2, 2, 0, 0], np.int64)
     weight_M = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0, 0], np.float32)
-    left, experts_U, taken = stream.take(base, keys_M, token_M, weight_M, 6)
+    left, experts_U, taken = stream.take(base, keys_M, token_M, weight_M, 6, tokens=3)
     # k = 3 entries: expert 3 (three entries) alone; expert 5 would exceed it
     assert (left, experts_U.tolist(), taken) == (3, [3], 3)
     assert keys_M[:3].tolist() == [base + 5, base + 1, base + 5]
     assert token_M[:3].tolist() == [0, 1, 2] and weight_M[:3].tolist() == pytest.approx([0.2, 0.4, 0.5])
 
 
+def test_take_of_one_token_streams_its_first_entries():
+    stream = _stream(0.34)
+    keys_M = np.array([8 + 6, 8 + 2, 8 + 7, 8 + 0, 8 + 5, 8 + 1, 99], np.int64)  # layer 1, 6 misses
+    token_M, weight_M = np.zeros(7, np.int64), np.arange(7, dtype=np.float32)
+    left, experts_U, taken = stream.take(8, keys_M, token_M, weight_M, 6, tokens=1)
+    assert (left, experts_U.tolist(), taken) == (4, [6, 2], 2)
+    assert keys_M[:4].tolist() == [15, 8, 13, 9] and weight_M[:4].tolist() == [2, 3, 4, 5]
+
+
 def test_take_streams_nothing_below_the_share_or_where_one_expert_holds_every_entry():
     stream = _stream(0.34)
     keys_M, token_M, weight_M = np.array([2, 4], np.int64), np.zeros(2, np.int64), np.ones(2, np.float32)
-    left, experts_U, taken = stream.take(0, keys_M, token_M, weight_M, 2)
+    left, experts_U, taken = stream.take(0, keys_M, token_M, weight_M, 2, tokens=1)
     assert (left, experts_U.size, taken) == (2, 0, 0) and keys_M.tolist() == [2, 4]
     keys_M = np.array([2, 2, 2], np.int64)
-    left, experts_U, taken = stream.take(0, keys_M, np.arange(3), np.ones(3, np.float32), 3)
+    left, experts_U, taken = stream.take(0, keys_M, np.arange(3), np.ones(3, np.float32), 3, tokens=3)
     assert (left, experts_U.size, taken) == (3, 0, 0)
 
 
