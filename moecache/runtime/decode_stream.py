@@ -11,9 +11,9 @@ not take its share alone). `share` is the fraction of a visit's missed entries s
 copies always overlap.
 
 At the layer's second host point (`ExpertsTaps._combine`, its visit deferred: on_miss="cpu"), after the
-read-back, the streamed entries' experts (those with the most entries first) leave the CPU call; their
-store rows are copied into this pool's slots by a transfer engine of its own (its copy stream); the compute stream waits for
-them, uploads the pool's mapping row (expert -> slot, -1 elsewhere) and runs the kernel over it into
+read-back, the streamed entries' experts (a decode step's one token: its first k entries; several tokens:
+the experts with the most entries first) leave the CPU call; their store rows are copied into this
+pool's slots by a transfer engine of its own (its copy stream); the compute stream waits for them, uploads the pool's mapping row (expert -> slot, -1 elsewhere) and runs the kernel over it into
 `out_TH` (float32), added into the layer's float32 sum (`y_TH`) before the next segment adds the CPU
 half and rounds once. Captured as one CUDA graph per rounding mode (`capture`), replayed there.
 
