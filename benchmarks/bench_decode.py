@@ -223,8 +223,8 @@ def visit_first():
 
     deferred = ExpertsTaps._defer_visit
 
-    def covered_only(taps, layer, ids_TK, *rest):
-        return taps.is_cuda and taps.manager.covers(layer, ids_TK) and deferred(taps, layer, ids_TK, *rest)
+    def covered_only(taps, layer, ids_TK):
+        return taps.is_cuda and taps.manager.covers(layer, ids_TK) and deferred(taps, layer, ids_TK)
 
     ExpertsTaps._defer_visit = covered_only
     try:

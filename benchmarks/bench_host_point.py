@@ -60,8 +60,8 @@ def hooked(sweep_B: np.ndarray) -> tuple[dict, list]:
         return run
 
     def host_point(original):
-        def run(self, layer, *rest, **kw):
-            original(self, layer, *rest, **kw)
+        def run(self, layer):
+            original(self, layer)
             if "returned" in mark:
                 times["post"].append(time.perf_counter_ns() - mark.pop("returned"))
 

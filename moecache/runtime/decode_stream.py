@@ -13,7 +13,8 @@ copies always overlap.
 At the layer's second host point (`ExpertsTaps._combine`, its visit deferred: on_miss="cpu"), after the
 read-back, the streamed entries' experts (a decode step's one token: its first k entries; several tokens:
 the experts with the most entries first) leave the CPU call; their store rows are copied into this
-pool's slots by a transfer engine of its own (its copy stream); the compute stream waits for them, uploads the pool's mapping row (expert -> slot, -1 elsewhere) and runs the kernel over it into
+pool's slots by a transfer engine of its own (its copy stream); the compute stream waits for them,
+uploads the pool's mapping row (expert -> slot, -1 elsewhere) and runs the kernel over it into
 `out_TH` (float32), added into the layer's float32 sum (`y_TH`) before the next segment adds the CPU
 half and rounds once. Captured as one CUDA graph per rounding mode (`capture`), replayed there.
 
@@ -59,7 +60,7 @@ class DecodeStream:
     def __init__(self, device, store, compute, kernel, *, share: float, max_entries: int):
         """`share` checked (`check_share`, above 0); `max_entries` T x K of the decode step: the pool has a
         slot for each entry `share` may stream."""
-        self.device, self.store, self.compute, self.kernel = device, store, compute, kernel
+        self.device, self.compute, self.kernel = device, compute, kernel
         self.share = share
         self.num_experts = store.num_experts
         self.pool = SlotPool.for_store(device, max(streamed_count(max_entries, share), 1), store)
@@ -70,7 +71,6 @@ class DecodeStream:
         self.row_host_E.fill_(-1)
         self._row_np = self.row_host_E.numpy()
         self.row_E = torch.full((self.num_experts,), -1, dtype=torch.int32, device=device.torch_device)
-        self._set_E = np.zeros(0, np.int64)  # the experts the pinned row maps now
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
 
     def take(
@@ -114,9 +114,8 @@ class DecodeStream:
         base = layer * self.num_experts
         self._copies = [engine.enqueue(base + expert, j) for j, expert in enumerate(experts_U.tolist())]
         self.compute.wait_event(self._copies[-1].ready_event)  # the copy stream is FIFO
-        self._row_np[self._set_E] = -1
+        self._row_np.fill(-1)
         self._row_np[experts_U] = np.arange(len(experts_U), dtype=np.int32)
-        self._set_E = experts_U
 
     def run(self, x_TH, ids_TK, weights_TK, out_TH, y_TH, *, round_product: bool) -> None:
         """The mapping row uploaded, the streamed entries' float32 sums into `out_TH`, added into `y_TH`: the
@@ -143,8 +142,6 @@ class DecodeStream:
         own: it replays between the step's segments), reading the static buffers and the pinned row."""
         if not self.device.is_cuda:
             return
-        if any(r not in (True, False) for r in roundings):
-            raise MoecacheError(f"decode stream: roundings must be booleans, got {roundings!r}")
         handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

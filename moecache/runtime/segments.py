@@ -265,7 +265,7 @@ class ExpertsTaps:
         self.weights_TK.copy_(weights_TK)
         self.x_TH.copy_(x_TH)
         self._enqueue_readback()
-        if self.num_slots == 0 or kind == "cpu":  # nothing resident: the CPU computes every entry
+        if not self._resident_half(layer):  # nothing resident: the CPU computes every entry
             self.segments.cut(lambda: self._route_and_combine(layer))
             self._take_cpu_half()
             return self.cpu_TH.to(x_TH.dtype, copy=True)
@@ -320,6 +320,11 @@ class ExpertsTaps:
         if n:
             self.runtime.count_resident_visits(n, self.ids_TK.shape[0])
         return n
+
+    def _resident_half(self, layer: int) -> bool:
+        """Whether a split-mode layer has resident experts (segment B, y_TH): not with no slots, nor a fixed
+        placement's CPU layer (`layer_kinds`), whose CPU half is its whole output."""
+        return self.num_slots > 0 and self.kind_L.get(layer) != "cpu"
 
     def _operands(self, slot_of_E: torch.Tensor):
         """The resident call's arguments over the static buffers and the mapping row `slot_of_E`."""
@@ -441,7 +446,7 @@ class ExpertsTaps:
         self.tap_B[: self._routing_bytes].copy_(self._forced_B[turn], non_blocking=self.is_cuda)
         self._ids_np_TK, self._w_np_TK = self._forced_np[turn]
 
-    def _combine(self, layer: int, resident_half: bool = True) -> None:
+    def _combine(self, layer: int) -> None:
         """Segment B is enqueued: the CPU misses (computed while B runs) into the staging buffer (zeros
         without a miss), which the next segment adds into B's `y_TH`; the visit and commit deferred to the
         next host point (`_defer_visit`), or run first where they cannot be (on_miss="split" with misses,
@@ -449,7 +454,7 @@ class ExpertsTaps:
         if self.manager.prepared == layer:  # `_route` left the visit to here
             self._wait_readback()
             ids_TK = self._ids_np_TK
-            if self._defer_visit(layer, ids_TK, resident_half):
+            if self._defer_visit(layer, ids_TK):
                 return
             self._visit(layer, ids_TK)
         visit = self._visit_result
@@ -462,15 +467,15 @@ class ExpertsTaps:
             visit.cpu_duration_ns = self._cpu_half(layer, self._ids_np_TK, visit.hit_TK)
         self._visit_result = None
 
-    def _defer_visit(self, layer: int, ids_TK: np.ndarray, resident_half: bool = True) -> bool:
+    def _defer_visit(self, layer: int, ids_TK: np.ndarray) -> bool:
         """Leave the prepared visit to the next host point (`flush`), after the layer's CPU half (if
         any) has run on the prepared row's hit mask, which is the visit's own (it runs on that
         snapshot). The visit (policy, copies: ~30-60 us per layer with the caches cold from the CPU
         path's weights) then runs while the GPU computes the next segment, off the step's critical path.
         With on_miss="cpu" always; with "split" (the visit decides which copies to wait for) only where
         every entry hits. False: the visit runs now (an id outside 0..E-1 too: it refuses it). With a
-        decode stream and a resident half (`resident_half`: y_TH is the layer's sum), some misses leave
-        the CPU call for the device first (`_stream_some`)."""
+        decode stream and a resident half (y_TH is then the layer's sum), some misses leave the CPU call
+        for the device first (`_stream_some`)."""
         manager = self.manager
         started = time.perf_counter_ns()
         call = self._bound_call(ids_TK.size)
@@ -484,7 +489,7 @@ class ExpertsTaps:
         if m < 0 or (m and manager.on_miss != "cpu"):
             return False
         cpu_ns = uncounted = None
-        if m and resident_half and self.decode_stream is not None:
+        if m and self.decode_stream is not None and self._resident_half(layer):
             m = self._stream_some(layer, call, m)
         if m:  # counted at `flush`, while the GPU computes the next segment
             T, rounds = ids_TK.shape[0], self._rounds(layer)
@@ -587,9 +592,8 @@ class ExpertsTaps:
         torch.cuda.current_stream().wait_stream(stream)
 
     def _route_and_combine(self, layer: int) -> None:
-        """A layer with no resident half: its CPU half is its output (nothing streamed into y_TH)."""
         self._route(layer)
-        self._combine(layer, resident_half=False)
+        self._combine(layer)
 
 
 def _one_line(exc: BaseException) -> str:
